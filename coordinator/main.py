@@ -1,0 +1,40 @@
+"""Runs the coordinator service until SIGINT/SIGTERM."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import signal
+
+from coordinator.service import PIPELINE_SERVICE, Coordinator
+from omnirail.config import PipelineConfig
+from omnirail.grpc_server import NOT_SERVING, SERVING, bind, create_server
+from omnirail.v1 import client_pb2_grpc, mesh_pb2, mesh_pb2_grpc
+
+log = logging.getLogger(__name__)
+
+
+async def serve(pipeline: PipelineConfig, listen: str, ready_file: str | None = None) -> None:
+    server, health = create_server(
+        [PIPELINE_SERVICE, mesh_pb2.DESCRIPTOR.services_by_name["Coordinator"].full_name],
+        max_message_bytes=pipeline.endpoints.max_message_mb << 20,
+    )
+    coordinator = Coordinator(pipeline, health)
+    client_pb2_grpc.add_OmnirailServicer_to_server(coordinator, server)
+    mesh_pb2_grpc.add_CoordinatorServicer_to_server(coordinator, server)
+    address = bind(server, listen)
+    await server.start()
+    await health.set("", SERVING)
+    await health.set(PIPELINE_SERVICE, NOT_SERVING)
+    log.info("coordinator for %r listening on %s", pipeline.name, address)
+    if ready_file:
+        with open(ready_file, "w") as f:
+            f.write(address)
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        loop.add_signal_handler(sig, stop.set)
+    await stop.wait()
+    await health.enter_graceful_shutdown()
+    await coordinator.close()
+    await server.stop(grace=1.0)

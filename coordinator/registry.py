@@ -1,0 +1,86 @@
+"""Stage replicas known to the coordinator, and the commands queued for each."""
+
+from __future__ import annotations
+
+import asyncio
+import zlib
+from dataclasses import dataclass, field
+
+from omnirail.v1 import mesh_pb2
+
+
+@dataclass(eq=False)
+class Replica:
+    stage: str
+    replica_id: str
+    address: str
+    pid: int
+    queue_depth: int = 0
+    inflight: int = 0
+    # Commands accumulate here and go out in one write.
+    pending: mesh_pb2.CoordinatorCommand = field(default_factory=mesh_pb2.CoordinatorCommand)
+    wake: asyncio.Event = field(default_factory=asyncio.Event)
+
+    def push(self, command: mesh_pb2.CoordinatorCommand) -> None:
+        self.pending.MergeFrom(command)
+        self.wake.set()
+
+    def take(self) -> mesh_pb2.CoordinatorCommand | None:
+        if not self.pending.ListFields():
+            return None
+        command, self.pending = self.pending, mesh_pb2.CoordinatorCommand()
+        return command
+
+
+class StageRegistry:
+    def __init__(self, stage_names: list[str]) -> None:
+        self._by_stage: dict[str, dict[str, Replica]] = {name: {} for name in stage_names}
+
+    def knows(self, stage: str) -> bool:
+        return stage in self._by_stage
+
+    def add(self, replica: Replica) -> Replica | None:
+        """Adds a replica; returns the one it replaces (same stage and replica id)."""
+        replicas = self._by_stage[replica.stage]
+        old = replicas.get(replica.replica_id)
+        replicas[replica.replica_id] = replica
+        return old
+
+    def remove(self, replica: Replica) -> bool:
+        replicas = self._by_stage.get(replica.stage, {})
+        if replicas.get(replica.replica_id) is replica:
+            del replicas[replica.replica_id]
+            return True
+        return False
+
+    def replicas(self, stage: str) -> list[Replica]:
+        return sorted(self._by_stage.get(stage, {}).values(), key=lambda r: r.replica_id)
+
+    def all(self) -> list[Replica]:
+        return [r for reps in self._by_stage.values() for r in reps.values()]
+
+    def live(self, stage: str) -> bool:
+        return bool(self._by_stage.get(stage))
+
+    def missing(self) -> list[str]:
+        return [name for name, reps in self._by_stage.items() if not reps]
+
+    def pick(self, stage: str, request_id: str) -> Replica | None:
+        replicas = self.replicas(stage)
+        if not replicas:
+            return None
+        return replicas[zlib.crc32(request_id.encode()) % len(replicas)]
+
+    def topology(self) -> mesh_pb2.Topology:
+        topo = mesh_pb2.Topology()
+        for name in self._by_stage:
+            eps = topo.stages[name]
+            for rep in self.replicas(name):
+                eps.endpoints.add(replica_id=rep.replica_id, address=rep.address)
+        return topo
+
+    def broadcast(self, command: mesh_pb2.CoordinatorCommand) -> list[Replica]:
+        targets = self.all()
+        for rep in targets:
+            rep.push(command)
+        return targets

@@ -1,0 +1,85 @@
+"""The coordinator's request table: live requests and a bounded memory of ended ones."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections import OrderedDict
+from dataclasses import dataclass, field
+
+from omnirail.errors import OmniError
+from omnirail.v1 import client_pb2, common_pb2
+
+State = common_pb2.RequestState
+
+
+@dataclass(slots=True)
+class RequestRecord:
+    request_id: str
+    terminals: tuple[str, ...]
+    # Stages on some path from the entry to one of `terminals`: a dead one fails the request.
+    possible: frozenset[str]
+    deadline: float  # unix seconds
+    started: float = field(default_factory=time.monotonic)
+    state: int = State.PENDING
+    outputs: dict[str, common_pb2.Payload] = field(default_factory=dict)
+    error: OmniError | None = None
+    ended: float | None = None
+    done: asyncio.Event = field(default_factory=asyncio.Event)
+    timer: asyncio.TimerHandle | None = None
+
+    @property
+    def finished(self) -> bool:
+        return self.state in (State.COMPLETED, State.FAILED, State.ABORTED)
+
+    def result(self) -> client_pb2.Result:
+        result = client_pb2.Result(request_id=self.request_id)
+        for stage, payload in self.outputs.items():
+            result.outputs[stage].CopyFrom(payload)
+        return result
+
+    def status(self) -> client_pb2.RequestStatus:
+        end = self.ended if self.ended is not None else time.monotonic()
+        status = client_pb2.RequestStatus(
+            request_id=self.request_id, state=self.state, elapsed_s=end - self.started
+        )
+        if self.state == State.COMPLETED:
+            status.result.CopyFrom(self.result())
+        if self.error is not None:
+            status.error.CopyFrom(self.error.to_proto())
+        return status
+
+
+class RequestTable:
+    def __init__(self, keep_finished: int = 10_000) -> None:
+        self.live: dict[str, RequestRecord] = {}
+        self._finished: OrderedDict[str, RequestRecord] = OrderedDict()
+        self._keep = keep_finished
+
+    def add(self, record: RequestRecord) -> None:
+        self.live[record.request_id] = record
+
+    def get(self, request_id: str) -> RequestRecord | None:
+        return self.live.get(request_id) or self._finished.get(request_id)
+
+    def finish(self, record: RequestRecord, state: int, error: OmniError | None = None) -> bool:
+        """Ends a live request once; returns False when it had already ended."""
+        if record.finished:
+            return False
+        record.state = state
+        record.error = error
+        record.ended = time.monotonic()
+        if record.timer is not None:
+            record.timer.cancel()
+        self.live.pop(record.request_id, None)
+        self._finished[record.request_id] = record
+        while len(self._finished) > self._keep:
+            self._finished.popitem(last=False)
+        record.done.set()
+        return True
+
+    def counts(self) -> dict[str, int]:
+        counts = {State.Name(s).lower(): 0 for s in State.values() if s}
+        for rec in (*self.live.values(), *self._finished.values()):
+            counts[State.Name(rec.state).lower()] += 1
+        return counts

@@ -1,0 +1,28 @@
+"""omnirail: multi-stage model pipelines as a gRPC service mesh.
+
+The client SDK is importable without torch: ``from omnirail import Client``.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+__version__ = "0.1.0"
+__all__ = ["AsyncClient", "Client", "GenerateResult", "OmniError", "__version__"]
+
+if TYPE_CHECKING:
+    from omnirail.client import AsyncClient, Client, GenerateResult
+    from omnirail.errors import OmniError
+
+
+def __getattr__(name: str) -> Any:
+    # Lazy so `import omnirail.config` does not pull grpc into config-only users.
+    if name in ("AsyncClient", "Client", "GenerateResult"):
+        from omnirail import client
+
+        return getattr(client, name)
+    if name == "OmniError":
+        from omnirail.errors import OmniError
+
+        return OmniError
+    raise AttributeError(name)

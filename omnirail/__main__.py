@@ -1,0 +1,5 @@
+import sys
+
+from omnirail.cli import main
+
+sys.exit(main())

@@ -1,0 +1,45 @@
+"""Stage factories for `omnirail bench pipeline` (referenced from the generated YAML)."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from typing import Any
+
+
+def source(payload_bytes: int = 0, stage_ms: float = 0.0) -> Callable[[Any], Any]:
+    """First stage: materializes a uint8 tensor of `payload_bytes` per request."""
+    import torch
+
+    def fn(inputs: dict[str, Any]) -> dict[str, Any]:
+        if stage_ms:
+            time.sleep(stage_ms / 1000.0)
+        out: dict[str, Any] = {"i": inputs.get("i", 0)}
+        if payload_bytes:
+            out["x"] = torch.empty(payload_bytes, dtype=torch.uint8)
+        return out
+
+    return fn
+
+
+def forward(stage_ms: float = 0.0) -> Callable[[Any], Any]:
+    """Middle stage: passes its input on unchanged."""
+
+    def fn(payload: Any) -> Any:
+        if stage_ms:
+            time.sleep(stage_ms / 1000.0)
+        return payload
+
+    return fn
+
+
+def sink(stage_ms: float = 0.0) -> Callable[[Any], Any]:
+    """Last stage: a small dict saying what arrived."""
+
+    def fn(payload: dict[str, Any]) -> dict[str, Any]:
+        if stage_ms:
+            time.sleep(stage_ms / 1000.0)
+        x = payload.get("x")
+        return {"i": payload.get("i", 0), "nbytes": 0 if x is None else int(x.numel())}
+
+    return fn

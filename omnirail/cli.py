@@ -1,0 +1,364 @@
+"""The `omnirail` command line."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import logging
+import os
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+from omnirail.config import ConfigError, format_topology, load_pipeline
+from omnirail.errors import OmniError
+
+EXIT_USAGE = 2
+
+
+def _progress(quiet: bool) -> Callable[[str], None]:
+    def show(msg: str) -> None:
+        if not quiet:
+            print(f"[omnirail] {msg}", file=sys.stderr, flush=True)
+
+    return show
+
+
+def _setup_logging(level: str) -> None:
+    logging.basicConfig(
+        level=getattr(logging, level.upper(), logging.INFO),
+        format="%(asctime)s %(levelname)s %(process)d %(name)s: %(message)s",
+    )
+
+
+def _read_inputs(args: argparse.Namespace) -> dict:
+    from omnirail.jsonio import parse_inputs
+
+    if args.input_file:
+        return parse_inputs(Path(args.input_file).read_text(), source=args.input_file)
+    if args.input is None:
+        raise ValueError("--input or --input-file is required")
+    return parse_inputs(args.input)
+
+
+# ---- commands ------------------------------------------------------------------
+
+
+def cmd_validate(args: argparse.Namespace) -> int:
+    cfg = load_pipeline(args.file)
+    print(format_topology(cfg))
+    return 0
+
+
+def cmd_up(args: argparse.Namespace) -> int:
+    from omnirail.launcher import Mesh, read_states, write_state
+
+    if args.detach:
+        return _up_detached(args)
+    mesh = Mesh(
+        args.file,
+        transport="tcp" if args.tcp else None,
+        host=args.host,
+        port=args.port,
+        run_dir=args.run_dir,
+        progress=_progress(args.quiet),
+    )
+    name = args.name or mesh.pipeline.name or "pipeline"
+    if name in read_states():
+        raise ValueError(f"a mesh named {name!r} is already running; `omnirail down --name {name}`")
+    stop = False
+
+    def on_signal(*_: object) -> None:
+        nonlocal stop
+        stop = True
+
+    signal.signal(signal.SIGTERM, on_signal)
+    signal.signal(signal.SIGINT, on_signal)
+    state = None
+    try:
+        address = mesh.start()
+        state = write_state(
+            name, {"pid": os.getpid(), "address": address, "pipeline": mesh.pipeline_path}
+        )
+        print(address, flush=True)
+        while not stop:
+            exited = mesh.poll_exited()
+            if exited:
+                for who, code in exited:
+                    print(f"[omnirail] {who} exited with code {code}; stopping", file=sys.stderr)
+                return 1
+            time.sleep(0.2)
+        return 0
+    finally:
+        _progress(args.quiet)("stopping")
+        mesh.stop()
+        if state is not None:
+            state.unlink(missing_ok=True)
+
+
+def _up_detached(args: argparse.Namespace) -> int:
+    from omnirail.launcher import read_states, state_dir
+
+    cfg = load_pipeline(args.file)
+    name = args.name or cfg.name or "pipeline"
+    if name in read_states():
+        raise ValueError(f"a mesh named {name!r} is already running; `omnirail down --name {name}`")
+    log = state_dir() / f"{name}.log"
+    argv = [
+        sys.executable,
+        "-m",
+        "omnirail",
+        "up",
+        str(Path(args.file).resolve()),
+        "--name",
+        name,
+        "--quiet",
+    ]
+    if args.tcp:
+        argv += ["--tcp", "--host", args.host or "127.0.0.1", "--port", str(args.port)]
+    if args.run_dir:
+        argv += ["--run-dir", args.run_dir]
+    with open(log, "ab") as out:
+        proc = subprocess.Popen(
+            argv,
+            stdout=out,
+            stderr=subprocess.STDOUT,
+            stdin=subprocess.DEVNULL,
+            start_new_session=True,
+        )
+    deadline = time.monotonic() + 180
+    while time.monotonic() < deadline:
+        state = read_states().get(name)
+        if state is not None:
+            print(state["address"])
+            return 0
+        if proc.poll() is not None:
+            tail = log.read_text(errors="replace").splitlines()[-20:]
+            print("\n".join(tail), file=sys.stderr)
+            return 1
+        time.sleep(0.1)
+    proc.terminate()
+    print(f"mesh {name!r} did not become ready; see {log}", file=sys.stderr)
+    return 1
+
+
+def cmd_down(args: argparse.Namespace) -> int:
+    from omnirail.launcher import read_states
+
+    states = read_states()
+    if args.name:
+        if args.name not in states:
+            raise ValueError(
+                f"no running mesh named {args.name!r} (running: {sorted(states) or 'none'})"
+            )
+        names = [args.name]
+    elif len(states) == 1 or (args.all and states):
+        names = sorted(states)
+    elif not states:
+        print("no mesh is running", file=sys.stderr)
+        return 0
+    else:
+        raise ValueError(f"several meshes are running ({sorted(states)}); pass --name or --all")
+    for name in names:
+        pid = int(states[name]["pid"])  # type: ignore[arg-type]
+        os.kill(pid, signal.SIGTERM)
+        deadline = time.monotonic() + 30
+        while time.monotonic() < deadline:
+            try:
+                os.kill(pid, 0)
+            except ProcessLookupError:
+                break
+            time.sleep(0.1)
+        print(f"stopped {name}")
+    return 0
+
+
+def cmd_run(args: argparse.Namespace) -> int:
+    from omnirail.client import Client
+    from omnirail.jsonio import dumps
+    from omnirail.launcher import Mesh
+
+    inputs = _read_inputs(args)
+    with Mesh(
+        args.file, transport="tcp" if args.tcp else None, progress=_progress(args.quiet)
+    ) as mesh:
+        assert mesh.address is not None
+        with Client(mesh.address) as client:
+            started = time.perf_counter()
+            result = client.generate(inputs, timeout=args.timeout)
+            elapsed = time.perf_counter() - started
+        _progress(args.quiet)(f"request {result.request_id} took {elapsed * 1000:.1f} ms")
+        print(dumps(result.outputs))
+    return 0
+
+
+def cmd_generate(args: argparse.Namespace) -> int:
+    from omnirail.client import Client
+    from omnirail.jsonio import dumps
+
+    inputs = _read_inputs(args)
+    with Client(args.address) as client:
+        result = client.generate(
+            inputs, request_id=args.request_id, timeout=args.timeout, traceparent=args.traceparent
+        )
+    print(dumps(result.outputs))
+    return 0
+
+
+def cmd_coordinator(args: argparse.Namespace) -> int:
+    from coordinator.main import serve
+
+    _setup_logging(args.log_level)
+    cfg = load_pipeline(args.pipeline)
+    asyncio.run(serve(cfg, args.listen, args.ready_file))
+    return 0
+
+
+def cmd_stage(args: argparse.Namespace) -> int:
+    from stage_service.main import serve
+
+    _setup_logging(args.log_level)
+    cfg = load_pipeline(args.pipeline)
+    names = [s for s in args.stage.split(",") if s]
+    for name in names:
+        cfg.stage(name)  # unknown names fail here with a clear message
+    listen = args.listen or f"{cfg.endpoints.host}:0"
+    asyncio.run(
+        serve(
+            cfg,
+            names,
+            coordinator=args.coordinator,
+            listen=listen,
+            advertise=args.advertise,
+            shm_prefix=args.shm_prefix,
+        )
+    )
+    return 0
+
+
+def cmd_bench(args: argparse.Namespace) -> int:
+    if args.what == "relay":
+        from omnirail.bench.relay_bench import run_relay_bench
+
+        sizes = [int(s) for s in args.sizes.split(",")] if args.sizes else None
+        report = run_relay_bench(args.backend, sizes=sizes)
+    else:
+        from omnirail.bench.pipeline_bench import run_pipeline_bench
+
+        report = run_pipeline_bench(
+            stages=args.stages,
+            payload_bytes=args.payload_bytes,
+            requests=args.requests,
+            concurrency=args.concurrency,
+            throughput_requests=args.throughput_requests,
+            progress=_progress(args.json),
+        )
+    print(json.dumps(report, indent=None if args.json else 2))
+    return 0
+
+
+# ---- parser --------------------------------------------------------------------
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="omnirail", description="Serve multi-stage model pipelines.")
+    sub = p.add_subparsers(dest="command", required=True)
+
+    v = sub.add_parser("validate", help="check a pipeline file and print its topology")
+    v.add_argument("file")
+    v.set_defaults(fn=cmd_validate)
+
+    def mesh_flags(sp: argparse.ArgumentParser) -> None:
+        sp.add_argument("file", help="pipeline YAML (or .py)")
+        sp.add_argument("--tcp", action="store_true", help="TCP instead of Unix sockets")
+        sp.add_argument("--quiet", action="store_true", help="no progress on stderr")
+
+    u = sub.add_parser("up", help="start the coordinator and every stage process")
+    mesh_flags(u)
+    u.add_argument("--host", default=None)
+    u.add_argument("--port", type=int, default=0, help="coordinator port with --tcp (0 picks one)")
+    u.add_argument(
+        "--detach", action="store_true", help="return once ready; stop with `omnirail down`"
+    )
+    u.add_argument("--name", default=None, help="mesh name (default: the pipeline's name)")
+    u.add_argument("--run-dir", default=None, help="sockets and logs (default: a new temp dir)")
+    u.set_defaults(fn=cmd_up)
+
+    d = sub.add_parser("down", help="stop a detached mesh")
+    d.add_argument("--name", default=None)
+    d.add_argument("--all", action="store_true")
+    d.set_defaults(fn=cmd_down)
+
+    def input_flags(sp: argparse.ArgumentParser) -> None:
+        sp.add_argument("--input", default=None, help="JSON object of inputs")
+        sp.add_argument("--input-file", default=None, help="file holding the JSON object")
+        sp.add_argument("--timeout", type=float, default=None, help="seconds")
+
+    r = sub.add_parser("run", help="start the mesh, run one request, print the result, stop")
+    mesh_flags(r)
+    input_flags(r)
+    r.set_defaults(fn=cmd_run)
+
+    g = sub.add_parser("generate", help="send one request to a running mesh")
+    g.add_argument("--address", required=True, help="coordinator: unix:///path or host:port")
+    input_flags(g)
+    g.add_argument("--request-id", default=None)
+    g.add_argument("--traceparent", default=None, help="W3C traceparent of the caller")
+    g.set_defaults(fn=cmd_generate)
+
+    c = sub.add_parser("coordinator", help="run the coordinator service alone")
+    c.add_argument("--pipeline", required=True)
+    c.add_argument("--listen", default="0.0.0.0:50051")
+    c.add_argument("--ready-file", default=None, help="write the bound address here once serving")
+    c.add_argument("--log-level", default="INFO")
+    c.set_defaults(fn=cmd_coordinator)
+
+    s = sub.add_parser("stage", help="run one stage process alone")
+    s.add_argument("--pipeline", required=True)
+    s.add_argument("--stage", required=True, help="stage name, or several joined by commas")
+    s.add_argument("--coordinator", required=True)
+    s.add_argument("--listen", default=None, help="default: the pipeline's host, any port")
+    s.add_argument(
+        "--advertise", default=None, help="address other stages dial (default: bound one)"
+    )
+    s.add_argument("--shm-prefix", default="omnirail")
+    s.add_argument("--log-level", default="INFO")
+    s.set_defaults(fn=cmd_stage)
+
+    b = sub.add_parser("bench", help="benchmarks (JSON output)")
+    b.add_argument("what", choices=["pipeline", "relay"])
+    b.add_argument("--json", action="store_true", help="one line of JSON, no progress")
+    b.add_argument("--backend", default="shm")
+    b.add_argument("--sizes", default=None, help="relay: comma-separated byte sizes")
+    b.add_argument("--stages", type=int, default=3)
+    b.add_argument("--payload-bytes", type=int, default=0)
+    b.add_argument("--requests", type=int, default=300, help="sequential latency requests")
+    b.add_argument("--concurrency", type=int, default=64)
+    b.add_argument("--throughput-requests", type=int, default=2048)
+    b.set_defaults(fn=cmd_bench)
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        return args.fn(args)
+    except ConfigError as exc:
+        print(f"invalid pipeline:\n{exc}", file=sys.stderr)
+        return EXIT_USAGE
+    except (ValueError, FileNotFoundError) as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return EXIT_USAGE
+    except OmniError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 1
+    except KeyboardInterrupt:
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

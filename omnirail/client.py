@@ -1,0 +1,294 @@
+"""Client SDK: `Client` (blocking) and `AsyncClient` (asyncio).
+
+Imports without torch: inputs may hold numpy arrays or torch tensors (if the caller has
+torch), outputs come back as the producing stage made them (torch tensors when torch is
+importable, numpy otherwise).
+"""
+
+from __future__ import annotations
+
+import time
+import uuid
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+import grpc
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+from omnirail.deliver import channel_options
+from omnirail.errors import Code, OmniError, invalid
+from omnirail.payload import PayloadError, decode_inline, encode_inline
+from omnirail.v1 import client_pb2, client_pb2_grpc, common_pb2
+
+PIPELINE_SERVICE = client_pb2.DESCRIPTOR.services_by_name["Omnirail"].full_name
+# Extra seconds on the gRPC deadline so the coordinator's own deadline error wins.
+_DEADLINE_SLACK_S = 2.0
+
+
+@dataclass(frozen=True)
+class GenerateResult:
+    request_id: str
+    # Output of each terminal stage that ran, by stage name.
+    outputs: dict[str, Any]
+
+    @property
+    def output(self) -> Any:
+        """The single terminal's output; the dict of all outputs when there are several."""
+        if len(self.outputs) == 1:
+            return next(iter(self.outputs.values()))
+        return self.outputs
+
+
+@dataclass(frozen=True)
+class RequestStatus:
+    request_id: str
+    state: str  # pending, running, completed, failed, aborted
+    elapsed_s: float
+    result: GenerateResult | None
+    error: OmniError | None
+
+
+def build_request(
+    inputs: Mapping[str, Any],
+    request_id: str | None,
+    timeout: float | None,
+    traceparent: str | None,
+) -> client_pb2.GenerateRequest:
+    if not isinstance(inputs, Mapping):
+        raise invalid(f"inputs: expected a mapping of names to values, got {type(inputs).__name__}")
+    try:
+        payload = encode_inline(dict(inputs))
+    except PayloadError as exc:
+        raise invalid(f"inputs: {exc}") from None
+    return client_pb2.GenerateRequest(
+        request_id=request_id or uuid.uuid4().hex,
+        inputs=payload,
+        timeout_s=timeout or 0.0,
+        traceparent=traceparent or "",
+    )
+
+
+def parse_result(result: client_pb2.Result) -> GenerateResult:
+    return GenerateResult(
+        result.request_id, {stage: decode_inline(p) for stage, p in result.outputs.items()}
+    )
+
+
+def parse_status(status: client_pb2.RequestStatus) -> RequestStatus:
+    state = common_pb2.RequestState.Name(status.state).lower()
+    return RequestStatus(
+        request_id=status.request_id,
+        state=state,
+        elapsed_s=status.elapsed_s,
+        result=parse_result(status.result) if status.HasField("result") else None,
+        error=OmniError.from_proto(status.error) if status.HasField("error") else None,
+    )
+
+
+def rpc_error(err: grpc.RpcError) -> OmniError:
+    error = OmniError.from_rpc_error(err)
+    trailing = getattr(err, "trailing_metadata", lambda: None)() or ()
+    for key, value in trailing:
+        if key == "omnirail-stage":
+            error.stage = value
+    return error
+
+
+def _deadline(timeout: float | None) -> float | None:
+    return None if timeout is None else timeout + _DEADLINE_SLACK_S
+
+
+def _metadata(traceparent: str | None) -> tuple[tuple[str, str], ...] | None:
+    return (("traceparent", traceparent),) if traceparent else None
+
+
+class Client:
+    """Blocking client. `address` is ``unix:///path`` or ``host:port``."""
+
+    def __init__(
+        self, address: str, *, timeout: float | None = None, max_message_mb: int = 64
+    ) -> None:
+        self.address = address
+        self.timeout = timeout
+        self._channel = grpc.insecure_channel(
+            address, options=channel_options(max_message_mb << 20)
+        )
+        self._stub = client_pb2_grpc.OmnirailStub(self._channel)
+
+    def __enter__(self) -> Client:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def close(self) -> None:
+        self._channel.close()
+
+    def generate(
+        self,
+        inputs: Mapping[str, Any],
+        *,
+        request_id: str | None = None,
+        timeout: float | None = None,
+        traceparent: str | None = None,
+    ) -> GenerateResult:
+        timeout = timeout if timeout is not None else self.timeout
+        request = build_request(inputs, request_id, timeout, traceparent)
+        try:
+            for event in self._stub.Generate(
+                request, timeout=_deadline(timeout), metadata=_metadata(traceparent)
+            ):
+                if event.HasField("result"):
+                    return parse_result(event.result)
+        except grpc.RpcError as err:
+            raise rpc_error(err) from None
+        raise OmniError(Code.INTERNAL, "the coordinator ended the call without a result")
+
+    def submit(
+        self,
+        inputs: Mapping[str, Any],
+        *,
+        request_id: str | None = None,
+        timeout: float | None = None,
+    ) -> str:
+        request = build_request(inputs, request_id, timeout or self.timeout, None)
+        try:
+            return self._stub.Submit(request).request_id
+        except grpc.RpcError as err:
+            raise rpc_error(err) from None
+
+    def wait(self, request_id: str, timeout: float | None = None) -> RequestStatus:
+        try:
+            status = self._stub.Wait(client_pb2.RequestRef(request_id=request_id), timeout=timeout)
+        except grpc.RpcError as err:
+            raise rpc_error(err) from None
+        return parse_status(status)
+
+    def status(self, request_id: str) -> RequestStatus:
+        try:
+            return parse_status(self._stub.GetRequest(client_pb2.RequestRef(request_id=request_id)))
+        except grpc.RpcError as err:
+            raise rpc_error(err) from None
+
+    def abort(self, request_id: str, reason: str = "") -> list[str]:
+        """Aborts a request everywhere; returns the stage replicas that acknowledged."""
+        try:
+            reply = self._stub.Abort(client_pb2.AbortRequest(request_id=request_id, reason=reason))
+        except grpc.RpcError as err:
+            raise rpc_error(err) from None
+        return list(reply.acknowledged_by)
+
+    def describe(self) -> client_pb2.PipelineInfo:
+        try:
+            return self._stub.DescribePipeline(client_pb2.DescribePipelineRequest())
+        except grpc.RpcError as err:
+            raise rpc_error(err) from None
+
+    def wait_ready(self, timeout: float = 30.0) -> None:
+        """Blocks until every stage of the pipeline has a live replica."""
+        health = health_pb2_grpc.HealthStub(self._channel)
+        deadline = time.monotonic() + timeout
+        while True:
+            try:
+                reply = health.Check(
+                    health_pb2.HealthCheckRequest(service=PIPELINE_SERVICE), timeout=1.0
+                )
+                if reply.status == health_pb2.HealthCheckResponse.SERVING:
+                    return
+            except grpc.RpcError:
+                pass
+            if time.monotonic() > deadline:
+                raise OmniError(
+                    Code.UNAVAILABLE, f"pipeline at {self.address} not ready after {timeout}s"
+                )
+            time.sleep(0.05)
+
+
+class AsyncClient:
+    """asyncio client; the same calls as `Client`, awaited."""
+
+    def __init__(
+        self, address: str, *, timeout: float | None = None, max_message_mb: int = 64
+    ) -> None:
+        self.address = address
+        self.timeout = timeout
+        self._channel = grpc.aio.insecure_channel(
+            address, options=channel_options(max_message_mb << 20)
+        )
+        self._stub = client_pb2_grpc.OmnirailStub(self._channel)
+
+    async def __aenter__(self) -> AsyncClient:
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.close()
+
+    async def close(self) -> None:
+        await self._channel.close()
+
+    async def generate(
+        self,
+        inputs: Mapping[str, Any],
+        *,
+        request_id: str | None = None,
+        timeout: float | None = None,
+        traceparent: str | None = None,
+    ) -> GenerateResult:
+        timeout = timeout if timeout is not None else self.timeout
+        request = build_request(inputs, request_id, timeout, traceparent)
+        try:
+            call = self._stub.Generate(
+                request, timeout=_deadline(timeout), metadata=_metadata(traceparent)
+            )
+            async for event in call:
+                if event.HasField("result"):
+                    return parse_result(event.result)
+        except grpc.RpcError as err:
+            raise rpc_error(err) from None
+        raise OmniError(Code.INTERNAL, "the coordinator ended the call without a result")
+
+    async def submit(
+        self,
+        inputs: Mapping[str, Any],
+        *,
+        request_id: str | None = None,
+        timeout: float | None = None,
+    ) -> str:
+        request = build_request(inputs, request_id, timeout or self.timeout, None)
+        try:
+            return (await self._stub.Submit(request)).request_id
+        except grpc.RpcError as err:
+            raise rpc_error(err) from None
+
+    async def wait(self, request_id: str, timeout: float | None = None) -> RequestStatus:
+        try:
+            status = await self._stub.Wait(
+                client_pb2.RequestRef(request_id=request_id), timeout=timeout
+            )
+        except grpc.RpcError as err:
+            raise rpc_error(err) from None
+        return parse_status(status)
+
+    async def status(self, request_id: str) -> RequestStatus:
+        try:
+            return parse_status(
+                await self._stub.GetRequest(client_pb2.RequestRef(request_id=request_id))
+            )
+        except grpc.RpcError as err:
+            raise rpc_error(err) from None
+
+    async def abort(self, request_id: str, reason: str = "") -> list[str]:
+        try:
+            reply = await self._stub.Abort(
+                client_pb2.AbortRequest(request_id=request_id, reason=reason)
+            )
+        except grpc.RpcError as err:
+            raise rpc_error(err) from None
+        return list(reply.acknowledged_by)
+
+    async def describe(self) -> client_pb2.PipelineInfo:
+        try:
+            return await self._stub.DescribePipeline(client_pb2.DescribePipelineRequest())
+        except grpc.RpcError as err:
+            raise rpc_error(err) from None

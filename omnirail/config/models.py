@@ -1,0 +1,418 @@
+"""Config models, `ConfigError`, and the topology queries the runtime asks of a pipeline.
+
+Constructing a model checks structure only (types, ranges, unknown fields);
+`PipelineConfig.from_dict` and `load_pipeline` also run every cross-stage rule in
+`omnirail.config.validation`. Importable without torch: relay settings load lazily.
+"""
+
+from __future__ import annotations
+
+import inspect
+import re
+from collections.abc import Iterable, Mapping
+from typing import TYPE_CHECKING, Any, Literal
+
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    PrivateAttr,
+    ValidationError,
+    field_validator,
+    model_validator,
+)
+
+from omnirail import dotted
+
+if TYPE_CHECKING:
+    from relay.base import RelaySettings
+
+NAME_RE = re.compile(r"^[A-Za-z][A-Za-z0-9_-]{0,62}$")
+_NAME_HELP = "must start with a letter and contain only letters, digits, '_' or '-' (max 63)"
+
+
+class ConfigError(ValueError):
+    """An invalid pipeline config; `errors` holds every problem found, one per entry."""
+
+    def __init__(self, errors: str | Iterable[str], source: str | None = None) -> None:
+        self.errors: list[str] = [errors] if isinstance(errors, str) else list(errors)
+        self.source = source
+        super().__init__("\n".join(self.errors))
+
+    def __str__(self) -> str:
+        return "\n".join(self.errors)
+
+
+class _Model(BaseModel):
+    model_config = ConfigDict(extra="forbid", protected_namespaces=())
+
+
+class RelayConfig(_Model):
+    backend: str = Field("shm", min_length=1)
+    # Payloads whose packed tensor buffer is at most this many bytes travel in the message.
+    inline_bytes: int = Field(65536, ge=0)
+    pool_mb: int = Field(256, gt=0)
+    credits: int = Field(64, gt=0)
+    credit_mb: int = Field(1024, gt=0)
+    device: str = "cpu"
+    rank: int | None = Field(None, ge=0)
+    world_size: int | None = Field(None, gt=0)
+    options: dict[str, Any] = {}
+
+    @model_validator(mode="after")
+    def _check_rank(self) -> RelayConfig:
+        if self.rank is not None and self.world_size is not None and self.rank >= self.world_size:
+            raise ValueError(f"rank {self.rank} must be < world_size {self.world_size}")
+        return self
+
+    def to_settings(self, name_prefix: str) -> RelaySettings:
+        """Backend knobs for `relay.base.create_relay`.
+
+        `device`, `rank` and `world_size` have no field in RelaySettings, so they ride in
+        `options` (explicit `options` entries win).
+        """
+        from relay.base import RelaySettings
+
+        options: dict[str, Any] = {"device": self.device}
+        if self.rank is not None:
+            options["rank"] = self.rank
+        if self.world_size is not None:
+            options["world_size"] = self.world_size
+        options.update(self.options)
+        return RelaySettings(
+            pool_bytes=self.pool_mb << 20,
+            credit_slots=self.credits,
+            credit_bytes=self.credit_mb << 20,
+            name_prefix=name_prefix,
+            options=options,
+        )
+
+
+class EndpointsConfig(_Model):
+    transport: Literal["unix", "tcp"] = "unix"
+    # Directory for unix sockets; the launcher picks a run directory when None.
+    base_path: str | None = None
+    host: str = "127.0.0.1"
+    # Explicit coordinator address (compose); the launcher allocates one when None.
+    coordinator: str | None = None
+    max_message_mb: int = Field(64, gt=0)
+
+
+class StageConfig(_Model):
+    name: str
+    factory: str
+    factory_args: dict[str, Any] = {}
+    next: list[str] | None = None
+    terminal: bool = False
+    route_fn: str | None = None
+    wait_for: list[str] | None = None
+    wait_for_fn: str | None = None
+    merge_fn: str | None = None
+    stream_to: list[str] = []
+    stream_done_to_fn: str | None = None
+    project_payload: dict[str, str] = {}
+    # None: the stage runs in its own process named after the stage.
+    process: str | None = None
+    gpu: int | list[int] | None = None
+    tp_size: int = Field(1, ge=1)
+    relay: RelayConfig | None = None
+    replicas: int = Field(1, ge=1)
+    torch_threads: int = Field(1, ge=1)
+    env: dict[str, str] = {}
+
+    @field_validator("name", "process")
+    @classmethod
+    def _check_name(cls, v: str | None) -> str | None:
+        if v is not None and not NAME_RE.match(v):
+            raise ValueError(f"invalid name {v!r}: {_NAME_HELP}")
+        return v
+
+    @field_validator("next", mode="before")
+    @classmethod
+    def _normalize_next(cls, v: Any) -> Any:
+        return [v] if isinstance(v, str) else v
+
+    @field_validator("gpu", mode="before")
+    @classmethod
+    def _check_gpu(cls, v: Any) -> Any:
+        # Checked by hand so a bad value gets one message instead of one per union member.
+        def ok(x: Any) -> bool:
+            return isinstance(x, int) and not isinstance(x, bool) and x >= 0
+
+        if v is None or ok(v):
+            return v
+        if isinstance(v, list | tuple) and v and all(ok(x) for x in v):
+            return list(v)
+        raise ValueError(f"expected a GPU id (int >= 0) or a non-empty list of them, got {v!r}")
+
+    @property
+    def next_stages(self) -> list[str]:
+        return list(self.next or ())
+
+    @property
+    def gpus(self) -> list[int]:
+        """GPU ids the stage uses (empty for CPU stages)."""
+        if self.gpu is None:
+            return []
+        return list(self.gpu) if isinstance(self.gpu, list) else [self.gpu]
+
+
+class PipelineConfig(_Model):
+    # Always a string after validation: defaults to model_path, then "pipeline".
+    name: str | None = None
+    model_path: str | None = None
+    stages: list[StageConfig] = Field(min_length=1)
+    entry_stage: str | None = None
+    relay: RelayConfig = Field(default_factory=RelayConfig)
+    fused_stages: list[list[str]] = []
+    runtime_overrides: dict[str, dict[str, Any]] = {}
+    env_defaults: dict[str, str] = {}
+    endpoints: EndpointsConfig = Field(default_factory=EndpointsConfig)
+    terminal_stages_fn: str | None = None
+    default_timeout_s: float = Field(60.0, gt=0)
+    max_input_mb: int = Field(32, gt=0)
+    abort_ack_timeout_s: float = Field(5.0, gt=0)
+
+    _source_dir: str | None = PrivateAttr(default=None)
+
+    @model_validator(mode="before")
+    @classmethod
+    def _relay_backend_shorthand(cls, data: Any) -> Any:
+        if not isinstance(data, Mapping) or "relay_backend" not in data:
+            return data
+        data = dict(data)
+        backend = data.pop("relay_backend")
+        if backend is None:
+            return data
+        relay = data.get("relay")
+        if relay is None:
+            data["relay"] = {"backend": backend}
+        elif isinstance(relay, RelayConfig):
+            if "backend" in relay.model_fields_set and relay.backend != backend:
+                raise ValueError(_backend_conflict(backend, relay.backend))
+            data["relay"] = relay.model_copy(update={"backend": backend})
+        elif isinstance(relay, Mapping):
+            if relay.get("backend", backend) != backend:
+                raise ValueError(_backend_conflict(backend, relay["backend"]))
+            data["relay"] = {**relay, "backend": backend}
+        return data
+
+    @model_validator(mode="after")
+    def _default_name(self) -> PipelineConfig:
+        if self.name is None:
+            self.name = self.model_path or "pipeline"
+        return self
+
+    # -- construction ----------------------------------------------------------------
+
+    @classmethod
+    def from_dict(
+        cls, data: Mapping[str, Any], *, source_dir: str | None = None, resolve: bool = True
+    ) -> PipelineConfig:
+        """Builds and fully validates a config; raises ConfigError listing every problem."""
+        if not isinstance(data, Mapping):
+            raise ConfigError(f"pipeline: expected a mapping, got {type(data).__name__}")
+        # Imported here because validation imports this module.
+        from omnirail.config.validation import validate
+
+        try:
+            cfg = cls.model_validate(data)
+        except ValidationError as exc:
+            raise ConfigError(validation_error_lines(exc, data)) from None
+        cfg.source_dir = source_dir
+        validate(cfg, resolve=resolve)
+        return cfg
+
+    @property
+    def source_dir(self) -> str | None:
+        """Directory of the file the config came from; dotted paths resolve against it."""
+        return self._source_dir
+
+    @source_dir.setter
+    def source_dir(self, value: str | None) -> None:
+        self._source_dir = value
+
+    @property
+    def relay_backend(self) -> str:
+        return self.relay.backend
+
+    # -- derived topology ------------------------------------------------------------
+
+    @property
+    def stage_names(self) -> list[str]:
+        return [s.name for s in self.stages]
+
+    @property
+    def resolved_entry_stage(self) -> str:
+        return self.entry_stage or self.stages[0].name
+
+    @property
+    def terminal_stages(self) -> list[str]:
+        return [s.name for s in self.stages if s.terminal]
+
+    @property
+    def gpu_placement(self) -> dict[str, int | list[int]]:
+        return {s.name: s.gpu for s in self.stages if s.gpu is not None}
+
+    def stage(self, name: str) -> StageConfig:
+        for s in self.stages:
+            if s.name == name:
+                return s
+        raise KeyError(f"unknown stage {name!r}; stages: {', '.join(self.stage_names)}")
+
+    def upstream_of(self, name: str) -> list[str]:
+        """Stages whose `next` names `name`, in declaration order."""
+        return [s.name for s in self.stages if name in s.next_stages]
+
+    def relay_for(self, stage_name: str) -> RelayConfig:
+        """The pipeline relay with the fields the stage's override sets explicitly."""
+        override = self.stage(stage_name).relay
+        if override is None:
+            return self.relay
+        changed = {k: getattr(override, k) for k in override.model_fields_set}
+        return self.relay.model_copy(update=changed)
+
+    def factory_args_for(self, stage_name: str) -> dict[str, Any]:
+        """`factory_args` updated (shallowly) by `runtime_overrides[stage]`.
+
+        `model_path` is added when the pipeline has one, the args do not set it, and the
+        factory declares a parameter of that name.
+        """
+        stage = self.stage(stage_name)
+        args = {**stage.factory_args, **self.runtime_overrides.get(stage_name, {})}
+        if self.model_path is not None and "model_path" not in args:
+            factory = dotted.resolve(stage.factory, self.source_dir)
+            if _accepts(factory, "model_path"):
+                args["model_path"] = self.model_path
+        return args
+
+    def process_groups(self) -> dict[str, list[str]]:
+        """Process name -> its stages in declaration order.
+
+        A stage without `process` gets a group named after itself. Each fused group merges
+        every group it touches; the merged group keeps the name of its earliest group. A TP
+        stage's group is the prefix of its per-rank processes (`{group}_tp{rank}`).
+        """
+        group_of = {s.name: s.process or s.name for s in self.stages}
+        parent: dict[str, str] = {g: g for g in group_of.values()}
+        order = {g: i for i, g in reversed(list(enumerate(group_of[s.name] for s in self.stages)))}
+
+        def find(g: str) -> str:
+            while parent[g] != g:
+                parent[g] = parent[parent[g]]
+                g = parent[g]
+            return g
+
+        for fused in self.fused_stages:
+            roots = sorted({find(group_of[n]) for n in fused if n in group_of}, key=order.get)
+            for r in roots[1:]:
+                parent[r] = roots[0]
+        groups: dict[str, list[str]] = {}
+        for s in self.stages:
+            groups.setdefault(find(group_of[s.name]), []).append(s.name)
+        return groups
+
+    def process_of(self, stage_name: str) -> str:
+        for group, members in self.process_groups().items():
+            if stage_name in members:
+                return group
+        raise KeyError(f"unknown stage {stage_name!r}")
+
+    def reachable_stages(self, from_stage: str) -> set[str]:
+        """Stages reachable from `from_stage` (itself included) via `next` and `stream_to`."""
+        self.stage(from_stage)
+        return walk_graph({from_stage}, self._edges())
+
+    def possible_stages_for(self, terminals: Iterable[str]) -> set[str]:
+        """Stages on some entry-to-terminal path (via `next` or `stream_to`) for `terminals`.
+
+        A request whose terminal set is `terminals` can only be affected by these stages.
+        """
+        targets = set(terminals)
+        for t in targets:
+            self.stage(t)
+        if not targets:
+            return set()
+        forward = self.reachable_stages(self.resolved_entry_stage)
+        reverse: dict[str, set[str]] = {n: set() for n in self.stage_names}
+        for src, dsts in self._edges().items():
+            for d in dsts:
+                reverse.setdefault(d, set()).add(src)
+        return forward & walk_graph(targets, reverse)
+
+    def _edges(self) -> dict[str, set[str]]:
+        return {s.name: set(s.next_stages) | set(s.stream_to) for s in self.stages}
+
+
+def _backend_conflict(shorthand: str, explicit: str) -> str:
+    return f"relay_backend {shorthand!r} conflicts with relay.backend {explicit!r}"
+
+
+def walk_graph(start: set[str], edges: Mapping[str, Iterable[str]]) -> set[str]:
+    seen = set(start)
+    todo = list(start)
+    while todo:
+        for n in edges.get(todo.pop(), ()):
+            if n not in seen:
+                seen.add(n)
+                todo.append(n)
+    return seen
+
+
+def _accepts(fn: Any, param: str) -> bool:
+    try:
+        sig = inspect.signature(fn)
+    except (TypeError, ValueError):
+        return False
+    p = sig.parameters.get(param)
+    return p is not None and p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)
+
+
+# -- pydantic error conversion ---------------------------------------------------------
+
+
+def _stage_label(raw_stages: Any, index: int) -> str:
+    raw = None
+    if isinstance(raw_stages, list | tuple) and 0 <= index < len(raw_stages):
+        raw = raw_stages[index]
+    name = raw.name if isinstance(raw, StageConfig) else None
+    if isinstance(raw, Mapping):
+        name = raw.get("name")
+    if isinstance(name, str) and NAME_RE.match(name):
+        return name
+    return str(index)
+
+
+def _format_loc(loc: tuple[Any, ...], data: Any, root: str) -> str:
+    parts: list[str] = []
+    rest = list(loc)
+    if root == "pipeline" and len(rest) >= 2 and rest[0] == "stages" and isinstance(rest[1], int):
+        raw_stages = data.get("stages") if isinstance(data, Mapping) else None
+        head = f"stages[{_stage_label(raw_stages, rest[1])}]"
+        rest = rest[2:]
+    else:
+        head = root
+    for item in rest:
+        parts.append(f"[{item}]" if isinstance(item, int) else f".{item}")
+    return head + "".join(parts)
+
+
+def _format_msg(err: Mapping[str, Any]) -> str:
+    kind = err.get("type")
+    if kind == "missing":
+        return "required"
+    if kind == "extra_forbidden":
+        return "unknown field"
+    msg = str(err.get("msg", "")).removeprefix("Value error, ")
+    # pydantic capitalises its messages; ours continue a "location: " prefix.
+    return msg[:1].lower() + msg[1:]
+
+
+def validation_error_lines(exc: ValidationError, data: Any = None) -> list[str]:
+    root = {"PipelineConfig": "pipeline", "StageConfig": "StageConfig"}.get(exc.title, exc.title)
+    out: list[str] = []
+    for err in exc.errors():
+        line = f"{_format_loc(tuple(err['loc']), data, root)}: {_format_msg(err)}"
+        if line not in out:
+            out.append(line)
+    return out

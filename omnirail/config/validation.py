@@ -1,0 +1,273 @@
+"""Cross-stage rules of a pipeline config; every problem is collected before raising."""
+
+from __future__ import annotations
+
+import itertools
+import re
+from collections.abc import Mapping
+from typing import Any
+
+from omnirail import dotted
+from omnirail.config.models import ConfigError, PipelineConfig, StageConfig, walk_graph
+
+_ENV_NAME_RE = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
+
+
+_HOOK_FIELDS = ("factory", "route_fn", "wait_for_fn", "merge_fn", "stream_done_to_fn")
+
+
+def validate(cfg: PipelineConfig, resolve: bool = True) -> None:
+    """Checks every static rule; raises ConfigError listing all problems.
+
+    With `resolve`, every dotted path is imported and must be callable.
+    """
+    errors: list[str] = []
+    err = errors.append
+    by_name: dict[str, StageConfig] = {}
+    for i, s in enumerate(cfg.stages):
+        if s.name in by_name:
+            first = cfg.stage_names.index(s.name)
+            err(f"stages[{s.name}].name: duplicate stage name (stages[{first}] and stages[{i}])")
+        else:
+            by_name.setdefault(s.name, s)
+    known = set(by_name)
+
+    entry = cfg.resolved_entry_stage
+    if cfg.entry_stage is not None and cfg.entry_stage not in known:
+        err(f"pipeline.entry_stage: unknown stage {cfg.entry_stage!r}")
+    if not cfg.terminal_stages:
+        err("pipeline.stages: no terminal stage (set terminal: true on at least one stage)")
+
+    upstream: dict[str, list[str]] = {n: cfg.upstream_of(n) for n in known}
+    for s in by_name.values():
+        _check_stage(s, known, by_name, upstream, entry, err)
+
+    _check_graph(cfg, by_name, entry, known, err)
+    _check_fused(cfg, by_name, err)
+    _check_processes(cfg, by_name, err)
+
+    for key in cfg.runtime_overrides:
+        if key not in known:
+            err(f"pipeline.runtime_overrides[{key}]: unknown stage {key!r}")
+    for key in cfg.env_defaults:
+        if not _ENV_NAME_RE.match(key):
+            err(f"pipeline.env_defaults: invalid variable name {key!r}")
+
+    _check_dotted(cfg, by_name, resolve, err)
+    if errors:
+        raise ConfigError(errors)
+
+
+def _check_stage(
+    s: StageConfig,
+    known: set[str],
+    by_name: Mapping[str, StageConfig],
+    upstream: Mapping[str, list[str]],
+    entry: str,
+    err: Any,
+) -> None:
+    at = f"stages[{s.name}]"
+    nxt = s.next
+    if nxt is not None and s.terminal:
+        err(f"{at}.terminal: set exactly one of next / terminal=True (both set)")
+    elif nxt is None and not s.terminal:
+        err(f"{at}.next: set exactly one of next / terminal=True (neither set)")
+    if nxt is not None and not nxt:
+        err(f"{at}.next: must name at least one stage")
+    _check_refs(at, "next", nxt or [], s.name, known, err)
+    if s.route_fn is not None and not nxt:
+        err(f"{at}.route_fn: only valid on a stage with next (not on terminal stages)")
+
+    # Fan-in: wait_for is the static superset of upstream stages and must match `next`
+    # edges exactly, so the runtime knows every payload that can arrive.
+    ups = upstream.get(s.name, [])
+    if s.wait_for is not None:
+        if s.merge_fn is None:
+            err(f"{at}.merge_fn: required when wait_for is set")
+        if not s.wait_for:
+            err(f"{at}.wait_for: must name at least one stage")
+        if s.name == entry:
+            err(f"{at}.wait_for: the entry stage cannot wait for other stages")
+        _check_refs(at, "wait_for", s.wait_for, s.name, known, err)
+        for w in dict.fromkeys(s.wait_for):
+            if w in known and w != s.name and w not in ups:
+                err(f"{at}.wait_for: stage {w!r} does not list {s.name!r} in its next")
+        missing = [u for u in ups if u not in s.wait_for]
+        if missing:
+            err(f"{at}.wait_for: missing upstream stage(s) {', '.join(map(repr, missing))}")
+    else:
+        if s.merge_fn is not None:
+            err(f"{at}.merge_fn: requires wait_for")
+        if s.wait_for_fn is not None:
+            err(f"{at}.wait_for_fn: requires wait_for")
+        if len(ups) > 1:
+            err(
+                f"{at}.wait_for: required: stage has {len(ups)} upstream stages "
+                f"({', '.join(ups)}) and must declare wait_for covering them"
+            )
+
+    _check_refs(at, "stream_to", s.stream_to, s.name, known, err)
+    if s.stream_done_to_fn is not None and not s.stream_to:
+        err(f"{at}.stream_done_to_fn: requires stream_to")
+    for target in s.project_payload:
+        if target not in (nxt or []):
+            err(f"{at}.project_payload: target {target!r} is not in next")
+
+    if isinstance(s.gpu, list):
+        if len(s.gpu) != s.tp_size:
+            err(f"{at}.gpu: {len(s.gpu)} GPU id(s) listed but tp_size is {s.tp_size}")
+        if len(set(s.gpu)) != len(s.gpu):
+            err(f"{at}.gpu: duplicate GPU ids {s.gpu}")
+    elif s.tp_size > 1:
+        err(f"{at}.tp_size: tp_size {s.tp_size} requires gpu to be a list of {s.tp_size} ids")
+    for key in s.env:
+        if not _ENV_NAME_RE.match(key):
+            err(f"{at}.env: invalid variable name {key!r}")
+
+
+def _check_refs(
+    at: str, field: str, refs: list[str], self_name: str, known: set[str], err: Any
+) -> None:
+    seen: set[str] = set()
+    for r in refs:
+        if r in seen:
+            err(f"{at}.{field}: duplicate entry {r!r}")
+            continue
+        seen.add(r)
+        if r == self_name:
+            err(f"{at}.{field}: a stage cannot name itself ({r!r})")
+        elif r not in known:
+            err(f"{at}.{field}: unknown stage {r!r}")
+
+
+def _check_graph(
+    cfg: PipelineConfig, by_name: Mapping[str, StageConfig], entry: str, known: set[str], err: Any
+) -> None:
+    nxt = {n: [d for d in s.next_stages if d in known and d != n] for n, s in by_name.items()}
+    # Iterative DFS colouring; each back edge closes one cycle, reported once.
+    state: dict[str, int] = {}
+    reported: set[frozenset[str]] = set()
+    for root in by_name:
+        if root in state:
+            continue
+        path: list[str] = [root]
+        iters = [iter(nxt[root])]
+        state[root] = 1
+        while iters:
+            child = next(iters[-1], None)
+            if child is None:
+                state[path.pop()] = 2
+                iters.pop()
+            elif state.get(child) == 1:
+                cycle = [*path[path.index(child) :], child]
+                if frozenset(cycle) not in reported:
+                    reported.add(frozenset(cycle))
+                    err(f"stages[{child}].next: cycle in next graph: {' -> '.join(cycle)}")
+            elif child not in state:
+                state[child] = 1
+                path.append(child)
+                iters.append(iter(nxt[child]))
+
+    if entry in known:
+        reach = walk_graph(
+            {entry}, {n: set(s.next_stages) | set(s.stream_to) for n, s in by_name.items()}
+        )
+        for n in by_name:
+            if n not in reach:
+                err(f"stages[{n}]: not reachable from entry stage {entry!r} via next or stream_to")
+
+    terminals = {n for n, s in by_name.items() if s.terminal}
+    if terminals:
+        reverse: dict[str, set[str]] = {}
+        for n, ds in nxt.items():
+            for d in ds:
+                reverse.setdefault(d, set()).add(n)
+        reaches_terminal = walk_graph(terminals, reverse)
+        for n, s in by_name.items():
+            if s.next and n not in reaches_terminal:
+                err(f"stages[{n}].next: no terminal stage is reachable from this stage")
+
+
+def _check_fused(cfg: PipelineConfig, by_name: Mapping[str, StageConfig], err: Any) -> None:
+    owner: dict[str, int] = {}
+    for gi, group in enumerate(cfg.fused_stages):
+        at = f"pipeline.fused_stages[{gi}]"
+        if len(group) < 2:
+            err(f"{at}: a fused group needs at least 2 stages, got {group}")
+        if len(set(group)) != len(group):
+            err(f"{at}: duplicate stage in {group}")
+        for n in group:
+            if n not in by_name:
+                err(f"{at}: unknown stage {n!r}")
+                continue
+            if n in owner and owner[n] != gi:
+                err(f"{at}: stage {n!r} is already in fused_stages[{owner[n]}]")
+            owner.setdefault(n, gi)
+            if by_name[n].tp_size > 1:
+                err(f"{at}: stage {n!r} has tp_size {by_name[n].tp_size}; TP stages cannot fuse")
+        for a, b in itertools.pairwise(group):
+            if a not in by_name or b not in by_name:
+                continue
+            a_next = by_name[a].next_stages
+            if b not in a_next:
+                err(f"{at}: {a!r} -> {b!r} is not a next edge (fused stages must be linear)")
+            elif len(a_next) != 1:
+                err(f"{at}: {a!r} must route only to {b!r} (its next has {len(a_next)} stages)")
+
+
+def _check_processes(cfg: PipelineConfig, by_name: Mapping[str, StageConfig], err: Any) -> None:
+    for group, members in cfg.process_groups().items():
+        stages = [by_name[m] for m in dict.fromkeys(members) if m in by_name]
+        if len(stages) < 2:
+            continue
+        for s in stages:
+            if s.tp_size > 1:
+                others = ", ".join(o.name for o in stages if o is not s)
+                err(
+                    f"stages[{s.name}].process: TP stage cannot share process {group!r} "
+                    f"with {others}"
+                )
+        gpus = sorted({g for s in stages if s.tp_size == 1 for g in s.gpus})
+        if len(gpus) > 1:
+            err(
+                f"stages[{stages[0].name}].process: process {group!r} spans GPUs {gpus}; "
+                "a process may use at most one GPU"
+            )
+        replicas = {s.replicas for s in stages}
+        if len(replicas) > 1:
+            detail = ", ".join(f"{s.name}={s.replicas}" for s in stages)
+            err(
+                f"stages[{stages[0].name}].replicas: stages sharing process {group!r} "
+                f"must have equal replicas ({detail})"
+            )
+
+
+def _check_dotted(
+    cfg: PipelineConfig, by_name: Mapping[str, StageConfig], resolve: bool, err: Any
+) -> None:
+    paths: list[tuple[str, str]] = []
+    for n, s in by_name.items():
+        for field in _HOOK_FIELDS:
+            value = getattr(s, field)
+            if value is not None:
+                paths.append((f"stages[{n}].{field}", value))
+        for target, fn in s.project_payload.items():
+            paths.append((f"stages[{n}].project_payload[{target}]", fn))
+    if cfg.terminal_stages_fn is not None:
+        paths.append(("pipeline.terminal_stages_fn", cfg.terminal_stages_fn))
+    for where, path in paths:
+        problem = dotted.syntax_error(path)
+        if problem is None and resolve:
+            problem = _resolve_problem(path, cfg.source_dir)
+        if problem is not None:
+            err(f"{where}: {problem}")
+
+
+def _resolve_problem(path: str, base_dir: str | None) -> str | None:
+    try:
+        obj = dotted.resolve(path, base_dir)
+    except (ImportError, AttributeError, ValueError) as exc:
+        return str(exc)
+    if not callable(obj):
+        return f"{path!r} is not callable (got {type(obj).__name__})"
+    return None

@@ -1,0 +1,198 @@
+"""Sender side of a Deliver stream: one long-lived bidi stream per receiver address.
+
+Items queue up while a write is in flight and go out together in the next `DeliverBatch`,
+so a burst of N results costs one write, not N. Acks come back on the same stream; each
+ack names an item's `seq` and returns that item's relay handle (credit) to the sender.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections import deque
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+import grpc
+
+from omnirail.v1 import common_pb2, mesh_pb2, mesh_pb2_grpc
+
+log = logging.getLogger(__name__)
+
+# Bound on one write so a burst of large inline payloads stays under the message limit.
+_MAX_BATCH_ITEMS = 256
+_MAX_BATCH_BYTES = 8 << 20
+
+
+class Releasable(Protocol):
+    def release(self) -> None: ...
+
+
+@dataclass(slots=True)
+class _Pending:
+    request_id: str
+    handle: Releasable | None
+
+
+# Called with the request ids whose items were lost when a stream broke.
+LostCallback = Callable[[list[str], str], None]
+
+
+def channel_options(max_message_bytes: int) -> list[tuple[str, Any]]:
+    return [
+        ("grpc.max_send_message_length", max_message_bytes),
+        ("grpc.max_receive_message_length", max_message_bytes),
+        # Unix-socket and loopback peers: favour latency over coalescing.
+        ("grpc.http2.write_buffer_size", 0),
+    ]
+
+
+class DeliverChannel:
+    """Queues items for one receiver and keeps a Deliver stream open to it."""
+
+    def __init__(
+        self,
+        address: str,
+        sender: str,
+        on_lost: LostCallback,
+        *,
+        max_message_bytes: int = 64 << 20,
+    ) -> None:
+        self.address = address
+        self._sender = sender
+        self._on_lost = on_lost
+        self._max_message_bytes = max_message_bytes
+        self._queue: deque[mesh_pb2.DeliverItem] = deque()
+        self._pending: dict[int, _Pending] = {}
+        self._seq = 0
+        self._wake = asyncio.Event()
+        self._channel: grpc.aio.Channel | None = None
+        self._task: asyncio.Task[None] | None = None
+        self._closed = False
+
+    @property
+    def inflight(self) -> int:
+        return len(self._pending)
+
+    def send(self, item: mesh_pb2.DeliverItem, handle: Releasable | None = None) -> None:
+        """Queues `item`; `handle` is released when the receiver acks it."""
+        if self._closed:
+            if handle is not None:
+                handle.release()
+            self._on_lost([item.request_id], f"channel to {self.address} is closed")
+            return
+        self._seq += 1
+        item.seq = self._seq
+        self._pending[self._seq] = _Pending(item.request_id, handle)
+        self._queue.append(item)
+        self._wake.set()
+        if self._task is None:
+            self._task = asyncio.get_running_loop().create_task(self._run())
+
+    def forget_request(self, request_id: str) -> None:
+        """Drops queued, unsent items of an aborted request and releases their handles."""
+        kept: deque[mesh_pb2.DeliverItem] = deque()
+        for item in self._queue:
+            if item.request_id == request_id:
+                pending = self._pending.pop(item.seq, None)
+                if pending and pending.handle is not None:
+                    pending.handle.release()
+            else:
+                kept.append(item)
+        self._queue = kept
+
+    async def close(self) -> None:
+        self._closed = True
+        if self._task is not None:
+            self._task.cancel()
+            try:
+                await self._task
+            except (asyncio.CancelledError, Exception):
+                pass
+            self._task = None
+        self._fail_all("sender is shutting down")
+        if self._channel is not None:
+            await self._channel.close()
+            self._channel = None
+
+    async def _run(self) -> None:
+        while not self._closed:
+            try:
+                await self._stream_once()
+            except asyncio.CancelledError:
+                raise
+            except Exception as exc:
+                log.warning("deliver stream to %s broke: %s", self.address, exc)
+            self._fail_all(f"stream to {self.address} broke")
+            if self._channel is not None:
+                await self._channel.close()
+                self._channel = None
+            # Reconnect only when there is something to send again.
+            self._wake.clear()
+            if not self._queue:
+                await self._wake.wait()
+            else:
+                await asyncio.sleep(0.05)
+
+    async def _stream_once(self) -> None:
+        self._channel = grpc.aio.insecure_channel(
+            self.address, options=channel_options(self._max_message_bytes)
+        )
+        stub = mesh_pb2_grpc.StageStub(self._channel)
+        call = stub.Deliver()
+        acks = asyncio.get_running_loop().create_task(self._read_acks(call))
+        first = True
+        try:
+            while True:
+                if not self._queue:
+                    self._wake.clear()
+                    waiter = asyncio.ensure_future(self._wake.wait())
+                    done, _ = await asyncio.wait(
+                        {waiter, acks}, return_when=asyncio.FIRST_COMPLETED
+                    )
+                    if acks in done:
+                        waiter.cancel()
+                        acks.result()  # raises the stream error, if any
+                        return
+                batch = mesh_pb2.DeliverBatch()
+                if first:
+                    batch.sender = self._sender
+                    first = False
+                size = 0
+                while self._queue and len(batch.items) < _MAX_BATCH_ITEMS:
+                    item = self._queue[0]
+                    item_size = item.ByteSize()
+                    if batch.items and size + item_size > _MAX_BATCH_BYTES:
+                        break
+                    self._queue.popleft()
+                    batch.items.append(item)
+                    size += item_size
+                await call.write(batch)
+        finally:
+            acks.cancel()
+            call.cancel()
+
+    async def _read_acks(self, call: Any) -> None:
+        while (ack_batch := await call.read()) is not grpc.aio.EOF:
+            for ack in ack_batch.acks:
+                pending = self._pending.pop(ack.seq, None)
+                if pending is not None and pending.handle is not None:
+                    pending.handle.release()
+        raise ConnectionError(f"receiver {self.address} closed the stream")
+
+    def _fail_all(self, reason: str) -> None:
+        if not self._pending:
+            self._queue.clear()
+            return
+        lost = sorted({p.request_id for p in self._pending.values()})
+        for pending in self._pending.values():
+            if pending.handle is not None:
+                pending.handle.release()
+        self._pending.clear()
+        self._queue.clear()
+        self._on_lost(lost, reason)
+
+
+def error_ack(seq: int, code: int, message: str, stage: str = "") -> mesh_pb2.Ack:
+    return mesh_pb2.Ack(seq=seq, error=common_pb2.Error(code=code, message=message, stage=stage))

@@ -1,0 +1,71 @@
+"""Typed errors shared by every service and the client SDK.
+
+An `OmniError` carries an `ErrorCode` from the contract, a message, and the stage that
+raised it. It converts to the wire `Error` message and to a gRPC status code.
+"""
+
+from __future__ import annotations
+
+import grpc
+
+from omnirail.v1 import common_pb2
+
+Code = common_pb2.ErrorCode
+
+_TO_GRPC: dict[int, grpc.StatusCode] = {
+    Code.INVALID_ARGUMENT: grpc.StatusCode.INVALID_ARGUMENT,
+    Code.RESOURCE_EXHAUSTED: grpc.StatusCode.RESOURCE_EXHAUSTED,
+    Code.DEADLINE_EXCEEDED: grpc.StatusCode.DEADLINE_EXCEEDED,
+    Code.CANCELLED: grpc.StatusCode.CANCELLED,
+    Code.UNAVAILABLE: grpc.StatusCode.UNAVAILABLE,
+    Code.NOT_FOUND: grpc.StatusCode.NOT_FOUND,
+    Code.INTERNAL: grpc.StatusCode.INTERNAL,
+    Code.FAILED_PRECONDITION: grpc.StatusCode.FAILED_PRECONDITION,
+}
+_FROM_GRPC = {v: k for k, v in _TO_GRPC.items()}
+
+
+class OmniError(Exception):
+    """An error with a contract code; `stage` is empty when not raised by a stage."""
+
+    def __init__(self, code: int, message: str, stage: str = "") -> None:
+        super().__init__(message)
+        self.code = int(code)
+        self.message = message
+        self.stage = stage
+
+    @property
+    def code_name(self) -> str:
+        return Code.Name(self.code)
+
+    @property
+    def grpc_status(self) -> grpc.StatusCode:
+        return _TO_GRPC.get(self.code, grpc.StatusCode.UNKNOWN)
+
+    def to_proto(self) -> common_pb2.Error:
+        return common_pb2.Error(code=self.code, message=self.message, stage=self.stage)
+
+    @classmethod
+    def from_proto(cls, err: common_pb2.Error) -> OmniError:
+        return cls(err.code or Code.INTERNAL, err.message, err.stage)
+
+    @classmethod
+    def from_rpc_error(cls, err: grpc.RpcError) -> OmniError:
+        code = _FROM_GRPC.get(err.code(), Code.INTERNAL)  # type: ignore[attr-defined]
+        return cls(code, err.details() or str(err.code()))  # type: ignore[attr-defined]
+
+    def __str__(self) -> str:
+        where = f" in stage {self.stage!r}" if self.stage else ""
+        return f"{self.code_name}{where}: {self.message}"
+
+
+def invalid(message: str, stage: str = "") -> OmniError:
+    return OmniError(Code.INVALID_ARGUMENT, message, stage)
+
+
+def unavailable(message: str, stage: str = "") -> OmniError:
+    return OmniError(Code.UNAVAILABLE, message, stage)
+
+
+def internal(message: str, stage: str = "") -> OmniError:
+    return OmniError(Code.INTERNAL, message, stage)

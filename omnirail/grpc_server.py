@@ -1,0 +1,47 @@
+"""What every omnirail gRPC server shares: options, health, reflection, binding."""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Iterable
+
+import grpc
+from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+from grpc_reflection.v1alpha import reflection
+
+from omnirail.deliver import channel_options
+
+SERVING = health_pb2.HealthCheckResponse.SERVING
+NOT_SERVING = health_pb2.HealthCheckResponse.NOT_SERVING
+
+
+def create_server(
+    service_names: Iterable[str], *, max_message_bytes: int
+) -> tuple[grpc.aio.Server, health.aio.HealthServicer]:
+    """An aio server with grpc.health.v1 and reflection for `service_names` installed."""
+    server = grpc.aio.server(options=channel_options(max_message_bytes))
+    health_servicer = health.aio.HealthServicer()
+    health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
+    names = [*service_names, health.SERVICE_NAME, reflection.SERVICE_NAME]
+    reflection.enable_server_reflection(names, server)
+    return server, health_servicer
+
+
+def bind(server: grpc.aio.Server, address: str) -> str:
+    """Binds `address` (``unix:///path`` or ``host:port``; port 0 picks one).
+
+    Returns the address peers should dial.
+    """
+    if address.startswith("unix:"):
+        path = address.split(":", 1)[1].removeprefix("//")
+        if os.path.exists(path):
+            os.unlink(path)  # a stale socket from a killed process
+        server.add_insecure_port(address)
+        return address
+    port = server.add_insecure_port(address)
+    if port == 0:
+        raise OSError(f"cannot bind {address}")
+    host = address.rsplit(":", 1)[0]
+    if host in ("", "0.0.0.0", "[::]"):
+        host = "127.0.0.1"
+    return f"{host}:{port}"

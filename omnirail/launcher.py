@@ -1,0 +1,256 @@
+"""`omnirail up`: the coordinator and one process per stage process group, as children.
+
+Every child gets PR_SET_PDEATHSIG so it dies with the launcher even when the launcher is
+killed hard; `stop()` terminates them in order and sweeps the run's shared-memory names.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import ctypes
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+import uuid
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+from omnirail.config import PipelineConfig, load_pipeline
+from omnirail.errors import Code, OmniError
+
+_PR_SET_PDEATHSIG = 1
+
+
+def _die_with_parent() -> None:
+    libc = ctypes.CDLL("libc.so.6", use_errno=True)
+    libc.prctl(_PR_SET_PDEATHSIG, signal.SIGTERM)
+
+
+def state_dir() -> Path:
+    base = os.environ.get("XDG_RUNTIME_DIR") or tempfile.gettempdir()
+    path = Path(base) / f"omnirail-{os.getuid()}"
+    path.mkdir(mode=0o700, exist_ok=True)
+    return path
+
+
+@dataclass
+class _Child:
+    name: str
+    proc: subprocess.Popen[bytes]
+    log: Path
+
+
+class Mesh:
+    """A running local mesh. Use as a context manager or call `start()`/`stop()`."""
+
+    def __init__(
+        self,
+        pipeline_path: str | os.PathLike[str],
+        *,
+        transport: str | None = None,
+        host: str | None = None,
+        port: int = 0,
+        run_dir: str | None = None,
+        progress: Callable[[str], None] | None = None,
+    ) -> None:
+        self.pipeline_path = str(Path(pipeline_path).resolve())
+        self.pipeline: PipelineConfig = load_pipeline(self.pipeline_path)
+        ep = self.pipeline.endpoints
+        self.transport = transport or ep.transport
+        if self.transport not in ("unix", "tcp"):
+            raise ValueError(f"transport must be 'unix' or 'tcp', not {self.transport!r}")
+        self.host = host or ep.host
+        self.port = port
+        self._own_run_dir = run_dir is None and ep.base_path is None
+        self.run_dir = Path(run_dir or ep.base_path or tempfile.mkdtemp(prefix="omnirail-"))
+        self.run_dir.mkdir(parents=True, exist_ok=True)
+        self.run_id = uuid.uuid4().hex[:8]
+        self.shm_prefix = f"omnirail-{self.run_id}"
+        self._progress = progress or (lambda msg: None)
+        self._children: list[_Child] = []
+        self.address: str | None = None
+
+    def __enter__(self) -> Mesh:
+        self.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
+
+    # ---- start -----------------------------------------------------------------
+
+    def _listen(self, name: str) -> str:
+        if self.transport == "unix":
+            return f"unix://{self.run_dir / (name + '.sock')}"
+        return f"{self.host}:0"
+
+    def _spawn(self, name: str, args: list[str]) -> _Child:
+        log = self.run_dir / "logs" / f"{name}.log"
+        log.parent.mkdir(exist_ok=True)
+        with open(log, "ab") as out:
+            proc = subprocess.Popen(
+                [sys.executable, "-m", "omnirail", *args],
+                stdout=out,
+                stderr=subprocess.STDOUT,
+                stdin=subprocess.DEVNULL,
+                preexec_fn=_die_with_parent,
+                env={**os.environ, "PYTHONUNBUFFERED": "1"},
+            )
+        child = _Child(name, proc, log)
+        self._children.append(child)
+        return child
+
+    def start(self, timeout: float = 180.0) -> str:
+        try:
+            return self._start(timeout)
+        except BaseException:
+            self.stop()
+            raise
+
+    def _start(self, timeout: float) -> str:
+        deadline = time.monotonic() + timeout
+        ready_file = self.run_dir / "coordinator.addr"
+        ready_file.unlink(missing_ok=True)
+        listen = (
+            f"{self.host}:{self.port}" if self.transport == "tcp" else self._listen("coordinator")
+        )
+        self._progress(f"starting coordinator ({listen})")
+        coord = self._spawn(
+            "coordinator",
+            [
+                "coordinator",
+                "--pipeline",
+                self.pipeline_path,
+                "--listen",
+                listen,
+                "--ready-file",
+                str(ready_file),
+            ],
+        )
+        while not ready_file.exists() or not ready_file.read_text():
+            self._check_alive(coord)
+            if time.monotonic() > deadline:
+                raise OmniError(Code.UNAVAILABLE, f"coordinator did not start in {timeout:g}s")
+            time.sleep(0.02)
+        self.address = ready_file.read_text().strip()
+        groups = self.pipeline.process_groups()
+        for group, stages in groups.items():
+            self._progress(f"starting process {group!r}: stages {', '.join(stages)}")
+            self._spawn(
+                f"stage-{group}",
+                [
+                    "stage",
+                    "--pipeline",
+                    self.pipeline_path,
+                    "--stage",
+                    ",".join(stages),
+                    "--coordinator",
+                    self.address,
+                    "--listen",
+                    self._listen(f"stage-{group}"),
+                    "--shm-prefix",
+                    self.shm_prefix,
+                ],
+            )
+        self._wait_ready(deadline)
+        return self.address
+
+    def _wait_ready(self, deadline: float) -> None:
+        from omnirail.client import Client
+
+        last = ""
+        with Client(self.address or "") as client:
+            while True:
+                for child in self._children:
+                    self._check_alive(child)
+                try:
+                    info = client.describe()
+                    missing = [s.name for s in info.stages if not s.replicas]
+                    if info.ready:
+                        self._progress(f"mesh ready: {len(info.stages)} stages")
+                        return
+                    msg = f"waiting for stages: {', '.join(missing)}"
+                except OmniError:
+                    msg = "waiting for the coordinator"
+                if msg != last:
+                    self._progress(msg)
+                    last = msg
+                if time.monotonic() > deadline:
+                    raise OmniError(Code.UNAVAILABLE, f"mesh not ready in time: {msg}")
+                time.sleep(0.05)
+
+    def _check_alive(self, child: _Child) -> None:
+        code = child.proc.poll()
+        if code is not None:
+            tail = child.log.read_text(errors="replace").splitlines()[-25:]
+            raise OmniError(
+                Code.UNAVAILABLE,
+                f"{child.name} exited with code {code} during start-up; last log lines:\n"
+                + "\n".join(tail),
+            )
+
+    # ---- run state -------------------------------------------------------------
+
+    def processes(self) -> dict[str, int]:
+        return {c.name: c.proc.pid for c in self._children}
+
+    def poll_exited(self) -> list[tuple[str, int]]:
+        return [(c.name, c.proc.returncode) for c in self._children if c.proc.poll() is not None]
+
+    # ---- stop ------------------------------------------------------------------
+
+    def stop(self, grace: float = 5.0) -> None:
+        stages = [c for c in self._children if c.name != "coordinator"]
+        coordinator = [c for c in self._children if c.name == "coordinator"]
+        for batch in (stages, coordinator):
+            for child in batch:
+                if child.proc.poll() is None:
+                    child.proc.send_signal(signal.SIGTERM)
+            end = time.monotonic() + grace
+            for child in batch:
+                try:
+                    child.proc.wait(timeout=max(0.0, end - time.monotonic()))
+                except subprocess.TimeoutExpired:
+                    child.proc.kill()
+                    child.proc.wait()
+        self._children.clear()
+        sweep_shm(self.shm_prefix)
+        if self._own_run_dir:
+            shutil.rmtree(self.run_dir, ignore_errors=True)
+
+
+def sweep_shm(prefix: str) -> int:
+    """Unlinks /dev/shm names a killed process of this run may have left behind."""
+    removed = 0
+    with contextlib.suppress(FileNotFoundError):
+        for name in os.listdir("/dev/shm"):
+            if name.startswith(prefix + "-"):
+                with contextlib.suppress(FileNotFoundError):
+                    os.unlink(os.path.join("/dev/shm", name))
+                    removed += 1
+    return removed
+
+
+def write_state(name: str, data: dict[str, object]) -> Path:
+    path = state_dir() / f"{name}.json"
+    path.write_text(json.dumps(data))
+    return path
+
+
+def read_states() -> dict[str, dict[str, object]]:
+    states = {}
+    for path in state_dir().glob("*.json"):
+        try:
+            data = json.loads(path.read_text())
+            os.kill(int(data["pid"]), 0)
+        except (OSError, ValueError, KeyError):
+            path.unlink(missing_ok=True)  # a mesh that is gone
+            continue
+        states[path.stem] = data
+    return states

@@ -1,0 +1,129 @@
+from omnirail.v1 import common_pb2 as _common_pb2
+from google.protobuf.internal import containers as _containers
+from google.protobuf import descriptor as _descriptor
+from google.protobuf import message as _message
+from collections.abc import Iterable as _Iterable, Mapping as _Mapping
+from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
+
+DESCRIPTOR: _descriptor.FileDescriptor
+
+class GenerateRequest(_message.Message):
+    __slots__ = ("request_id", "inputs", "timeout_s", "traceparent")
+    REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
+    INPUTS_FIELD_NUMBER: _ClassVar[int]
+    TIMEOUT_S_FIELD_NUMBER: _ClassVar[int]
+    TRACEPARENT_FIELD_NUMBER: _ClassVar[int]
+    request_id: str
+    inputs: _common_pb2.Payload
+    timeout_s: float
+    traceparent: str
+    def __init__(self, request_id: _Optional[str] = ..., inputs: _Optional[_Union[_common_pb2.Payload, _Mapping]] = ..., timeout_s: _Optional[float] = ..., traceparent: _Optional[str] = ...) -> None: ...
+
+class SubmitResponse(_message.Message):
+    __slots__ = ("request_id",)
+    REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
+    request_id: str
+    def __init__(self, request_id: _Optional[str] = ...) -> None: ...
+
+class RequestRef(_message.Message):
+    __slots__ = ("request_id",)
+    REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
+    request_id: str
+    def __init__(self, request_id: _Optional[str] = ...) -> None: ...
+
+class Result(_message.Message):
+    __slots__ = ("request_id", "outputs")
+    class OutputsEntry(_message.Message):
+        __slots__ = ("key", "value")
+        KEY_FIELD_NUMBER: _ClassVar[int]
+        VALUE_FIELD_NUMBER: _ClassVar[int]
+        key: str
+        value: _common_pb2.Payload
+        def __init__(self, key: _Optional[str] = ..., value: _Optional[_Union[_common_pb2.Payload, _Mapping]] = ...) -> None: ...
+    REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
+    OUTPUTS_FIELD_NUMBER: _ClassVar[int]
+    request_id: str
+    outputs: _containers.MessageMap[str, _common_pb2.Payload]
+    def __init__(self, request_id: _Optional[str] = ..., outputs: _Optional[_Mapping[str, _common_pb2.Payload]] = ...) -> None: ...
+
+class GenerateEvent(_message.Message):
+    __slots__ = ("result",)
+    RESULT_FIELD_NUMBER: _ClassVar[int]
+    result: Result
+    def __init__(self, result: _Optional[_Union[Result, _Mapping]] = ...) -> None: ...
+
+class RequestStatus(_message.Message):
+    __slots__ = ("request_id", "state", "result", "error", "elapsed_s")
+    REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
+    STATE_FIELD_NUMBER: _ClassVar[int]
+    RESULT_FIELD_NUMBER: _ClassVar[int]
+    ERROR_FIELD_NUMBER: _ClassVar[int]
+    ELAPSED_S_FIELD_NUMBER: _ClassVar[int]
+    request_id: str
+    state: _common_pb2.RequestState
+    result: Result
+    error: _common_pb2.Error
+    elapsed_s: float
+    def __init__(self, request_id: _Optional[str] = ..., state: _Optional[_Union[_common_pb2.RequestState, str]] = ..., result: _Optional[_Union[Result, _Mapping]] = ..., error: _Optional[_Union[_common_pb2.Error, _Mapping]] = ..., elapsed_s: _Optional[float] = ...) -> None: ...
+
+class AbortRequest(_message.Message):
+    __slots__ = ("request_id", "reason")
+    REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
+    REASON_FIELD_NUMBER: _ClassVar[int]
+    request_id: str
+    reason: str
+    def __init__(self, request_id: _Optional[str] = ..., reason: _Optional[str] = ...) -> None: ...
+
+class AbortResponse(_message.Message):
+    __slots__ = ("request_id", "acknowledged_by")
+    REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
+    ACKNOWLEDGED_BY_FIELD_NUMBER: _ClassVar[int]
+    request_id: str
+    acknowledged_by: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, request_id: _Optional[str] = ..., acknowledged_by: _Optional[_Iterable[str]] = ...) -> None: ...
+
+class DescribePipelineRequest(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class StageInfo(_message.Message):
+    __slots__ = ("name", "next", "terminal", "wait_for", "replicas")
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    NEXT_FIELD_NUMBER: _ClassVar[int]
+    TERMINAL_FIELD_NUMBER: _ClassVar[int]
+    WAIT_FOR_FIELD_NUMBER: _ClassVar[int]
+    REPLICAS_FIELD_NUMBER: _ClassVar[int]
+    name: str
+    next: _containers.RepeatedScalarFieldContainer[str]
+    terminal: bool
+    wait_for: _containers.RepeatedScalarFieldContainer[str]
+    replicas: _containers.RepeatedCompositeFieldContainer[Replica]
+    def __init__(self, name: _Optional[str] = ..., next: _Optional[_Iterable[str]] = ..., terminal: _Optional[bool] = ..., wait_for: _Optional[_Iterable[str]] = ..., replicas: _Optional[_Iterable[_Union[Replica, _Mapping]]] = ...) -> None: ...
+
+class Replica(_message.Message):
+    __slots__ = ("replica_id", "address", "live", "queue_depth", "inflight")
+    REPLICA_ID_FIELD_NUMBER: _ClassVar[int]
+    ADDRESS_FIELD_NUMBER: _ClassVar[int]
+    LIVE_FIELD_NUMBER: _ClassVar[int]
+    QUEUE_DEPTH_FIELD_NUMBER: _ClassVar[int]
+    INFLIGHT_FIELD_NUMBER: _ClassVar[int]
+    replica_id: str
+    address: str
+    live: bool
+    queue_depth: int
+    inflight: int
+    def __init__(self, replica_id: _Optional[str] = ..., address: _Optional[str] = ..., live: _Optional[bool] = ..., queue_depth: _Optional[int] = ..., inflight: _Optional[int] = ...) -> None: ...
+
+class PipelineInfo(_message.Message):
+    __slots__ = ("name", "entry_stage", "terminal_stages", "stages", "ready")
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    ENTRY_STAGE_FIELD_NUMBER: _ClassVar[int]
+    TERMINAL_STAGES_FIELD_NUMBER: _ClassVar[int]
+    STAGES_FIELD_NUMBER: _ClassVar[int]
+    READY_FIELD_NUMBER: _ClassVar[int]
+    name: str
+    entry_stage: str
+    terminal_stages: _containers.RepeatedScalarFieldContainer[str]
+    stages: _containers.RepeatedCompositeFieldContainer[StageInfo]
+    ready: bool
+    def __init__(self, name: _Optional[str] = ..., entry_stage: _Optional[str] = ..., terminal_stages: _Optional[_Iterable[str]] = ..., stages: _Optional[_Iterable[_Union[StageInfo, _Mapping]]] = ..., ready: _Optional[bool] = ...) -> None: ...

@@ -1,0 +1,141 @@
+"""A stage replica's Attach stream to the coordinator.
+
+Registers, then sends completions, failures and abort acks, batched per write; receives
+topology, aborts and shutdown. Reconnects (and re-registers) when the coordinator goes
+away and comes back, so stages may start before the coordinator does.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import Callable
+
+import grpc
+
+from omnirail.deliver import channel_options
+from omnirail.errors import OmniError
+from omnirail.v1 import common_pb2, mesh_pb2, mesh_pb2_grpc
+
+log = logging.getLogger(__name__)
+
+CommandHandler = Callable[[mesh_pb2.CoordinatorCommand], None]
+
+
+class AttachClient:
+    def __init__(
+        self,
+        coordinator: str,
+        register: mesh_pb2.Register,
+        on_command: CommandHandler,
+        *,
+        max_message_bytes: int = 64 << 20,
+        load: Callable[[], tuple[int, int]] | None = None,
+    ) -> None:
+        self._address = coordinator
+        self._register = register
+        self._on_command = on_command
+        self._max_message_bytes = max_message_bytes
+        self._load = load
+        self._event = mesh_pb2.StageEvent()
+        self._wake = asyncio.Event()
+        self.connected = asyncio.Event()
+        self._stopping = False
+
+    # ---- upward events (called on the loop thread) ----------------------------
+
+    def complete(self, request_id: str, output: common_pb2.Payload, traceparent: str) -> None:
+        self._event.completions.add(request_id=request_id, output=output, traceparent=traceparent)
+        self._wake.set()
+
+    def fail(self, request_id: str, error: OmniError) -> None:
+        self._event.failures.add(request_id=request_id, error=error.to_proto())
+        self._wake.set()
+
+    def abort_ack(self, request_id: str) -> None:
+        self._event.abort_acks.add(request_id=request_id)
+        self._wake.set()
+
+    def stop(self) -> None:
+        self._stopping = True
+        self._wake.set()
+
+    # ---- stream --------------------------------------------------------------
+
+    async def run(self) -> None:
+        """Keeps the stream up until `stop()` or a shutdown command."""
+        delay = 0.05
+        while not self._stopping:
+            try:
+                await self._attach_once()
+                delay = 0.05
+            except asyncio.CancelledError:
+                raise
+            except grpc.aio.AioRpcError as exc:
+                if self.connected.is_set():
+                    log.warning("attach to %s lost: %s", self._address, exc.code().name)
+            except Exception:
+                log.exception("attach to %s failed", self._address)
+            self.connected.clear()
+            if self._stopping:
+                return
+            await asyncio.sleep(delay)
+            delay = min(delay * 2, 1.0)
+
+    async def _attach_once(self) -> None:
+        async with grpc.aio.insecure_channel(
+            self._address, options=channel_options(self._max_message_bytes)
+        ) as channel:
+            call = mesh_pb2_grpc.CoordinatorStub(channel).Attach(wait_for_ready=True)
+            await call.write(mesh_pb2.StageEvent(register=self._register))
+            first = await call.read()
+            if first is grpc.aio.EOF:
+                raise ConnectionError("coordinator closed the stream during registration")
+            self._on_command(first)
+            self.connected.set()
+            log.info("stage %s attached to %s", self._register.stage, self._address)
+            reader = asyncio.get_running_loop().create_task(self._read(call))
+            try:
+                await self._write(call, reader)
+            finally:
+                reader.cancel()
+                call.cancel()
+
+    async def _read(self, call: grpc.aio.StreamStreamCall) -> None:
+        while (command := await call.read()) is not grpc.aio.EOF:
+            self._on_command(command)
+            if command.HasField("shutdown"):
+                self._stopping = True
+                self._wake.set()
+                return
+
+    async def _write(self, call: grpc.aio.StreamStreamCall, reader: asyncio.Task[None]) -> None:
+        while True:
+            if not _has_events(self._event):
+                self._wake.clear()
+                waiter = asyncio.ensure_future(self._wake.wait())
+                done, _ = await asyncio.wait({waiter, reader}, return_when=asyncio.FIRST_COMPLETED)
+                if reader in done:
+                    waiter.cancel()
+                    # Flush what is left (abort acks answering a shutdown, say).
+                    if _has_events(self._event):
+                        await call.write(self._swap())
+                    reader.result()
+                    return
+            if self._stopping and not _has_events(self._event):
+                await call.done_writing()
+                return
+            if _has_events(self._event):
+                await call.write(self._swap())
+
+    def _swap(self) -> mesh_pb2.StageEvent:
+        event, self._event = self._event, mesh_pb2.StageEvent()
+        if self._load is not None:
+            depth, inflight = self._load()
+            event.load.queue_depth = depth
+            event.load.inflight = inflight
+        return event
+
+
+def _has_events(event: mesh_pb2.StageEvent) -> bool:
+    return bool(event.completions or event.failures or event.abort_acks)

@@ -1,0 +1,260 @@
+"""A stage process: hosts one or more stages behind one gRPC server.
+
+Owns what is per process: the relays (one pool per backend), the Deliver server, the
+outgoing Deliver channels (one per receiver address), and the topology the coordinator
+pushes. Each hosted stage has its own Attach stream and its own scheduler.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import uuid
+import zlib
+from collections.abc import AsyncIterator
+
+import grpc
+
+from omnirail import dotted
+from omnirail.config import PipelineConfig
+from omnirail.deliver import DeliverChannel
+from omnirail.errors import OmniError, invalid, unavailable
+from omnirail.grpc_server import SERVING, bind, create_server
+from omnirail.v1 import mesh_pb2, mesh_pb2_grpc
+from relay.base import Relay, RelayHandle, create_relay
+from stage_service.attach import AttachClient
+from stage_service.scheduler import Scheduler, SimpleScheduler
+from stage_service.stage import Stage
+
+log = logging.getLogger(__name__)
+
+
+def build_scheduler(pipeline: PipelineConfig, name: str) -> Scheduler:
+    """Calls the stage factory; a plain callable becomes a `SimpleScheduler`."""
+    cfg = pipeline.stage(name)
+    factory = dotted.resolve(cfg.factory, pipeline.source_dir)
+    made = factory(**pipeline.factory_args_for(name))
+    if isinstance(made, Scheduler):
+        return made
+    if callable(made):
+        return SimpleScheduler(made, name=name)
+    raise TypeError(
+        f"stages[{name}].factory {cfg.factory!r} returned {type(made).__name__}; "
+        "expected a Scheduler or a callable"
+    )
+
+
+class StageHost(mesh_pb2_grpc.StageServicer):
+    def __init__(
+        self,
+        pipeline: PipelineConfig,
+        stage_names: list[str],
+        *,
+        coordinator: str,
+        listen: str,
+        advertise: str | None = None,
+        shm_prefix: str = "omnirail",
+        replica_id: str | None = None,
+    ) -> None:
+        self.pipeline = pipeline
+        self.stage_names = stage_names
+        self._coordinator = coordinator
+        self._listen = listen
+        self._advertise = advertise
+        self._shm_prefix = shm_prefix
+        self.replica_id = replica_id or f"{'+'.join(stage_names)}-{uuid.uuid4().hex[:8]}"
+        self._max_message = pipeline.endpoints.max_message_mb << 20
+        self.stages: dict[str, Stage] = {}
+        self._attach: dict[str, AttachClient] = {}
+        self._relays: dict[str, Relay] = {}
+        self._channels: dict[str, DeliverChannel] = {}
+        self._topology: dict[str, list[str]] = {}
+        self._address_stage: dict[str, str] = {}
+        self._possible: dict[tuple[str, ...], frozenset[str]] = {}
+        self._tasks: list[asyncio.Task[None]] = []
+        self._server: grpc.aio.Server | None = None
+        self.shutdown_requested = asyncio.Event()
+
+    # ---- lifecycle -----------------------------------------------------------
+
+    async def start(self) -> str:
+        self._make_relays()
+        schedulers = {name: build_scheduler(self.pipeline, name) for name in self.stage_names}
+        server, health = create_server(
+            [mesh_pb2.DESCRIPTOR.services_by_name["Stage"].full_name],
+            max_message_bytes=self._max_message,
+        )
+        mesh_pb2_grpc.add_StageServicer_to_server(self, server)
+        address = bind(server, self._listen)
+        self._server = server
+        await server.start()
+        advertise = self._advertise or address
+        for name in self.stage_names:
+            attach = AttachClient(
+                self._coordinator,
+                mesh_pb2.Register(
+                    stage=name,
+                    replica_id=self.replica_id,
+                    address=advertise,
+                    pid=os.getpid(),
+                    relay_backends=sorted(self._relays),
+                ),
+                lambda cmd, n=name: self._on_command(n, cmd),
+                max_message_bytes=self._max_message,
+            )
+            relay = self._relays[self.pipeline.relay_for(name).backend]
+            stage = Stage(name, self.pipeline, schedulers[name], relay, self._relays, self, attach)
+            stage.start()
+            self.stages[name] = stage
+            self._attach[name] = attach
+            self._tasks.append(asyncio.get_running_loop().create_task(self._run_attach(attach)))
+        await health.set("", SERVING)
+        return advertise
+
+    async def _run_attach(self, attach: AttachClient) -> None:
+        await attach.run()
+        # The stream only ends for good on shutdown (or stop()).
+        self.shutdown_requested.set()
+
+    async def wait_attached(self, timeout: float) -> None:
+        await asyncio.wait_for(
+            asyncio.gather(*(a.connected.wait() for a in self._attach.values())), timeout
+        )
+
+    async def stop(self) -> None:
+        for attach in self._attach.values():
+            attach.stop()
+        for task in self._tasks:
+            task.cancel()
+        await asyncio.gather(*self._tasks, return_exceptions=True)
+        for stage in self.stages.values():
+            await stage.stop()
+        for channel in self._channels.values():
+            await channel.close()
+        if self._server is not None:
+            await self._server.stop(grace=0.5)
+        for relay in self._relays.values():
+            relay.close()
+
+    def _make_relays(self) -> None:
+        # Backends this process sends with, and those its upstream stages send with.
+        users: dict[str, str] = {}
+        for name in self.stage_names:
+            users.setdefault(self.pipeline.relay_for(name).backend, name)
+            for up in self.pipeline.upstream_of(name):
+                users.setdefault(self.pipeline.relay_for(up).backend, name)
+        for backend, stage in users.items():
+            settings = self.pipeline.relay_for(stage).to_settings(self._shm_prefix)
+            self._relays[backend] = create_relay(backend, settings)
+
+    # ---- Router (used by stages) ---------------------------------------------
+
+    def deliver(self, item: mesh_pb2.DeliverItem, handle: RelayHandle | None) -> None:
+        endpoints = self._topology.get(item.to_stage)
+        if not endpoints:
+            if handle is not None:
+                handle.release()
+            self._report_lost(
+                [item.request_id], f"no live replica of stage {item.to_stage!r}", item.to_stage
+            )
+            return
+        address = endpoints[zlib.crc32(item.request_id.encode()) % len(endpoints)]
+        channel = self._channels.get(address)
+        if channel is None:
+            channel = DeliverChannel(
+                address,
+                self.replica_id,
+                lambda rids, why, a=address: self._report_lost(
+                    rids, why, self._address_stage.get(a, "")
+                ),
+                max_message_bytes=self._max_message,
+            )
+            self._channels[address] = channel
+        channel.send(item, handle)
+
+    def possible_stages(self, terminals: tuple[str, ...]) -> frozenset[str]:
+        found = self._possible.get(terminals)
+        if found is None:
+            found = self._possible[terminals] = frozenset(
+                self.pipeline.possible_stages_for(list(terminals))
+            )
+        return found
+
+    def _report_lost(self, request_ids: list[str], why: str, stage: str) -> None:
+        reporter = next(iter(self._attach.values()))
+        for rid in request_ids:
+            reporter.fail(rid, unavailable(why, stage))
+
+    # ---- coordinator commands ------------------------------------------------
+
+    def _on_command(self, stage_name: str, cmd: mesh_pb2.CoordinatorCommand) -> None:
+        if cmd.HasField("topology"):
+            self._topology = {
+                name: [e.address for e in eps.endpoints]
+                for name, eps in cmd.topology.stages.items()
+            }
+            self._address_stage = {a: name for name, addrs in self._topology.items() for a in addrs}
+        for abort in cmd.aborts:
+            self.stages[stage_name].abort(abort.request_id)
+            for relay in self._relays.values():
+                relay.cleanup(abort.request_id)
+            for channel in self._channels.values():
+                channel.forget_request(abort.request_id)
+            self._attach[stage_name].abort_ack(abort.request_id)
+        if cmd.HasField("shutdown"):
+            log.info("stage %s: shutdown requested (%s)", stage_name, cmd.shutdown.reason)
+            self.shutdown_requested.set()
+
+    # ---- Deliver server --------------------------------------------------------
+
+    async def Deliver(
+        self,
+        request_iterator: AsyncIterator[mesh_pb2.DeliverBatch],
+        context: grpc.aio.ServicerContext,
+    ) -> None:
+        acks = mesh_pb2.AckBatch()
+        wake = asyncio.Event()
+
+        def ack_for(seq: int):
+            def ack(error: OmniError | None) -> None:
+                a = acks.acks.add(seq=seq)
+                if error is not None:
+                    a.error.CopyFrom(error.to_proto())
+                wake.set()
+
+            return ack
+
+        async def read() -> None:
+            async for batch in request_iterator:
+                for item in batch.items:
+                    stage = self.stages.get(item.to_stage)
+                    if stage is None:
+                        err = invalid(
+                            f"this process hosts {self.stage_names}, not {item.to_stage!r}"
+                        )
+                        ack_for(item.seq)(err)
+                        if item.request_id:
+                            next(iter(self._attach.values())).fail(item.request_id, err)
+                        continue
+                    await stage.on_item(item, ack_for(item.seq))
+
+        reader = asyncio.get_running_loop().create_task(read())
+        try:
+            while True:
+                if not acks.acks:
+                    wake.clear()
+                    waiter = asyncio.ensure_future(wake.wait())
+                    done, _ = await asyncio.wait(
+                        {waiter, reader}, return_when=asyncio.FIRST_COMPLETED
+                    )
+                    if reader in done and not acks.acks:
+                        waiter.cancel()
+                        exc = reader.exception()
+                        if exc is not None and not isinstance(exc, asyncio.CancelledError):
+                            log.warning("deliver stream ended: %s", exc)
+                        return
+                batch, acks = acks, mesh_pb2.AckBatch()
+                await context.write(batch)
+        finally:
+            reader.cancel()

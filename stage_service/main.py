@@ -1,0 +1,61 @@
+"""Runs one stage process (one or more stages) until SIGINT/SIGTERM or shutdown."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import signal
+
+from omnirail.config import PipelineConfig
+
+log = logging.getLogger(__name__)
+
+
+def configure_process(pipeline: PipelineConfig, stage_names: list[str]) -> None:
+    """Environment and torch threads; must run before stage factories import models."""
+    for key, value in pipeline.env_defaults.items():
+        os.environ.setdefault(key, value)
+    for name in stage_names:
+        for key, value in pipeline.stage(name).env.items():
+            os.environ.setdefault(key, value)
+    import torch
+
+    # Oversubscribing cores collapses throughput; each stage states what it needs.
+    threads = max(pipeline.stage(n).torch_threads for n in stage_names)
+    torch.set_num_threads(threads)
+    try:
+        torch.set_num_interop_threads(1)
+    except RuntimeError:  # already set once in this process
+        pass
+
+
+async def serve(
+    pipeline: PipelineConfig,
+    stage_names: list[str],
+    *,
+    coordinator: str,
+    listen: str,
+    advertise: str | None = None,
+    shm_prefix: str = "omnirail",
+) -> None:
+    from stage_service.host import StageHost
+
+    configure_process(pipeline, stage_names)
+    host = StageHost(
+        pipeline,
+        stage_names,
+        coordinator=coordinator,
+        listen=listen,
+        advertise=advertise,
+        shm_prefix=shm_prefix,
+    )
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        loop.add_signal_handler(sig, host.shutdown_requested.set)
+    address = await host.start()
+    log.info("stages %s listening on %s", stage_names, address)
+    try:
+        await host.shutdown_requested.wait()
+    finally:
+        await host.stop()

@@ -1,0 +1,322 @@
+"""The Stage IO shell: deliveries in, fan-in, scheduler, routing, results out.
+
+A `Stage` reads relay payloads, waits for every active upstream (fan-in), hands complete
+inputs to `scheduler.inbox`, and turns `scheduler.outbox` messages into deliveries to
+downstream stages or completions for the coordinator. It never branches on the
+scheduler's type. Everything here runs on the process's event loop thread; compute runs
+on the scheduler's thread.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+from typing import Any, Protocol
+
+from omnirail import dotted
+from omnirail.config import PipelineConfig
+from omnirail.errors import Code, OmniError, internal, invalid
+from omnirail.payload import PayloadError, encode_inline
+from omnirail.v1 import common_pb2, mesh_pb2
+from relay.base import Relay, RelayError, RelayHandle
+from relay.io import ReceivedPayload, receive_payload, send_payload
+from stage_service.scheduler import AbortSet, IncomingMessage, OutgoingMessage, Scheduler
+
+log = logging.getLogger(__name__)
+
+AckFn = Callable[[OmniError | None], None]
+
+
+class Reporter(Protocol):
+    """Upward events to the coordinator (the stage's Attach stream)."""
+
+    def complete(self, request_id: str, output: common_pb2.Payload, traceparent: str) -> None: ...
+
+    def fail(self, request_id: str, error: OmniError) -> None: ...
+
+
+class Router(Protocol):
+    """Process-level delivery: picks a replica of `to_stage` and queues the item."""
+
+    def deliver(self, item: mesh_pb2.DeliverItem, handle: RelayHandle | None) -> None: ...
+
+    def possible_stages(self, terminals: tuple[str, ...]) -> frozenset[str]: ...
+
+
+@dataclass(slots=True)
+class _Request:
+    meta: mesh_pb2.RequestMeta
+    traceparent: str
+    # Received payloads and their acks; released once the result has been sent on.
+    holds: list[tuple[ReceivedPayload, AckFn | None]] = field(default_factory=list)
+    arrived: dict[str, Any] = field(default_factory=dict)
+    active: frozenset[str] | None = None
+    submitted: bool = False
+
+
+class Stage:
+    def __init__(
+        self,
+        name: str,
+        pipeline: PipelineConfig,
+        scheduler: Scheduler,
+        relay: Relay,
+        relays: Mapping[str, Relay],
+        router: Router,
+        reporter: Reporter,
+    ) -> None:
+        self.name = name
+        self.cfg = pipeline.stage(name)
+        self.scheduler = scheduler
+        self._relay = relay
+        self._relays = relays
+        self._router = router
+        self._reporter = reporter
+        self._inline_bytes = pipeline.relay_for(name).inline_bytes
+        base = pipeline.source_dir
+        self._wait_for = frozenset(self.cfg.wait_for or ())
+        self._wait_for_fn = (
+            dotted.resolve(self.cfg.wait_for_fn, base) if self.cfg.wait_for_fn else None
+        )
+        self._merge_fn = dotted.resolve(self.cfg.merge_fn, base) if self.cfg.merge_fn else None
+        self._route_fn = dotted.resolve(self.cfg.route_fn, base) if self.cfg.route_fn else None
+        self._next = tuple(self.cfg.next_stages)
+        self._project = {t: dotted.resolve(p, base) for t, p in self.cfg.project_payload.items()}
+        self._requests: dict[str, _Request] = {}
+        self._aborted = AbortSet()
+        self._wake = asyncio.Event()
+        self._dispatcher: asyncio.Task[None] | None = None
+
+    # ---- lifecycle -----------------------------------------------------------
+
+    def start(self) -> None:
+        loop = asyncio.get_running_loop()
+        self.scheduler.outbox.bind(lambda: loop.call_soon_threadsafe(self._wake.set))
+        self.scheduler.start()
+        self._dispatcher = loop.create_task(self._dispatch_loop())
+
+    async def stop(self) -> None:
+        if self._dispatcher is not None:
+            self._dispatcher.cancel()
+            try:
+                await self._dispatcher
+            except asyncio.CancelledError:
+                pass
+        await asyncio.to_thread(self.scheduler.stop)
+        for rid in list(self._requests):
+            self._release(self._requests.pop(rid))
+
+    @property
+    def inflight(self) -> int:
+        return len(self._requests)
+
+    # ---- input path ----------------------------------------------------------
+
+    async def on_item(self, item: mesh_pb2.DeliverItem, ack: AckFn) -> None:
+        rid = item.request_id
+        source = item.from_stage or "coordinator"
+        if not rid:
+            ack(invalid("delivery without request_id", self.name))
+            return
+        if rid in self._aborted:
+            ack(None)
+            return
+        try:
+            received = await receive_payload(item.payload, self._relays)
+        except (PayloadError, RelayError) as exc:
+            err = invalid(f"bad payload from {source}: {exc}", self.name)
+            ack(err)
+            self._fail(rid, err)
+            return
+        if rid in self._aborted:  # aborted while the relay read was in flight
+            received.release()
+            ack(None)
+            return
+        # Inline bytes are already ours: ack now so the sender forgets the item early.
+        relayed = item.payload.HasField("relay")
+        if not relayed:
+            ack(None)
+        req = self._requests.get(rid)
+        if req is None:
+            req = self._requests[rid] = _Request(item.meta, item.traceparent)
+        req.holds.append((received, ack if relayed else None))
+        if item.meta.deadline and time.time() > item.meta.deadline:
+            self._fail(rid, OmniError(Code.DEADLINE_EXCEEDED, "deadline passed", self.name))
+            return
+        try:
+            ready = self._fan_in(rid, req, item.from_stage, received.value)
+        except OmniError as exc:
+            self._fail(rid, exc)
+            return
+        except Exception as exc:  # user hook (wait_for_fn / merge_fn) raised
+            self._fail(rid, _as_error(exc, self.name))
+            return
+        if ready is not _PENDING and not req.submitted:
+            req.submitted = True
+            self.scheduler.inbox.put(IncomingMessage(rid, "new_request", ready))
+
+    def _fan_in(self, rid: str, req: _Request, source: str, value: Any) -> Any:
+        if not self._wait_for:
+            if req.submitted or len(req.holds) > 1:
+                raise invalid(f"duplicate delivery from {source or 'coordinator'}", self.name)
+            return value
+        if source not in self._wait_for:
+            raise invalid(
+                f"received from {source or 'coordinator'!r}, which is not in wait_for "
+                f"{sorted(self._wait_for)}",
+                self.name,
+            )
+        if source in req.arrived:
+            raise invalid(f"duplicate delivery from {source!r}", self.name)
+        req.arrived[source] = value
+        if req.active is None:
+            if self._wait_for_fn is None:
+                req.active = self._wait_for
+            else:
+                chosen = self._wait_for_fn(rid, source, value)
+                if chosen is not None:
+                    req.active = self._check_subset(
+                        chosen, self._wait_for, "wait_for_fn", "wait_for"
+                    )
+        if req.active is None or not req.active <= req.arrived.keys():
+            return _PENDING
+        assert self._merge_fn is not None  # config validation guarantees it
+        return self._merge_fn({s: req.arrived[s] for s in sorted(req.active)})
+
+    def _check_subset(
+        self, chosen: Any, allowed: frozenset[str] | tuple[str, ...], hook: str, field_: str
+    ) -> frozenset[str]:
+        names = [chosen] if isinstance(chosen, str) else chosen
+        if not isinstance(names, (list, tuple, set, frozenset)) or not names:
+            raise internal(
+                f"{hook} returned {chosen!r}; expected a non-empty list of stage names", self.name
+            )
+        result = frozenset(names)
+        extra = result - frozenset(allowed)
+        if extra:
+            raise internal(
+                f"{hook} returned {sorted(extra)}, which is not in {field_} {sorted(allowed)}",
+                self.name,
+            )
+        return result
+
+    # ---- output path ---------------------------------------------------------
+
+    async def _dispatch_loop(self) -> None:
+        while True:
+            await self._wake.wait()
+            self._wake.clear()
+            for msg in self.scheduler.outbox.drain():
+                try:
+                    await self._handle(msg)
+                except Exception:  # never let one message kill the dispatcher
+                    log.exception("stage %s: dispatching %s failed", self.name, msg.request_id)
+
+    async def _handle(self, msg: OutgoingMessage) -> None:
+        rid = msg.request_id
+        req = self._requests.get(rid)
+        if req is None or rid in self._aborted:
+            return
+        if msg.type == "error":
+            self._fail(rid, _as_error(msg.data, self.name))
+            return
+        try:
+            await self._send_result(rid, req, msg.data)
+        except OmniError as exc:
+            self._fail(rid, exc)
+            return
+        except (PayloadError, RelayError, Exception) as exc:
+            self._fail(rid, _as_error(exc, self.name))
+            return
+        self._finish(rid)
+
+    async def _send_result(self, rid: str, req: _Request, output: Any) -> None:
+        if self.cfg.terminal:
+            self._reporter.complete(rid, encode_inline(output), req.traceparent)
+            return
+        for target in self._targets(rid, output, req.meta):
+            project = self._project.get(target)
+            value = project(output) if project is not None else output
+            payload, handle = await send_payload(
+                value,
+                self._relay,
+                request_id=rid,
+                edge=f"{self.name}->{target}",
+                inline_bytes=self._inline_bytes,
+            )
+            if rid in self._aborted:  # aborted while waiting for relay credit
+                if handle is not None:
+                    handle.release()
+                return
+            item = mesh_pb2.DeliverItem(
+                request_id=rid,
+                from_stage=self.name,
+                to_stage=target,
+                payload=payload,
+                traceparent=req.traceparent,
+                meta=req.meta,
+            )
+            self._router.deliver(item, handle)
+
+    def _targets(self, rid: str, output: Any, meta: mesh_pb2.RequestMeta) -> list[str]:
+        if self._route_fn is not None:
+            chosen = self._check_subset(self._route_fn(rid, output), self._next, "route_fn", "next")
+            targets = [t for t in self._next if t in chosen]
+        else:
+            targets = list(self._next)
+        if meta.terminal_stages:
+            # Skip branches that cannot reach a terminal this request waits for.
+            possible = self._router.possible_stages(tuple(meta.terminal_stages))
+            targets = [t for t in targets if t in possible]
+            if not targets:
+                raise internal(
+                    f"no route from {self.name!r} to the request's terminal stages "
+                    f"{list(meta.terminal_stages)}",
+                    self.name,
+                )
+        return targets
+
+    # ---- endings -------------------------------------------------------------
+
+    def _finish(self, rid: str) -> None:
+        req = self._requests.pop(rid, None)
+        if req is not None:
+            self._release(req)
+
+    def _fail(self, rid: str, error: OmniError) -> None:
+        self._reporter.fail(rid, error)
+        # The coordinator broadcasts an abort next; stop work on it here already.
+        self.abort(rid)
+
+    def abort(self, rid: str) -> None:
+        self._aborted.add(rid)
+        self.scheduler.abort(rid)
+        self._finish(rid)
+
+    @staticmethod
+    def _release(req: _Request) -> None:
+        for received, ack in req.holds:
+            received.release()
+            if ack is not None:
+                ack(None)
+        req.holds.clear()
+
+
+class _Pending:
+    __slots__ = ()
+
+
+_PENDING = _Pending()
+
+
+def _as_error(exc: BaseException, stage: str) -> OmniError:
+    if isinstance(exc, OmniError):
+        if not exc.stage:
+            exc.stage = stage
+        return exc
+    if isinstance(exc, (PayloadError, RelayError)):
+        return OmniError(Code.INTERNAL, f"{type(exc).__name__}: {exc}", stage)
+    return OmniError(Code.INTERNAL, f"{type(exc).__name__}: {exc}", stage)
