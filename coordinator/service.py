@@ -343,20 +343,17 @@ class Coordinator(client_pb2_grpc.OmnirailServicer, mesh_pb2_grpc.CoordinatorSer
                 self._on_event(replica, event)
 
         reader = asyncio.get_running_loop().create_task(read())
+        reader.add_done_callback(lambda _: replica.wake.set())
         try:
             while True:
                 command = replica.take()
-                if command is None:
+                if command is not None:
+                    await context.write(command)
+                elif reader.done():
+                    return
+                else:
                     replica.wake.clear()
-                    waiter = asyncio.ensure_future(replica.wake.wait())
-                    done, _ = await asyncio.wait(
-                        {waiter, reader}, return_when=asyncio.FIRST_COMPLETED
-                    )
-                    if reader in done:
-                        waiter.cancel()
-                        return
-                    continue
-                await context.write(command)
+                    await replica.wake.wait()
         finally:
             reader.cancel()
             if self.registry.remove(replica):

@@ -344,7 +344,14 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
+    # Dotted paths resolve against the working directory, as under `python -m`.
+    if os.getcwd() not in sys.path and "" not in sys.path:
+        sys.path.insert(0, os.getcwd())
     args = build_parser().parse_args(argv)
+    if args.command in ("coordinator", "stage"):
+        from omnirail.launcher import die_with_parent
+
+        die_with_parent()
     try:
         return args.fn(args)
     except ConfigError as exc:

@@ -1,8 +1,10 @@
 """Sender side of a Deliver stream: one long-lived bidi stream per receiver address.
 
 Items queue up while a write is in flight and go out together in the next `DeliverBatch`,
-so a burst of N results costs one write, not N. Acks come back on the same stream; each
-ack names an item's `seq` and returns that item's relay handle (credit) to the sender.
+so a burst of N results costs one write, not N. Acks come back on the same stream for
+relayed items only: each names an item's `seq` and returns its relay handle (credit).
+Inline items hold nothing on the sender, so they are not acked; if their receiver dies,
+the coordinator learns it from the receiver's broken Attach stream and fails them.
 """
 
 from __future__ import annotations
@@ -84,7 +86,8 @@ class DeliverChannel:
             return
         self._seq += 1
         item.seq = self._seq
-        self._pending[self._seq] = _Pending(item.request_id, handle)
+        if handle is not None:
+            self._pending[self._seq] = _Pending(item.request_id, handle)
         self._queue.append(item)
         self._wake.set()
         if self._task is None:
@@ -96,7 +99,7 @@ class DeliverChannel:
         for item in self._queue:
             if item.request_id == request_id:
                 pending = self._pending.pop(item.seq, None)
-                if pending and pending.handle is not None:
+                if pending is not None and pending.handle is not None:
                     pending.handle.release()
             else:
                 kept.append(item)
@@ -142,17 +145,16 @@ class DeliverChannel:
         stub = mesh_pb2_grpc.StageStub(self._channel)
         call = stub.Deliver()
         acks = asyncio.get_running_loop().create_task(self._read_acks(call))
+        # One wake-up source for "items queued" and "ack stream ended": cheaper per write
+        # than asyncio.wait over fresh futures.
+        acks.add_done_callback(lambda _: self._wake.set())
         first = True
         try:
             while True:
-                if not self._queue:
+                while not self._queue:
                     self._wake.clear()
-                    waiter = asyncio.ensure_future(self._wake.wait())
-                    done, _ = await asyncio.wait(
-                        {waiter, acks}, return_when=asyncio.FIRST_COMPLETED
-                    )
-                    if acks in done:
-                        waiter.cancel()
+                    await self._wake.wait()
+                    if acks.done():
                         acks.result()  # raises the stream error, if any
                         return
                 batch = mesh_pb2.DeliverBatch()

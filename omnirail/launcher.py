@@ -1,7 +1,10 @@
 """`omnirail up`: the coordinator and one process per stage process group, as children.
 
-Every child gets PR_SET_PDEATHSIG so it dies with the launcher even when the launcher is
-killed hard; `stop()` terminates them in order and sweeps the run's shared-memory names.
+Every child sets PR_SET_PDEATHSIG on itself (see `die_with_parent`) so it dies with the
+launcher even when the launcher is killed hard; `stop()` terminates them in order and
+sweeps the run's shared-memory names. No `preexec_fn`: forking a process that runs gRPC
+threads in Python code crashes the child in gRPC's fork handlers; spawning without it
+lets subprocess use vfork/posix_spawn.
 """
 
 from __future__ import annotations
@@ -27,9 +30,18 @@ from omnirail.errors import Code, OmniError
 _PR_SET_PDEATHSIG = 1
 
 
-def _die_with_parent() -> None:
+PARENT_ENV = "OMNIRAIL_DIE_WITH_PARENT"
+
+
+def die_with_parent() -> None:
+    """In a launched child: exit with SIGTERM when the launcher (its parent) dies."""
+    parent = os.environ.pop(PARENT_ENV, None)
+    if not parent:
+        return
     libc = ctypes.CDLL("libc.so.6", use_errno=True)
     libc.prctl(_PR_SET_PDEATHSIG, signal.SIGTERM)
+    if os.getppid() != int(parent):  # the launcher died before prctl took effect
+        sys.exit(1)
 
 
 def state_dir() -> Path:
@@ -99,8 +111,7 @@ class Mesh:
                 stdout=out,
                 stderr=subprocess.STDOUT,
                 stdin=subprocess.DEVNULL,
-                preexec_fn=_die_with_parent,
-                env={**os.environ, "PYTHONUNBUFFERED": "1"},
+                env={**os.environ, "PYTHONUNBUFFERED": "1", PARENT_ENV: str(os.getpid())},
             )
         child = _Child(name, proc, log)
         self._children.append(child)

@@ -110,23 +110,20 @@ class AttachClient:
                 return
 
     async def _write(self, call: grpc.aio.StreamStreamCall, reader: asyncio.Task[None]) -> None:
+        reader.add_done_callback(lambda _: self._wake.set())
         while True:
-            if not _has_events(self._event):
+            while not _has_events(self._event) and not self._stopping and not reader.done():
                 self._wake.clear()
-                waiter = asyncio.ensure_future(self._wake.wait())
-                done, _ = await asyncio.wait({waiter, reader}, return_when=asyncio.FIRST_COMPLETED)
-                if reader in done:
-                    waiter.cancel()
-                    # Flush what is left (abort acks answering a shutdown, say).
-                    if _has_events(self._event):
-                        await call.write(self._swap())
-                    reader.result()
-                    return
+                await self._wake.wait()
+            if _has_events(self._event):
+                # Flushed even when the reader ended: abort acks answering a shutdown, say.
+                await call.write(self._swap())
+            if reader.done():
+                reader.result()
+                return
             if self._stopping and not _has_events(self._event):
                 await call.done_writing()
                 return
-            if _has_events(self._event):
-                await call.write(self._swap())
 
     def _swap(self) -> mesh_pb2.StageEvent:
         event, self._event = self._event, mesh_pb2.StageEvent()

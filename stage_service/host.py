@@ -240,21 +240,19 @@ class StageHost(mesh_pb2_grpc.StageServicer):
                     await stage.on_item(item, ack_for(item.seq))
 
         reader = asyncio.get_running_loop().create_task(read())
+        reader.add_done_callback(lambda _: wake.set())
         try:
             while True:
-                if not acks.acks:
+                while not acks.acks and not reader.done():
                     wake.clear()
-                    waiter = asyncio.ensure_future(wake.wait())
-                    done, _ = await asyncio.wait(
-                        {waiter, reader}, return_when=asyncio.FIRST_COMPLETED
-                    )
-                    if reader in done and not acks.acks:
-                        waiter.cancel()
-                        exc = reader.exception()
-                        if exc is not None and not isinstance(exc, asyncio.CancelledError):
-                            log.warning("deliver stream ended: %s", exc)
-                        return
-                batch, acks = acks, mesh_pb2.AckBatch()
-                await context.write(batch)
+                    await wake.wait()
+                if acks.acks:
+                    batch, acks = acks, mesh_pb2.AckBatch()
+                    await context.write(batch)
+                elif reader.done():
+                    exc = None if reader.cancelled() else reader.exception()
+                    if exc is not None:
+                        log.warning("deliver stream ended: %s", exc)
+                    return
         finally:
             reader.cancel()

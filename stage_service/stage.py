@@ -119,30 +119,31 @@ class Stage:
         rid = item.request_id
         source = item.from_stage or "coordinator"
         if not rid:
-            ack(invalid("delivery without request_id", self.name))
+            ack(invalid("delivery without request_id", self.name))  # harmless if not awaited
             return
+        # Only relayed items are acked: the ack returns the sender's relay credit.
+        ack_fn = ack if item.payload.HasField("relay") else None
         if rid in self._aborted:
-            ack(None)
+            if ack_fn:
+                ack_fn(None)
             return
         try:
             received = await receive_payload(item.payload, self._relays)
         except (PayloadError, RelayError) as exc:
             err = invalid(f"bad payload from {source}: {exc}", self.name)
-            ack(err)
+            if ack_fn:
+                ack_fn(err)
             self._fail(rid, err)
             return
         if rid in self._aborted:  # aborted while the relay read was in flight
             received.release()
-            ack(None)
+            if ack_fn:
+                ack_fn(None)
             return
-        # Inline bytes are already ours: ack now so the sender forgets the item early.
-        relayed = item.payload.HasField("relay")
-        if not relayed:
-            ack(None)
         req = self._requests.get(rid)
         if req is None:
             req = self._requests[rid] = _Request(item.meta, item.traceparent)
-        req.holds.append((received, ack if relayed else None))
+        req.holds.append((received, ack_fn))
         if item.meta.deadline and time.time() > item.meta.deadline:
             self._fail(rid, OmniError(Code.DEADLINE_EXCEEDED, "deadline passed", self.name))
             return

@@ -1,0 +1,31 @@
+"""Integration fixtures: real meshes (coordinator + one process per stage group)."""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from omnirail.launcher import Mesh
+
+PIPELINES = Path(__file__).parent / "pipelines"
+
+
+def shm_names(prefix: str) -> list[str]:
+    return sorted(n for n in os.listdir("/dev/shm") if n.startswith(prefix + "-"))
+
+
+def start_mesh(name: str, **kwargs: object) -> Mesh:
+    mesh = Mesh(PIPELINES / f"{name}.yaml", **kwargs)  # type: ignore[arg-type]
+    mesh.start(timeout=240)
+    return mesh
+
+
+@pytest.fixture(scope="module")
+def linear_mesh() -> Iterator[Mesh]:
+    mesh = start_mesh("linear")
+    yield mesh
+    mesh.stop()
+    assert shm_names(mesh.shm_prefix) == [], "shared memory left after shutdown"

@@ -1,0 +1,150 @@
+"""Stage functions for the integration pipelines (referenced by dotted path)."""
+
+from __future__ import annotations
+
+import os
+import time
+from typing import Any
+
+import numpy as np
+import torch
+
+
+def make_source() -> Any:
+    def fn(inputs: dict[str, Any]) -> dict[str, Any]:
+        n = int(inputs.get("n", 4))
+        return {"x": torch.arange(n, dtype=torch.float32), "opts": inputs}
+
+    return fn
+
+
+def make_double() -> Any:
+    def fn(payload: dict[str, Any]) -> dict[str, Any]:
+        opts = payload["opts"]
+        if opts.get("fail"):
+            raise ValueError(f"asked to fail: {opts['fail']}")
+        if opts.get("sleep"):
+            time.sleep(float(opts["sleep"]))
+        return {"x": payload["x"] * 2, "opts": opts}
+
+    return fn
+
+
+def make_summarize() -> Any:
+    def fn(payload: dict[str, Any]) -> dict[str, Any]:
+        x = payload["x"]
+        return {"sum": float(x.sum()), "n": int(x.numel()), "pid": os.getpid()}
+
+    return fn
+
+
+# ---- fan-out / fan-in ---------------------------------------------------------
+
+
+def make_split() -> Any:
+    def fn(inputs: dict[str, Any]) -> dict[str, Any]:
+        n = int(inputs["n"])
+        return {"a": np.arange(n, dtype=np.int64), "b": torch.ones(n, dtype=torch.bfloat16)}
+
+    return fn
+
+
+def only_a(payload: dict[str, Any]) -> dict[str, Any]:
+    return {"a": payload["a"]}
+
+
+def only_b(payload: dict[str, Any]) -> dict[str, Any]:
+    return {"b": payload["b"]}
+
+
+def make_left() -> Any:
+    return lambda p: {"left": p["a"] + 1, "saw": sorted(p)}
+
+
+def make_right() -> Any:
+    return lambda p: {"right": p["b"].float() * 3, "saw": sorted(p)}
+
+
+def merge_join(arrived: dict[str, Any]) -> dict[str, Any]:
+    return {"order": list(arrived), **{k: v for part in arrived.values() for k, v in part.items()}}
+
+
+def make_join() -> Any:
+    def fn(p: dict[str, Any]) -> dict[str, Any]:
+        return {
+            "left_sum": int(p["left"].sum()),
+            "right_sum": float(p["right"].sum()),
+            "order": p["order"],
+        }
+
+    return fn
+
+
+# ---- route_fn / wait_for_fn --------------------------------------------------
+
+
+def make_pre() -> Any:
+    def fn(inputs: dict[str, Any]) -> dict[str, Any]:
+        out: dict[str, Any] = {"text": inputs["text"]}
+        if "image" in inputs:
+            out["image"] = np.asarray(inputs["image"], dtype=np.float32)
+        return out
+
+    return fn
+
+
+def route_pre(request_id: str, output: dict[str, Any]) -> list[str]:
+    if output["text"] == "bad-route":
+        return ["nowhere"]
+    return ["encoder", "aggregate"] if "image" in output else ["aggregate"]
+
+
+def make_encoder() -> Any:
+    return lambda p: {"image_feature": float(p["image"].mean())}
+
+
+def wait_for_aggregate(request_id: str, from_stage: str, payload: Any) -> list[str] | None:
+    if from_stage == "pre":
+        return ["pre", "encoder"] if "image" in payload else ["pre"]
+    return None
+
+
+def merge_aggregate(arrived: dict[str, Any]) -> dict[str, Any]:
+    merged = dict(arrived["pre"])
+    merged.pop("image", None)
+    if "encoder" in arrived:
+        merged.update(arrived["encoder"])
+    merged["sources"] = sorted(arrived)
+    return merged
+
+
+def make_aggregate() -> Any:
+    return lambda p: p
+
+
+# ---- several terminals ---------------------------------------------------------
+
+
+def make_echo() -> Any:
+    return lambda inputs: {"value": inputs["value"], "want": inputs.get("want")}
+
+
+def make_upper() -> Any:
+    return lambda p: {"text": str(p["value"]).upper()}
+
+
+def make_length() -> Any:
+    return lambda p: {"length": len(str(p["value"]))}
+
+
+def pick_terminals(request_id: str, inputs: dict[str, Any]) -> list[str] | None:
+    return inputs.get("want")
+
+
+def make_batch_square() -> Any:
+    from stage_service.scheduler import SimpleScheduler
+
+    def batch(payloads: list[Any]) -> list[Any]:
+        return [{"value": p["value"] ** 2, "batch": len(payloads)} for p in payloads]
+
+    return SimpleScheduler(batch_fn=batch, max_batch_size=8, max_wait_ms=20)

@@ -1,0 +1,124 @@
+"""Garbage on a Deliver stream, and a stage process that dies mid-request."""
+
+from __future__ import annotations
+
+import os
+import signal
+import threading
+import time
+
+import grpc
+import pytest
+
+from omnirail.client import Client
+from omnirail.errors import Code, OmniError
+from omnirail.payload import encode_inline
+from omnirail.v1 import common_pb2, mesh_pb2, mesh_pb2_grpc
+from tests.integration.conftest import shm_names, start_mesh
+
+
+def _stage_address(client: Client, stage: str) -> str:
+    info = client.describe()
+    return next(s.replicas[0].address for s in info.stages if s.name == stage)
+
+
+def _deliver(address: str, items: list[mesh_pb2.DeliverItem]) -> list[mesh_pb2.Ack]:
+    with grpc.insecure_channel(address) as channel:
+        call = mesh_pb2_grpc.StageStub(channel).Deliver(
+            iter([mesh_pb2.DeliverBatch(sender="test", items=items)]), timeout=10
+        )
+        acks: list[mesh_pb2.Ack] = []
+        try:
+            for batch in call:
+                acks.extend(batch.acks)
+        except grpc.RpcError:
+            pass
+        return acks
+
+
+def test_garbage_on_deliver_fails_items_not_the_stage() -> None:
+    mesh = start_mesh("linear")
+    try:
+        with Client(mesh.address or "", timeout=30) as client:
+            address = _stage_address(client, "double")
+            bad_region = common_pb2.Payload(
+                header=encode_inline({"x": 1}).header,
+                relay=common_pb2.RelayDescriptor(
+                    backend="shm", region="../../etc/passwd", nbytes=8
+                ),
+            )
+            outside = common_pb2.Payload(
+                header=encode_inline({"x": 1}).header,
+                relay=common_pb2.RelayDescriptor(
+                    backend="shm", region=f"{mesh.shm_prefix}-nope-0", offset=1 << 40, nbytes=8
+                ),
+            )
+            items = [
+                mesh_pb2.DeliverItem(
+                    seq=1,
+                    request_id="g1",
+                    from_stage="source",
+                    to_stage="double",
+                    payload=common_pb2.Payload(header=b"\xff\x00junk"),
+                ),
+                mesh_pb2.DeliverItem(
+                    seq=2,
+                    request_id="g2",
+                    from_stage="source",
+                    to_stage="double",
+                    payload=bad_region,
+                ),
+                mesh_pb2.DeliverItem(
+                    seq=3, request_id="g3", from_stage="source", to_stage="double", payload=outside
+                ),
+                mesh_pb2.DeliverItem(
+                    seq=4,
+                    request_id="g4",
+                    from_stage="source",
+                    to_stage="nope",
+                    payload=encode_inline({}),
+                ),
+            ]
+            acks = {a.seq: a for a in _deliver(address, items)}
+            # Relayed garbage and unknown targets are refused with a reason.
+            for seq in (2, 3, 4):
+                assert acks[seq].error.code == Code.INVALID_ARGUMENT, acks
+            assert "nope" in acks[4].error.message
+            # The stage still serves real requests.
+            assert client.generate({"n": 3}).output["n"] == 3
+            assert client.generate({"n": 100000}).output["n"] == 100000
+    finally:
+        mesh.stop()
+
+
+def test_killed_stage_fails_inflight_requests_unavailable() -> None:
+    mesh = start_mesh("linear")
+    try:
+        with Client(mesh.address or "", timeout=60) as client:
+            errors: list[OmniError] = []
+            started = time.monotonic()
+
+            def run() -> None:
+                try:
+                    client.generate({"n": 4, "sleep": 20}, timeout=60)
+                except OmniError as exc:
+                    errors.append(exc)
+
+            threads = [threading.Thread(target=run) for _ in range(3)]
+            for t in threads:
+                t.start()
+            time.sleep(1.0)
+            os.kill(mesh.processes()["stage-double"], signal.SIGKILL)
+            for t in threads:
+                t.join(30)
+            assert [e.code for e in errors] == [Code.UNAVAILABLE] * 3
+            assert all(e.stage == "double" for e in errors)
+            assert time.monotonic() - started < 15  # well before the 20 s compute / 60 s deadline
+            # New requests are refused at once while the stage is gone.
+            with pytest.raises(OmniError) as info:
+                client.generate({"n": 1})
+            assert info.value.code == Code.UNAVAILABLE
+            assert "double" in info.value.message
+    finally:
+        mesh.stop()
+    assert shm_names(mesh.shm_prefix) == []

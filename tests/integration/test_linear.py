@@ -1,0 +1,191 @@
+"""Linear pipeline over real processes: results, failures, aborts, deadlines, bad input."""
+
+from __future__ import annotations
+
+import concurrent.futures
+import threading
+import time
+
+import grpc
+import pytest
+
+from omnirail.client import Client
+from omnirail.errors import Code, OmniError
+from omnirail.launcher import Mesh
+from omnirail.payload import encode_inline
+from omnirail.v1 import client_pb2, client_pb2_grpc, common_pb2
+from tests.integration.conftest import shm_names
+
+
+@pytest.fixture
+def client(linear_mesh: Mesh):
+    with Client(linear_mesh.address or "", timeout=60) as c:
+        yield c
+
+
+def test_small_tensor_inline(client: Client) -> None:
+    out = client.generate({"n": 4}).output
+    assert out["sum"] == 2 * (0 + 1 + 2 + 3)
+    assert out["n"] == 4
+
+
+def test_large_tensor_through_shm(client: Client) -> None:
+    n = 1 << 20  # 4 MiB of float32, far above the 1 KiB inline bound
+    out = client.generate({"n": n}).output
+    assert out["n"] == n
+    assert out["sum"] == pytest.approx(float(n) * (n - 1), rel=1e-6)
+
+
+def test_concurrent_requests_keep_their_results(client: Client) -> None:
+    sizes = [3, 300, 3000, 30000, 70000] * 8  # mixes inline and relayed payloads
+    with concurrent.futures.ThreadPoolExecutor(16) as pool:
+        outs = list(pool.map(lambda n: client.generate({"n": n}).output, sizes))
+    for n, out in zip(sizes, outs, strict=True):
+        assert out["n"] == n
+        assert out["sum"] == pytest.approx(float(n) * (n - 1), rel=1e-6)
+
+
+def test_stage_error_names_stage_and_mesh_keeps_serving(client: Client) -> None:
+    with pytest.raises(OmniError) as info:
+        client.generate({"n": 4, "fail": "boom"})
+    assert info.value.code == Code.INTERNAL
+    assert info.value.stage == "double"
+    assert "asked to fail: boom" in info.value.message
+    assert client.generate({"n": 5}).output["n"] == 5
+
+
+def test_deadline_exceeded(client: Client) -> None:
+    with pytest.raises(OmniError) as info:
+        client.generate({"n": 4, "sleep": 3}, timeout=0.5)
+    assert info.value.code == Code.DEADLINE_EXCEEDED
+
+
+def test_submit_wait_and_status(client: Client) -> None:
+    rid = client.submit({"n": 6})
+    status = client.wait(rid, timeout=30)
+    assert status.state == "completed"
+    assert status.result is not None and status.result.output["n"] == 6
+    assert client.status(rid).state == "completed"
+
+
+def test_abort_mid_flight_frees_everything(client: Client, linear_mesh: Mesh) -> None:
+    # Large payloads hold relay extents and credits (4 per edge) while `double` sleeps.
+    n = 1 << 18
+    rids = [f"abort-{i}-{time.monotonic_ns()}" for i in range(6)]
+    errors: dict[str, OmniError] = {}
+
+    def run(rid: str) -> None:
+        try:
+            client.generate({"n": n, "sleep": 2}, request_id=rid)
+        except OmniError as exc:
+            errors[rid] = exc
+
+    threads = [threading.Thread(target=run, args=(rid,)) for rid in rids]
+    for t in threads:
+        t.start()
+    deadline = time.monotonic() + 30
+    while time.monotonic() < deadline:
+        if all(_state(client, rid) == "running" for rid in rids):
+            break
+        time.sleep(0.05)
+    for rid in rids:
+        acked = client.abort(rid, reason="test abort")
+        assert {a.split("/")[0] for a in acked} == {"source", "double", "summarize"}
+    for t in threads:
+        t.join(30)
+    assert {rid: e.code for rid, e in errors.items()} == {rid: Code.CANCELLED for rid in rids}
+    assert all(client.status(rid).state == "aborted" for rid in rids)
+    # One pool segment per sending process, nothing per message.
+    assert len(shm_names(linear_mesh.shm_prefix)) <= 2
+    # Credits came back: more large requests than the edge has credits all succeed.
+    outs = [client.generate({"n": n}).output for _ in range(10)]
+    assert all(o["n"] == n for o in outs)
+
+
+def _state(client: Client, rid: str) -> str:
+    try:
+        return client.status(rid).state
+    except OmniError:
+        return "unknown"
+
+
+def test_abort_unknown_request_is_not_found(client: Client) -> None:
+    with pytest.raises(OmniError) as info:
+        client.abort("no-such-request")
+    assert info.value.code == Code.NOT_FOUND
+
+
+# ---- bad input on the raw client API ----------------------------------------------
+
+
+@pytest.fixture
+def stub(linear_mesh: Mesh):
+    with grpc.insecure_channel(linear_mesh.address or "") as channel:
+        yield client_pb2_grpc.OmnirailStub(channel)
+
+
+def _generate(stub, request: client_pb2.GenerateRequest) -> grpc.RpcError:
+    with pytest.raises(grpc.RpcError) as info:
+        list(stub.Generate(request, timeout=30))
+    return info.value
+
+
+def test_garbage_header_is_invalid_argument(stub) -> None:
+    bad = common_pb2.Payload(header=b"\xc1\xff garbage", inline_data=b"")
+    err = _generate(stub, client_pb2.GenerateRequest(inputs=bad))
+    assert err.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert "inputs" in err.details()
+
+
+def test_missing_inputs_is_invalid_argument(stub) -> None:
+    err = _generate(stub, client_pb2.GenerateRequest())
+    assert err.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert "inputs" in err.details()
+
+
+def test_inputs_must_be_a_mapping(stub) -> None:
+    err = _generate(stub, client_pb2.GenerateRequest(inputs=encode_inline([1, 2, 3])))
+    assert err.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert "mapping" in err.details()
+
+
+def test_bad_request_id_and_timeout(stub) -> None:
+    inputs = encode_inline({"n": 1})
+    err = _generate(stub, client_pb2.GenerateRequest(request_id="bad id!", inputs=inputs))
+    assert err.code() == grpc.StatusCode.INVALID_ARGUMENT and "request_id" in err.details()
+    err = _generate(stub, client_pb2.GenerateRequest(inputs=inputs, timeout_s=-1))
+    assert err.code() == grpc.StatusCode.INVALID_ARGUMENT and "timeout_s" in err.details()
+
+
+def test_oversized_input_is_resource_exhausted(client: Client) -> None:
+    import numpy as np
+
+    # The coordinator's limit is 32 MiB of inputs (max_input_mb); the message limit is 64 MiB.
+    with pytest.raises(OmniError) as info:
+        client.generate({"blob": np.zeros(40 << 20, dtype=np.uint8)})
+    assert info.value.code == Code.RESOURCE_EXHAUSTED
+
+
+def test_client_rejects_non_mapping_and_unsupported_values(client: Client) -> None:
+    with pytest.raises(OmniError) as info:
+        client.generate([1, 2])  # type: ignore[arg-type]
+    assert info.value.code == Code.INVALID_ARGUMENT
+    with pytest.raises(OmniError) as info:
+        client.generate({"x": {1, 2}})
+    assert info.value.code == Code.INVALID_ARGUMENT
+
+
+def test_health_and_reflection(linear_mesh: Mesh) -> None:
+    from grpc_health.v1 import health_pb2, health_pb2_grpc
+    from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
+
+    with grpc.insecure_channel(linear_mesh.address or "") as channel:
+        health = health_pb2_grpc.HealthStub(channel)
+        reply = health.Check(health_pb2.HealthCheckRequest(service="omnirail.v1.Omnirail"))
+        assert reply.status == health_pb2.HealthCheckResponse.SERVING
+        refl = reflection_pb2_grpc.ServerReflectionStub(channel)
+        responses = refl.ServerReflectionInfo(
+            iter([reflection_pb2.ServerReflectionRequest(list_services="")])
+        )
+        names = {s.name for r in responses for s in r.list_services_response.service}
+        assert {"omnirail.v1.Omnirail", "omnirail.v1.Coordinator", "grpc.health.v1.Health"} <= names
