@@ -95,6 +95,12 @@ def rpc_error(err: grpc.RpcError) -> OmniError:
     return error
 
 
+def _final(result: client_pb2.Result | None) -> GenerateResult:
+    if result is None:
+        raise OmniError(Code.INTERNAL, "the coordinator ended the call without a result")
+    return parse_result(result)
+
+
 def _deadline(timeout: float | None) -> float | None:
     return None if timeout is None else timeout + _DEADLINE_SLACK_S
 
@@ -135,15 +141,18 @@ class Client:
     ) -> GenerateResult:
         timeout = timeout if timeout is not None else self.timeout
         request = build_request(inputs, request_id, timeout, traceparent)
+        result = None
         try:
+            # Read to the end (the status follows the result at once): leaving early
+            # would cancel the call and cost the coordinator a reset.
             for event in self._stub.Generate(
                 request, timeout=_deadline(timeout), metadata=_metadata(traceparent)
             ):
                 if event.HasField("result"):
-                    return parse_result(event.result)
+                    result = event.result
         except grpc.RpcError as err:
             raise rpc_error(err) from None
-        raise OmniError(Code.INTERNAL, "the coordinator ended the call without a result")
+        return _final(result)
 
     def submit(
         self,
@@ -237,16 +246,17 @@ class AsyncClient:
     ) -> GenerateResult:
         timeout = timeout if timeout is not None else self.timeout
         request = build_request(inputs, request_id, timeout, traceparent)
+        result = None
         try:
             call = self._stub.Generate(
                 request, timeout=_deadline(timeout), metadata=_metadata(traceparent)
             )
             async for event in call:
                 if event.HasField("result"):
-                    return parse_result(event.result)
+                    result = event.result
         except grpc.RpcError as err:
             raise rpc_error(err) from None
-        raise OmniError(Code.INTERNAL, "the coordinator ended the call without a result")
+        return _final(result)
 
     async def submit(
         self,

@@ -12,6 +12,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
+from collections import deque
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any, Protocol
@@ -19,10 +20,12 @@ from typing import Any, Protocol
 from omnirail import dotted
 from omnirail.config import PipelineConfig
 from omnirail.errors import Code, OmniError, internal, invalid
-from omnirail.payload import PayloadError, encode_inline
+from omnirail.payload import Packed, PayloadError, encode_inline, pack
 from omnirail.v1 import common_pb2, mesh_pb2
 from relay.base import Relay, RelayError, RelayHandle
-from relay.io import ReceivedPayload, receive_payload, send_payload
+from relay.inline import BACKEND as INLINE_BACKEND
+from relay.inline import oversize_error
+from relay.io import ReceivedPayload, receive_payload
 from stage_service.scheduler import AbortSet, IncomingMessage, OutgoingMessage, Scheduler
 
 log = logging.getLogger(__name__)
@@ -87,24 +90,24 @@ class Stage:
         self._project = {t: dotted.resolve(p, base) for t, p in self.cfg.project_payload.items()}
         self._requests: dict[str, _Request] = {}
         self._aborted = AbortSet()
-        self._wake = asyncio.Event()
-        self._dispatcher: asyncio.Task[None] | None = None
+        self._backlog: deque[OutgoingMessage | _Send] = deque()
+        self._sender: asyncio.Task[None] | None = None
 
     # ---- lifecycle -----------------------------------------------------------
 
     def start(self) -> None:
         loop = asyncio.get_running_loop()
-        self.scheduler.outbox.bind(lambda: loop.call_soon_threadsafe(self._wake.set))
+        self.scheduler.outbox.bind(lambda: loop.call_soon_threadsafe(self._on_outbox))
         self.scheduler.start()
-        self._dispatcher = loop.create_task(self._dispatch_loop())
 
     async def stop(self) -> None:
-        if self._dispatcher is not None:
-            self._dispatcher.cancel()
+        if self._sender is not None:
+            self._sender.cancel()
             try:
-                await self._dispatcher
+                await self._sender
             except asyncio.CancelledError:
                 pass
+        self._backlog.clear()
         await asyncio.to_thread(self.scheduler.stop)
         for rid in list(self._requests):
             self._release(self._requests.pop(rid))
@@ -205,62 +208,99 @@ class Stage:
         return result
 
     # ---- output path ---------------------------------------------------------
+    #
+    # Results are handled right in the loop callback that the outbox schedules, with no
+    # extra task hop, when everything they send fits inline. A result that needs a relay
+    # put (which may wait for edge credit) goes to an ordered backlog served by one task;
+    # later results queue behind it so per-edge order holds.
 
-    async def _dispatch_loop(self) -> None:
-        while True:
-            await self._wake.wait()
-            self._wake.clear()
-            for msg in self.scheduler.outbox.drain():
-                try:
-                    await self._handle(msg)
-                except Exception:  # never let one message kill the dispatcher
-                    log.exception("stage %s: dispatching %s failed", self.name, msg.request_id)
+    def _on_outbox(self) -> None:
+        for msg in self.scheduler.outbox.drain():
+            if self._backlog:
+                self._backlog.append(msg)
+                continue
+            pending = self._handle_now(msg)
+            if pending is not None:
+                self._backlog.append(pending)
+                self._sender = asyncio.get_running_loop().create_task(self._drain_backlog())
 
-    async def _handle(self, msg: OutgoingMessage) -> None:
+    async def _drain_backlog(self) -> None:
+        while self._backlog:
+            head = self._backlog[0]
+            send = self._handle_now(head) if isinstance(head, OutgoingMessage) else head
+            if send is not None:
+                await self._send_relayed(send)
+            self._backlog.popleft()
+
+    def _handle_now(self, msg: OutgoingMessage) -> _Send | None:
+        """Sends `msg` if it needs no relay put; else returns the prepared send."""
         rid = msg.request_id
         req = self._requests.get(rid)
         if req is None or rid in self._aborted:
-            return
+            return None
         if msg.type == "error":
             self._fail(rid, _as_error(msg.data, self.name))
-            return
+            return None
         try:
-            await self._send_result(rid, req, msg.data)
-        except OmniError as exc:
-            self._fail(rid, exc)
-            return
-        except (PayloadError, RelayError, Exception) as exc:
+            if self.cfg.terminal:
+                self._reporter.complete(rid, encode_inline(msg.data), req.traceparent)
+                self._finish(rid)
+                return None
+            send = _Send(rid, req, [])
+            for target in self._targets(rid, msg.data, req.meta):
+                project = self._project.get(target)
+                packed = pack(project(msg.data) if project is not None else msg.data)
+                send.parts.append((target, packed))
+            if any(not self._fits_inline(p) for _, p in send.parts):
+                return send
+            for target, packed in send.parts:
+                self._deliver(req, rid, target, _inline_payload(packed), None)
+        except Exception as exc:
+            self._fail(rid, _as_error(exc, self.name))
+            return None
+        self._finish(rid)
+        return None
+
+    async def _send_relayed(self, send: _Send) -> None:
+        rid, req = send.request_id, send.request
+        try:
+            for target, packed in send.parts:
+                if self._fits_inline(packed):
+                    self._deliver(req, rid, target, _inline_payload(packed), None)
+                    continue
+                if self._relay.name == INLINE_BACKEND:
+                    raise oversize_error(packed.nbytes, self._inline_bytes)
+                handle = await self._relay.put(packed, rid, f"{self.name}->{target}")
+                if rid in self._aborted:  # aborted while waiting for relay credit
+                    handle.release()
+                    return
+                payload = common_pb2.Payload(header=packed.header, relay=handle.descriptor)
+                self._deliver(req, rid, target, payload, handle)
+        except Exception as exc:
             self._fail(rid, _as_error(exc, self.name))
             return
         self._finish(rid)
 
-    async def _send_result(self, rid: str, req: _Request, output: Any) -> None:
-        if self.cfg.terminal:
-            self._reporter.complete(rid, encode_inline(output), req.traceparent)
-            return
-        for target in self._targets(rid, output, req.meta):
-            project = self._project.get(target)
-            value = project(output) if project is not None else output
-            payload, handle = await send_payload(
-                value,
-                self._relay,
-                request_id=rid,
-                edge=f"{self.name}->{target}",
-                inline_bytes=self._inline_bytes,
-            )
-            if rid in self._aborted:  # aborted while waiting for relay credit
-                if handle is not None:
-                    handle.release()
-                return
-            item = mesh_pb2.DeliverItem(
-                request_id=rid,
-                from_stage=self.name,
-                to_stage=target,
-                payload=payload,
-                traceparent=req.traceparent,
-                meta=req.meta,
-            )
-            self._router.deliver(item, handle)
+    def _fits_inline(self, packed: Packed) -> bool:
+        return packed.nbytes <= self._inline_bytes or packed.num_tensors == 0
+
+    def _deliver(
+        self,
+        req: _Request,
+        rid: str,
+        target: str,
+        payload: common_pb2.Payload,
+        handle: RelayHandle | None,
+    ) -> None:
+        item = mesh_pb2.DeliverItem(
+            request_id=rid,
+            from_stage=self.name,
+            to_stage=target,
+            payload=payload,
+            traceparent=req.traceparent,
+            meta=req.meta,
+        )
+        self._router.deliver(item, handle)
 
     def _targets(self, rid: str, output: Any, meta: mesh_pb2.RequestMeta) -> list[str]:
         if self._route_fn is not None:
@@ -306,6 +346,19 @@ class Stage:
         req.holds.clear()
 
 
+@dataclass(slots=True)
+class _Send:
+    """A result whose payloads are packed and wait for a relay put."""
+
+    request_id: str
+    request: _Request
+    parts: list[tuple[str, Packed]]
+
+
+def _inline_payload(packed: Packed) -> common_pb2.Payload:
+    return common_pb2.Payload(header=packed.header, inline_data=packed.to_bytes())
+
+
 class _Pending:
     __slots__ = ()
 
@@ -318,6 +371,4 @@ def _as_error(exc: BaseException, stage: str) -> OmniError:
         if not exc.stage:
             exc.stage = stage
         return exc
-    if isinstance(exc, (PayloadError, RelayError)):
-        return OmniError(Code.INTERNAL, f"{type(exc).__name__}: {exc}", stage)
     return OmniError(Code.INTERNAL, f"{type(exc).__name__}: {exc}", stage)
