@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import time
 from collections import OrderedDict
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from omnirail.errors import OmniError
@@ -27,6 +28,8 @@ class RequestRecord:
     ended: float | None = None
     done: asyncio.Event = field(default_factory=asyncio.Event)
     timer: asyncio.TimerHandle | None = None
+    # Called once when the request ends (Session streams answer through these).
+    on_done: list[Callable[[RequestRecord], None]] = field(default_factory=list)
 
     @property
     def finished(self) -> bool:
@@ -76,6 +79,9 @@ class RequestTable:
         while len(self._finished) > self._keep:
             self._finished.popitem(last=False)
         record.done.set()
+        for callback in record.on_done:
+            callback(record)
+        record.on_done.clear()
         return True
 
     def counts(self) -> dict[str, int]:

@@ -69,6 +69,75 @@ class Coordinator(client_pb2_grpc.OmnirailServicer, mesh_pb2_grpc.CoordinatorSer
             return
         await _abort_call(context, rec.error or internal("request ended without a result"))
 
+    async def Session(
+        self,
+        request_iterator: AsyncIterator[client_pb2.SessionRequest],
+        context: grpc.aio.ServicerContext,
+    ) -> None:
+        events = client_pb2.SessionEvents()
+        wake = asyncio.Event()
+        mine: set[str] = set()
+
+        def emit(event: client_pb2.SessionEvent) -> None:
+            events.events.append(event)
+            wake.set()
+
+        def on_done(rec: RequestRecord) -> None:
+            mine.discard(rec.request_id)
+            if rec.state == State.COMPLETED:
+                emit(client_pb2.SessionEvent(request_id=rec.request_id, result=rec.result()))
+            else:
+                err = rec.error or internal("request ended without a result")
+                emit(client_pb2.SessionEvent(request_id=rec.request_id, error=err.to_proto()))
+
+        async def read() -> None:
+            while (msg := await context.read()) is not grpc.aio.EOF:
+                for request in msg.generate:
+                    if not request.request_id:
+                        emit(
+                            client_pb2.SessionEvent(
+                                error=invalid("request_id: required in a Session").to_proto()
+                            )
+                        )
+                        continue
+                    try:
+                        rec = self.start(request, None)
+                    except OmniError as exc:
+                        emit(
+                            client_pb2.SessionEvent(
+                                request_id=request.request_id, error=exc.to_proto()
+                            )
+                        )
+                        continue
+                    mine.add(rec.request_id)
+                    rec.on_done.append(on_done)
+                for abort in msg.abort:
+                    rec = self.requests.live.get(abort.request_id)
+                    if rec is not None:
+                        reason = abort.reason or "aborted by client"
+                        self._end(rec, State.ABORTED, OmniError(Code.CANCELLED, reason))
+
+        reader = asyncio.get_running_loop().create_task(read())
+        reader.add_done_callback(lambda _: wake.set())
+        try:
+            while True:
+                if events.events:
+                    batch, events = events, client_pb2.SessionEvents()
+                    await context.write(batch)
+                elif reader.done():
+                    return
+                else:
+                    wake.clear()
+                    await wake.wait()
+        finally:
+            reader.cancel()
+            for rid in list(mine):
+                rec = self.requests.live.get(rid)
+                if rec is not None:
+                    self._end(
+                        rec, State.ABORTED, OmniError(Code.CANCELLED, "client session closed")
+                    )
+
     async def Submit(
         self, request: client_pb2.GenerateRequest, context: grpc.aio.ServicerContext
     ) -> client_pb2.SubmitResponse:

@@ -7,6 +7,9 @@ importable, numpy otherwise).
 
 from __future__ import annotations
 
+import asyncio
+import concurrent.futures
+import threading
 import time
 import uuid
 from collections.abc import Mapping
@@ -19,6 +22,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from omnirail.deliver import channel_options
 from omnirail.errors import Code, OmniError, invalid
 from omnirail.payload import PayloadError, decode_inline, encode_inline
+from omnirail.session import AsyncSession, SyncSession
 from omnirail.v1 import client_pb2, client_pb2_grpc, common_pb2
 
 PIPELINE_SERVICE = client_pb2.DESCRIPTOR.services_by_name["Omnirail"].full_name
@@ -95,18 +99,15 @@ def rpc_error(err: grpc.RpcError) -> OmniError:
     return error
 
 
-def _final(result: client_pb2.Result | None) -> GenerateResult:
-    if result is None:
-        raise OmniError(Code.INTERNAL, "the coordinator ended the call without a result")
-    return parse_result(result)
+def event_result(event: client_pb2.SessionEvent) -> GenerateResult:
+    if event.HasField("error"):
+        raise OmniError.from_proto(event.error)
+    return parse_result(event.result)
 
 
 def _deadline(timeout: float | None) -> float | None:
     return None if timeout is None else timeout + _DEADLINE_SLACK_S
 
-
-def _metadata(traceparent: str | None) -> tuple[tuple[str, str], ...] | None:
-    return (("traceparent", traceparent),) if traceparent else None
 
 
 class Client:
@@ -121,6 +122,8 @@ class Client:
             address, options=channel_options(max_message_mb << 20)
         )
         self._stub = client_pb2_grpc.OmnirailStub(self._channel)
+        self._sess: SyncSession | None = None
+        self._lock = threading.Lock()
 
     def __enter__(self) -> Client:
         return self
@@ -129,6 +132,9 @@ class Client:
         self.close()
 
     def close(self) -> None:
+        if self._sess is not None:
+            self._sess.close()
+            self._sess = None
         self._channel.close()
 
     def generate(
@@ -139,20 +145,27 @@ class Client:
         timeout: float | None = None,
         traceparent: str | None = None,
     ) -> GenerateResult:
+        """Runs one request over the client's Session stream and returns its result."""
         timeout = timeout if timeout is not None else self.timeout
         request = build_request(inputs, request_id, timeout, traceparent)
-        result = None
+        session = self._session()
+        future = session.send(request)
         try:
-            # Read to the end (the status follows the result at once): leaving early
-            # would cancel the call and cost the coordinator a reset.
-            for event in self._stub.Generate(
-                request, timeout=_deadline(timeout), metadata=_metadata(traceparent)
-            ):
-                if event.HasField("result"):
-                    result = event.result
-        except grpc.RpcError as err:
-            raise rpc_error(err) from None
-        return _final(result)
+            event = future.result(timeout=_deadline(timeout))
+        except concurrent.futures.TimeoutError:
+            session.abort(request.request_id, "the client stopped waiting")
+            raise OmniError(Code.DEADLINE_EXCEEDED, f"no answer within {timeout}s") from None
+        except BaseException:
+            if not future.done():  # interrupted: nobody will wait for it any more
+                session.abort(request.request_id, "the client stopped waiting")
+            raise
+        return event_result(event)
+
+    def _session(self) -> SyncSession:
+        with self._lock:
+            if self._sess is None or self._sess.broken:
+                self._sess = SyncSession(self._stub)
+            return self._sess
 
     def submit(
         self,
@@ -226,6 +239,7 @@ class AsyncClient:
             address, options=channel_options(max_message_mb << 20)
         )
         self._stub = client_pb2_grpc.OmnirailStub(self._channel)
+        self._sess: AsyncSession | None = None
 
     async def __aenter__(self) -> AsyncClient:
         return self
@@ -234,6 +248,9 @@ class AsyncClient:
         await self.close()
 
     async def close(self) -> None:
+        if self._sess is not None:
+            await self._sess.close()
+            self._sess = None
         await self._channel.close()
 
     async def generate(
@@ -244,19 +261,25 @@ class AsyncClient:
         timeout: float | None = None,
         traceparent: str | None = None,
     ) -> GenerateResult:
+        """Runs one request over the client's Session stream and returns its result."""
         timeout = timeout if timeout is not None else self.timeout
         request = build_request(inputs, request_id, timeout, traceparent)
-        result = None
+        session = self._session()
+        future = session.send(request)
         try:
-            call = self._stub.Generate(
-                request, timeout=_deadline(timeout), metadata=_metadata(traceparent)
-            )
-            async for event in call:
-                if event.HasField("result"):
-                    result = event.result
-        except grpc.RpcError as err:
-            raise rpc_error(err) from None
-        return _final(result)
+            event = await asyncio.wait_for(asyncio.shield(future), _deadline(timeout))
+        except TimeoutError:
+            session.abort(request.request_id, "the client stopped waiting")
+            raise OmniError(Code.DEADLINE_EXCEEDED, f"no answer within {timeout}s") from None
+        except asyncio.CancelledError:
+            session.abort(request.request_id, "the caller cancelled")
+            raise
+        return event_result(event)
+
+    def _session(self) -> AsyncSession:
+        if self._sess is None or self._sess.broken:
+            self._sess = AsyncSession(self._stub)
+        return self._sess
 
     async def submit(
         self,

@@ -25,7 +25,7 @@ _sym_db = _symbol_database.Default()
 from omnirail.v1 import common_pb2 as omnirail_dot_v1_dot_common__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x18omnirail/v1/client.proto\x12\x0bomnirail.v1\x1a\x18omnirail/v1/common.proto\"s\n\x0fGenerateRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12$\n\x06inputs\x18\x02 \x01(\x0b\x32\x14.omnirail.v1.Payload\x12\x11\n\ttimeout_s\x18\x03 \x01(\x01\x12\x13\n\x0btraceparent\x18\x04 \x01(\t\"$\n\x0eSubmitResponse\x12\x12\n\nrequest_id\x18\x01 \x01(\t\" \n\nRequestRef\x12\x12\n\nrequest_id\x18\x01 \x01(\t\"\x95\x01\n\x06Result\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x31\n\x07outputs\x18\x02 \x03(\x0b\x32 .omnirail.v1.Result.OutputsEntry\x1a\x44\n\x0cOutputsEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12#\n\x05value\x18\x02 \x01(\x0b\x32\x14.omnirail.v1.Payload:\x02\x38\x01\"K\n\rGenerateEvent\x12%\n\x06result\x18\x02 \x01(\x0b\x32\x13.omnirail.v1.ResultH\x00\x42\x07\n\x05\x65ventJ\x04\x08\x01\x10\x02J\x04\x08\x03\x10\x04\"\xa8\x01\n\rRequestStatus\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12(\n\x05state\x18\x02 \x01(\x0e\x32\x19.omnirail.v1.RequestState\x12#\n\x06result\x18\x03 \x01(\x0b\x32\x13.omnirail.v1.Result\x12!\n\x05\x65rror\x18\x04 \x01(\x0b\x32\x12.omnirail.v1.Error\x12\x11\n\telapsed_s\x18\x05 \x01(\x01\"2\n\x0c\x41\x62ortRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x0e\n\x06reason\x18\x02 \x01(\t\"<\n\rAbortResponse\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x17\n\x0f\x61\x63knowledged_by\x18\x02 \x03(\t\"\x19\n\x17\x44\x65scribePipelineRequest\"s\n\tStageInfo\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x0c\n\x04next\x18\x02 \x03(\t\x12\x10\n\x08terminal\x18\x03 \x01(\x08\x12\x10\n\x08wait_for\x18\x04 \x03(\t\x12&\n\x08replicas\x18\x05 \x03(\x0b\x32\x14.omnirail.v1.Replica\"c\n\x07Replica\x12\x12\n\nreplica_id\x18\x01 \x01(\t\x12\x0f\n\x07\x61\x64\x64ress\x18\x02 \x01(\t\x12\x0c\n\x04live\x18\x03 \x01(\x08\x12\x13\n\x0bqueue_depth\x18\x04 \x01(\r\x12\x10\n\x08inflight\x18\x05 \x01(\r\"\x81\x01\n\x0cPipelineInfo\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x13\n\x0b\x65ntry_stage\x18\x02 \x01(\t\x12\x17\n\x0fterminal_stages\x18\x03 \x03(\t\x12&\n\x06stages\x18\x04 \x03(\x0b\x32\x16.omnirail.v1.StageInfo\x12\r\n\x05ready\x18\x05 \x01(\x08\x32\xac\x03\n\x08Omnirail\x12\x46\n\x08Generate\x12\x1c.omnirail.v1.GenerateRequest\x1a\x1a.omnirail.v1.GenerateEvent0\x01\x12\x43\n\x06Submit\x12\x1c.omnirail.v1.GenerateRequest\x1a\x1b.omnirail.v1.SubmitResponse\x12;\n\x04Wait\x12\x17.omnirail.v1.RequestRef\x1a\x1a.omnirail.v1.RequestStatus\x12\x41\n\nGetRequest\x12\x17.omnirail.v1.RequestRef\x1a\x1a.omnirail.v1.RequestStatus\x12>\n\x05\x41\x62ort\x12\x19.omnirail.v1.AbortRequest\x1a\x1a.omnirail.v1.AbortResponse\x12S\n\x10\x44\x65scribePipeline\x12$.omnirail.v1.DescribePipelineRequest\x1a\x19.omnirail.v1.PipelineInfob\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x18omnirail/v1/client.proto\x12\x0bomnirail.v1\x1a\x18omnirail/v1/common.proto\"s\n\x0fGenerateRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12$\n\x06inputs\x18\x02 \x01(\x0b\x32\x14.omnirail.v1.Payload\x12\x11\n\ttimeout_s\x18\x03 \x01(\x01\x12\x13\n\x0btraceparent\x18\x04 \x01(\t\"$\n\x0eSubmitResponse\x12\x12\n\nrequest_id\x18\x01 \x01(\t\" \n\nRequestRef\x12\x12\n\nrequest_id\x18\x01 \x01(\t\"\x95\x01\n\x06Result\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x31\n\x07outputs\x18\x02 \x03(\x0b\x32 .omnirail.v1.Result.OutputsEntry\x1a\x44\n\x0cOutputsEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12#\n\x05value\x18\x02 \x01(\x0b\x32\x14.omnirail.v1.Payload:\x02\x38\x01\"K\n\rGenerateEvent\x12%\n\x06result\x18\x02 \x01(\x0b\x32\x13.omnirail.v1.ResultH\x00\x42\x07\n\x05\x65ventJ\x04\x08\x01\x10\x02J\x04\x08\x03\x10\x04\"j\n\x0eSessionRequest\x12.\n\x08generate\x18\x01 \x03(\x0b\x32\x1c.omnirail.v1.GenerateRequest\x12(\n\x05\x61\x62ort\x18\x02 \x03(\x0b\x32\x19.omnirail.v1.AbortRequest\"w\n\x0cSessionEvent\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12%\n\x06result\x18\x02 \x01(\x0b\x32\x13.omnirail.v1.ResultH\x00\x12#\n\x05\x65rror\x18\x03 \x01(\x0b\x32\x12.omnirail.v1.ErrorH\x00\x42\x07\n\x05\x65vent\":\n\rSessionEvents\x12)\n\x06\x65vents\x18\x01 \x03(\x0b\x32\x19.omnirail.v1.SessionEvent\"\xa8\x01\n\rRequestStatus\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12(\n\x05state\x18\x02 \x01(\x0e\x32\x19.omnirail.v1.RequestState\x12#\n\x06result\x18\x03 \x01(\x0b\x32\x13.omnirail.v1.Result\x12!\n\x05\x65rror\x18\x04 \x01(\x0b\x32\x12.omnirail.v1.Error\x12\x11\n\telapsed_s\x18\x05 \x01(\x01\"2\n\x0c\x41\x62ortRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x0e\n\x06reason\x18\x02 \x01(\t\"<\n\rAbortResponse\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x17\n\x0f\x61\x63knowledged_by\x18\x02 \x03(\t\"\x19\n\x17\x44\x65scribePipelineRequest\"s\n\tStageInfo\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x0c\n\x04next\x18\x02 \x03(\t\x12\x10\n\x08terminal\x18\x03 \x01(\x08\x12\x10\n\x08wait_for\x18\x04 \x03(\t\x12&\n\x08replicas\x18\x05 \x03(\x0b\x32\x14.omnirail.v1.Replica\"c\n\x07Replica\x12\x12\n\nreplica_id\x18\x01 \x01(\t\x12\x0f\n\x07\x61\x64\x64ress\x18\x02 \x01(\t\x12\x0c\n\x04live\x18\x03 \x01(\x08\x12\x13\n\x0bqueue_depth\x18\x04 \x01(\r\x12\x10\n\x08inflight\x18\x05 \x01(\r\"\x81\x01\n\x0cPipelineInfo\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x13\n\x0b\x65ntry_stage\x18\x02 \x01(\t\x12\x17\n\x0fterminal_stages\x18\x03 \x03(\t\x12&\n\x06stages\x18\x04 \x03(\x0b\x32\x16.omnirail.v1.StageInfo\x12\r\n\x05ready\x18\x05 \x01(\x08\x32\xf4\x03\n\x08Omnirail\x12\x46\n\x08Generate\x12\x1c.omnirail.v1.GenerateRequest\x1a\x1a.omnirail.v1.GenerateEvent0\x01\x12\x46\n\x07Session\x12\x1b.omnirail.v1.SessionRequest\x1a\x1a.omnirail.v1.SessionEvents(\x01\x30\x01\x12\x43\n\x06Submit\x12\x1c.omnirail.v1.GenerateRequest\x1a\x1b.omnirail.v1.SubmitResponse\x12;\n\x04Wait\x12\x17.omnirail.v1.RequestRef\x1a\x1a.omnirail.v1.RequestStatus\x12\x41\n\nGetRequest\x12\x17.omnirail.v1.RequestRef\x1a\x1a.omnirail.v1.RequestStatus\x12>\n\x05\x41\x62ort\x12\x19.omnirail.v1.AbortRequest\x1a\x1a.omnirail.v1.AbortResponse\x12S\n\x10\x44\x65scribePipeline\x12$.omnirail.v1.DescribePipelineRequest\x1a\x19.omnirail.v1.PipelineInfob\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -46,20 +46,26 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_RESULT_OUTPUTSENTRY']._serialized_end=406
   _globals['_GENERATEEVENT']._serialized_start=408
   _globals['_GENERATEEVENT']._serialized_end=483
-  _globals['_REQUESTSTATUS']._serialized_start=486
-  _globals['_REQUESTSTATUS']._serialized_end=654
-  _globals['_ABORTREQUEST']._serialized_start=656
-  _globals['_ABORTREQUEST']._serialized_end=706
-  _globals['_ABORTRESPONSE']._serialized_start=708
-  _globals['_ABORTRESPONSE']._serialized_end=768
-  _globals['_DESCRIBEPIPELINEREQUEST']._serialized_start=770
-  _globals['_DESCRIBEPIPELINEREQUEST']._serialized_end=795
-  _globals['_STAGEINFO']._serialized_start=797
-  _globals['_STAGEINFO']._serialized_end=912
-  _globals['_REPLICA']._serialized_start=914
-  _globals['_REPLICA']._serialized_end=1013
-  _globals['_PIPELINEINFO']._serialized_start=1016
-  _globals['_PIPELINEINFO']._serialized_end=1145
-  _globals['_OMNIRAIL']._serialized_start=1148
-  _globals['_OMNIRAIL']._serialized_end=1576
+  _globals['_SESSIONREQUEST']._serialized_start=485
+  _globals['_SESSIONREQUEST']._serialized_end=591
+  _globals['_SESSIONEVENT']._serialized_start=593
+  _globals['_SESSIONEVENT']._serialized_end=712
+  _globals['_SESSIONEVENTS']._serialized_start=714
+  _globals['_SESSIONEVENTS']._serialized_end=772
+  _globals['_REQUESTSTATUS']._serialized_start=775
+  _globals['_REQUESTSTATUS']._serialized_end=943
+  _globals['_ABORTREQUEST']._serialized_start=945
+  _globals['_ABORTREQUEST']._serialized_end=995
+  _globals['_ABORTRESPONSE']._serialized_start=997
+  _globals['_ABORTRESPONSE']._serialized_end=1057
+  _globals['_DESCRIBEPIPELINEREQUEST']._serialized_start=1059
+  _globals['_DESCRIBEPIPELINEREQUEST']._serialized_end=1084
+  _globals['_STAGEINFO']._serialized_start=1086
+  _globals['_STAGEINFO']._serialized_end=1201
+  _globals['_REPLICA']._serialized_start=1203
+  _globals['_REPLICA']._serialized_end=1302
+  _globals['_PIPELINEINFO']._serialized_start=1305
+  _globals['_PIPELINEINFO']._serialized_end=1434
+  _globals['_OMNIRAIL']._serialized_start=1437
+  _globals['_OMNIRAIL']._serialized_end=1937
 # @@protoc_insertion_point(module_scope)

@@ -40,6 +40,11 @@ class OmnirailStub:
                 request_serializer=omnirail_dot_v1_dot_client__pb2.GenerateRequest.SerializeToString,
                 response_deserializer=omnirail_dot_v1_dot_client__pb2.GenerateEvent.FromString,
                 _registered_method=True)
+        self.Session = channel.stream_stream(
+                '/omnirail.v1.Omnirail/Session',
+                request_serializer=omnirail_dot_v1_dot_client__pb2.SessionRequest.SerializeToString,
+                response_deserializer=omnirail_dot_v1_dot_client__pb2.SessionEvents.FromString,
+                _registered_method=True)
         self.Submit = channel.unary_unary(
                 '/omnirail.v1.Omnirail/Submit',
                 request_serializer=omnirail_dot_v1_dot_client__pb2.GenerateRequest.SerializeToString,
@@ -73,6 +78,16 @@ class OmnirailServicer:
 
     def Generate(self, request, context):
         """Runs one request; streams events and ends with a result or an error.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def Session(self, request_iterator, context):
+        """Many requests over one long-lived stream (what the SDK uses): requests and aborts
+        go up, each request's result or error comes down tagged with its id. A new call per
+        request costs several times the CPU of a stream message. Ending the stream aborts
+        the requests still running on it. `request_id` is required here.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -117,6 +132,11 @@ def add_OmnirailServicer_to_server(servicer, server):
                     servicer.Generate,
                     request_deserializer=omnirail_dot_v1_dot_client__pb2.GenerateRequest.FromString,
                     response_serializer=omnirail_dot_v1_dot_client__pb2.GenerateEvent.SerializeToString,
+            ),
+            'Session': grpc.stream_stream_rpc_method_handler(
+                    servicer.Session,
+                    request_deserializer=omnirail_dot_v1_dot_client__pb2.SessionRequest.FromString,
+                    response_serializer=omnirail_dot_v1_dot_client__pb2.SessionEvents.SerializeToString,
             ),
             'Submit': grpc.unary_unary_rpc_method_handler(
                     servicer.Submit,
@@ -172,6 +192,33 @@ class Omnirail:
             '/omnirail.v1.Omnirail/Generate',
             omnirail_dot_v1_dot_client__pb2.GenerateRequest.SerializeToString,
             omnirail_dot_v1_dot_client__pb2.GenerateEvent.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Session(request_iterator,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.stream_stream(
+            request_iterator,
+            target,
+            '/omnirail.v1.Omnirail/Session',
+            omnirail_dot_v1_dot_client__pb2.SessionRequest.SerializeToString,
+            omnirail_dot_v1_dot_client__pb2.SessionEvents.FromString,
             options,
             channel_credentials,
             insecure,

@@ -189,3 +189,68 @@ def test_health_and_reflection(linear_mesh: Mesh) -> None:
         )
         names = {s.name for r in responses for s in r.list_services_response.service}
         assert {"omnirail.v1.Omnirail", "omnirail.v1.Coordinator", "grpc.health.v1.Health"} <= names
+
+
+def test_generate_rpc_streams_the_result(stub) -> None:
+    """The plain server-streaming Generate RPC (what grpcurl uses), not the SDK's Session."""
+    from omnirail.payload import decode_inline
+
+    events = list(
+        stub.Generate(client_pb2.GenerateRequest(inputs=encode_inline({"n": 3})), timeout=30)
+    )
+    assert len(events) == 1
+    assert decode_inline(events[0].result.outputs["summarize"])["sum"] == 6.0
+
+
+def test_generate_rpc_error_carries_stage_in_trailers(stub) -> None:
+    request = client_pb2.GenerateRequest(inputs=encode_inline({"n": 3, "fail": "x"}))
+    err = _generate(stub, request)
+    assert err.code() == grpc.StatusCode.INTERNAL
+    assert ("omnirail-stage", "double") in tuple(err.trailing_metadata() or ())
+
+
+def test_session_requires_request_ids(linear_mesh: Mesh) -> None:
+    with grpc.insecure_channel(linear_mesh.address or "") as channel:
+        stub = client_pb2_grpc.OmnirailStub(channel)
+        request = client_pb2.SessionRequest(
+            generate=[client_pb2.GenerateRequest(inputs=encode_inline({"n": 1}))]
+        )
+        call = stub.Session(iter([request]), timeout=30)
+        event = next(iter(call)).events[0]
+        assert event.error.code == Code.INVALID_ARGUMENT
+        assert "request_id" in event.error.message
+        call.cancel()
+
+
+def test_async_client_concurrent_and_cancel(linear_mesh: Mesh) -> None:
+    import asyncio
+
+    from omnirail.client import AsyncClient
+
+    async def main() -> None:
+        async with AsyncClient(linear_mesh.address or "", timeout=60) as client:
+            outs = await asyncio.gather(*(client.generate({"n": n}) for n in range(1, 40)))
+            assert [o.output["n"] for o in outs] == list(range(1, 40))
+            rid = f"cancel-{time.monotonic_ns()}"
+            task = asyncio.create_task(client.generate({"n": 2, "sleep": 5}, request_id=rid))
+            for _ in range(600):
+                if await _state_async(client, rid) == "running":
+                    break
+                await asyncio.sleep(0.05)
+            task.cancel()
+            with pytest.raises(asyncio.CancelledError):
+                await task
+            for _ in range(200):
+                if (await client.status(rid)).state == "aborted":
+                    break
+                await asyncio.sleep(0.05)
+            assert (await client.status(rid)).state == "aborted"
+
+    asyncio.run(main())
+
+
+async def _state_async(client, rid: str) -> str:
+    try:
+        return (await client.status(rid)).state
+    except OmniError:
+        return "unknown"

@@ -1,0 +1,171 @@
+"""Client side of the `Session` stream: many requests multiplexed over one call.
+
+Requests queued while a write is in flight go out together; each request's result or
+error comes back tagged with its id and resolves that request's future. When the stream
+breaks, every waiting request fails with UNAVAILABLE and the next call opens a new one.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import queue
+import threading
+from collections.abc import Iterator
+from typing import Any
+
+import grpc
+
+from omnirail.errors import Code, OmniError
+from omnirail.v1 import client_pb2
+
+# Bound on one write so a burst of large inputs stays under the message limit.
+_MAX_BATCH = 64
+
+
+def _broken(err: BaseException | None) -> OmniError:
+    if isinstance(err, grpc.RpcError):
+        from omnirail.client import rpc_error
+
+        error = rpc_error(err)
+        return OmniError(Code.UNAVAILABLE, f"session to the coordinator ended: {error.message}")
+    return OmniError(Code.UNAVAILABLE, "session to the coordinator ended")
+
+
+class SyncSession:
+    """For the blocking `Client`: a writer fed by a queue, a reader thread."""
+
+    def __init__(self, stub: Any) -> None:
+        self._outgoing: queue.SimpleQueue[client_pb2.SessionRequest | None] = queue.SimpleQueue()
+        self._futures: dict[str, concurrent.futures.Future[client_pb2.SessionEvent]] = {}
+        self._lock = threading.Lock()
+        self.broken = False
+        self._call = stub.Session(self._requests())
+        self._reader = threading.Thread(target=self._read, name="omnirail-session", daemon=True)
+        self._reader.start()
+
+    def _requests(self) -> Iterator[client_pb2.SessionRequest]:
+        while (first := self._outgoing.get()) is not None:
+            batch = client_pb2.SessionRequest()
+            batch.MergeFrom(first)
+            while len(batch.generate) < _MAX_BATCH:
+                try:
+                    more = self._outgoing.get_nowait()
+                except queue.Empty:
+                    break
+                if more is None:
+                    yield batch
+                    return
+                batch.MergeFrom(more)
+            yield batch
+
+    def _read(self) -> None:
+        error: BaseException | None = None
+        try:
+            for events in self._call:
+                for event in events.events:
+                    with self._lock:
+                        future = self._futures.pop(event.request_id, None)
+                    if future is not None:
+                        future.set_result(event)
+        except grpc.RpcError as exc:
+            error = exc
+        with self._lock:
+            self.broken = True
+            waiting, self._futures = self._futures, {}
+        for future in waiting.values():
+            future.set_exception(_broken(error))
+
+    def send(
+        self, request: client_pb2.GenerateRequest
+    ) -> concurrent.futures.Future[client_pb2.SessionEvent]:
+        future: concurrent.futures.Future[client_pb2.SessionEvent] = concurrent.futures.Future()
+        with self._lock:
+            if self.broken:
+                future.set_exception(_broken(None))
+                return future
+            self._futures[request.request_id] = future
+        self._outgoing.put(client_pb2.SessionRequest(generate=[request]))
+        return future
+
+    def abort(self, request_id: str, reason: str) -> None:
+        with self._lock:
+            future = self._futures.pop(request_id, None)
+        if future is not None:
+            future.set_exception(OmniError(Code.CANCELLED, reason))
+        self._outgoing.put(
+            client_pb2.SessionRequest(
+                abort=[client_pb2.AbortRequest(request_id=request_id, reason=reason)]
+            )
+        )
+
+    def close(self) -> None:
+        self._outgoing.put(None)
+        self._call.cancel()
+        self._reader.join(timeout=5)
+
+
+class AsyncSession:
+    """For `AsyncClient`: a writer task and a reader task on the caller's loop."""
+
+    def __init__(self, stub: Any) -> None:
+        self._call = stub.Session()
+        self._pending = client_pb2.SessionRequest()
+        self._wake = asyncio.Event()
+        self._futures: dict[str, asyncio.Future[client_pb2.SessionEvent]] = {}
+        self.broken = False
+        loop = asyncio.get_running_loop()
+        self._reader = loop.create_task(self._read())
+        self._writer = loop.create_task(self._write())
+
+    async def _write(self) -> None:
+        try:
+            while True:
+                while not (self._pending.generate or self._pending.abort):
+                    self._wake.clear()
+                    await self._wake.wait()
+                batch, self._pending = self._pending, client_pb2.SessionRequest()
+                await self._call.write(batch)
+        except (grpc.RpcError, asyncio.InvalidStateError):
+            pass  # the reader sees the end of the call and fails what is waiting
+
+    async def _read(self) -> None:
+        error: BaseException | None = None
+        try:
+            while (events := await self._call.read()) is not grpc.aio.EOF:
+                for event in events.events:
+                    future = self._futures.pop(event.request_id, None)
+                    if future is not None and not future.done():
+                        future.set_result(event)
+        except grpc.RpcError as exc:
+            error = exc
+        self.broken = True
+        self._writer.cancel()
+        waiting, self._futures = self._futures, {}
+        for future in waiting.values():
+            if not future.done():
+                future.set_exception(_broken(error))
+
+    def send(self, request: client_pb2.GenerateRequest) -> asyncio.Future[client_pb2.SessionEvent]:
+        future: asyncio.Future[client_pb2.SessionEvent] = asyncio.get_running_loop().create_future()
+        if self.broken:
+            future.set_exception(_broken(None))
+            return future
+        self._futures[request.request_id] = future
+        self._pending.generate.append(request)
+        self._wake.set()
+        return future
+
+    def abort(self, request_id: str, reason: str) -> None:
+        self._futures.pop(request_id, None)
+        self._pending.abort.add(request_id=request_id, reason=reason)
+        self._wake.set()
+
+    async def close(self) -> None:
+        self._writer.cancel()
+        self._call.cancel()
+        for task in (self._writer, self._reader):
+            try:
+                await task
+            except (asyncio.CancelledError, grpc.RpcError):
+                pass
