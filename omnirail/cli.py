@@ -147,7 +147,7 @@ def _up_detached(args: argparse.Namespace) -> int:
 
 
 def cmd_down(args: argparse.Namespace) -> int:
-    from omnirail.launcher import read_states
+    from omnirail.launcher import pid_alive, read_states
 
     states = read_states()
     if args.name:
@@ -163,18 +163,19 @@ def cmd_down(args: argparse.Namespace) -> int:
         return 0
     else:
         raise ValueError(f"several meshes are running ({sorted(states)}); pass --name or --all")
+    failed = 0
     for name in names:
         pid = int(states[name]["pid"])  # type: ignore[arg-type]
         os.kill(pid, signal.SIGTERM)
         deadline = time.monotonic() + 30
-        while time.monotonic() < deadline:
-            try:
-                os.kill(pid, 0)
-            except ProcessLookupError:
-                break
+        while pid_alive(pid) and time.monotonic() < deadline:
             time.sleep(0.1)
-        print(f"stopped {name}")
-    return 0
+        if pid_alive(pid):
+            print(f"mesh {name!r} (pid {pid}) did not stop within 30 s", file=sys.stderr)
+            failed += 1
+        else:
+            print(f"stopped {name}")
+    return 1 if failed else 0
 
 
 def cmd_run(args: argparse.Namespace) -> int:

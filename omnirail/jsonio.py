@@ -47,6 +47,8 @@ def to_jsonable(value: Any) -> Any:
         return [to_jsonable(v) for v in value]
     if isinstance(value, bytes):
         return {"bytes": len(value)}
+    if isinstance(value, np.generic):  # before the array branch: scalars have .shape too
+        return value.item()
     if hasattr(value, "shape") and hasattr(value, "dtype"):
         arr = value
         if type(value).__module__.startswith("torch"):
@@ -60,8 +62,6 @@ def to_jsonable(value: Any) -> Any:
         elif arr.dtype.kind in "fiub":
             out["mean"] = float(np.asarray(arr, dtype=np.float64).mean())
         return out
-    if isinstance(value, np.generic):
-        return value.item()
     return value
 
 

@@ -254,13 +254,24 @@ def write_state(name: str, data: dict[str, object]) -> Path:
     return path
 
 
+def pid_alive(pid: int) -> bool:
+    """True for a running process; a zombie (ended, not yet reaped) counts as gone."""
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except (FileNotFoundError, ProcessLookupError):
+        return False
+    return stat.rsplit(")", 1)[1].split()[0] != "Z"
+
+
 def read_states() -> dict[str, dict[str, object]]:
     states = {}
     for path in state_dir().glob("*.json"):
         try:
             data = json.loads(path.read_text())
-            os.kill(int(data["pid"]), 0)
+            alive = pid_alive(int(data["pid"]))
         except (OSError, ValueError, KeyError):
+            alive = False
+        if not alive:
             path.unlink(missing_ok=True)  # a mesh that is gone
             continue
         states[path.stem] = data

@@ -5,6 +5,6 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 out="${1:-.}"
 mkdir -p "$out/omnirail/v1"
-python -m grpc_tools.protoc -I protos \
+"${PYTHON:-python}" -m grpc_tools.protoc -I protos \
   --python_out="$out" --pyi_out="$out" --grpc_python_out="$out" \
   protos/omnirail/v1/*.proto

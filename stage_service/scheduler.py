@@ -192,7 +192,8 @@ class SimpleScheduler(Scheduler):
         try:
             result = self._fn(msg.data)
         except Exception as exc:  # a failing request must not stop the scheduler
-            self.outbox.put(OutgoingMessage(msg.request_id, "error", exc))
+            if msg.request_id not in self.aborted:
+                self.outbox.put(OutgoingMessage(msg.request_id, "error", exc))
             return
         if msg.request_id not in self.aborted:
             self.outbox.put(OutgoingMessage(msg.request_id, "result", result))

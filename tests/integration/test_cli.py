@@ -1,0 +1,347 @@
+"""The `omnirail` command line over real processes: validate, run, up/generate/down, bench."""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import queue
+import re
+import signal
+import subprocess
+import sys
+import threading
+import time
+import uuid
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import pytest
+
+from omnirail.client import Client
+from omnirail.launcher import read_states, state_dir, sweep_shm
+
+REPO = Path(__file__).resolve().parents[2]
+QUICKSTART = "examples/quickstart/pipeline.yaml"
+QUICKSTART_INPUT = "examples/quickstart/input.json"
+STAGES = ["preprocess", "text_encoder", "image_encoder", "fuse"]
+MESH_TIMEOUT = 240  # commands that start a mesh
+QUICK_TIMEOUT = 120  # commands that do not
+
+
+def omnirail(*args: str, timeout: float = MESH_TIMEOUT) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [sys.executable, "-m", "omnirail", *args],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        stdin=subprocess.DEVNULL,
+    )
+
+
+def explain(proc: subprocess.CompletedProcess[str]) -> str:
+    return f"exit {proc.returncode}\nstdout:\n{proc.stdout}\nstderr:\n{proc.stderr}"
+
+
+def omnirail_shm() -> set[str]:
+    return {n for n in os.listdir("/dev/shm") if n.startswith("omnirail-")}
+
+
+def pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    return True
+
+
+def child_pids(pid: int) -> list[int]:
+    out = subprocess.run(["pgrep", "-P", str(pid)], capture_output=True, text=True, timeout=30)
+    return sorted(int(p) for p in out.stdout.split())
+
+
+def cmdline(pid: int) -> list[str]:
+    return Path(f"/proc/{pid}/cmdline").read_bytes().decode().split("\0")
+
+
+def shm_prefixes(pids: list[int]) -> set[str]:
+    """The --shm-prefix the launcher gave its stage processes."""
+    prefixes = set()
+    for pid in pids:
+        argv = cmdline(pid)
+        if "--shm-prefix" in argv:
+            prefixes.add(argv[argv.index("--shm-prefix") + 1])
+    return prefixes
+
+
+def mesh_processes(launcher: int) -> list[int]:
+    children = child_pids(launcher)
+    roles = sorted(cmdline(pid)[3] for pid in children)  # python -m omnirail <role>
+    assert roles == ["coordinator"] + ["stage"] * len(STAGES), roles
+    return children
+
+
+def assert_gone(pids: list[int]) -> None:
+    alive = [pid for pid in pids if Path(f"/proc/{pid}").exists()]
+    assert not alive, f"processes still present after shutdown: {alive}"
+
+
+def check_quickstart_outputs(outputs: dict) -> None:
+    assert set(outputs) == {"fuse"}
+    fuse = outputs["fuse"]
+    assert fuse["embedding"]["dtype"] == "float32"
+    assert fuse["embedding"]["shape"] == [128]
+    assert isinstance(fuse["similarity"], float)
+    assert -1.0 <= fuse["similarity"] <= 1.0
+
+
+@dataclass
+class Tracked:
+    pids: list[int] = field(default_factory=list)
+    prefixes: set[str] = field(default_factory=set)
+
+
+@contextlib.contextmanager
+def cleanup(name: str) -> Iterator[Tracked]:
+    """Whatever happens in the block, the mesh `name` is stopped and its shm swept."""
+    found = Tracked()
+    try:
+        yield found
+    finally:
+        if name in read_states():
+            omnirail("down", "--name", name, timeout=QUICK_TIMEOUT)
+        for pid in found.pids:
+            if pid_alive(pid):
+                os.kill(pid, signal.SIGKILL)
+        for prefix in found.prefixes:
+            sweep_shm(prefix)
+        (state_dir() / f"{name}.json").unlink(missing_ok=True)
+        (state_dir() / f"{name}.log").unlink(missing_ok=True)
+
+
+# ---- validate ---------------------------------------------------------------------
+
+
+def test_validate_prints_topology() -> None:
+    proc = omnirail("validate", QUICKSTART, timeout=QUICK_TIMEOUT)
+    assert proc.returncode == 0, explain(proc)
+    lines = proc.stdout.splitlines()
+    assert "pipeline: quickstart" in lines
+    assert "entry: preprocess" in lines
+    assert "terminals: fuse" in lines
+    for stage in STAGES:
+        assert f"  {stage}" in lines, f"stage {stage} missing from:\n{proc.stdout}"
+    assert "    wait_for: text_encoder, image_encoder" in proc.stdout
+
+
+def test_validate_reports_every_problem(tmp_path: Path) -> None:
+    bad = tmp_path / "bad.yaml"
+    bad.write_text(
+        "name: bad\n"
+        "stages:\n"
+        "  - name: first\n"
+        "    factory: examples.quickstart.models:create_preprocess\n"
+        "    next: last\n"
+        "    terminal: true\n"
+        "  - name: last\n"
+        "    factory: examples.quickstart.models:create_fuse\n"
+        "    wait_for: [first]\n"
+        "    terminal: true\n"
+    )
+    proc = omnirail("validate", str(bad), timeout=QUICK_TIMEOUT)
+    assert proc.returncode == 2, explain(proc)
+    assert proc.stdout == ""
+    assert "invalid pipeline" in proc.stderr
+    assert "stages[first].terminal" in proc.stderr
+    assert "both set" in proc.stderr
+    assert "stages[last].merge_fn: required when wait_for is set" in proc.stderr
+
+
+def test_validate_missing_file(tmp_path: Path) -> None:
+    proc = omnirail("validate", str(tmp_path / "nope.yaml"), timeout=QUICK_TIMEOUT)
+    assert proc.returncode == 2, explain(proc)
+    assert "nope.yaml: no such file" in proc.stderr
+
+
+# ---- run ----------------------------------------------------------------------------
+
+
+def test_run_quickstart() -> None:
+    proc = omnirail("run", QUICKSTART, "--input-file", QUICKSTART_INPUT)
+    assert proc.returncode == 0, explain(proc)
+    check_quickstart_outputs(json.loads(proc.stdout))
+    progress = [line for line in proc.stderr.splitlines() if line.startswith("[omnirail] ")]
+    assert any("starting coordinator" in line for line in progress), proc.stderr
+    assert any("mesh ready: 4 stages" in line for line in progress), proc.stderr
+    assert any(re.search(r"request \w+ took [\d.]+ ms", line) for line in progress), proc.stderr
+
+
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        (["--input", "[1,2]"], "error: --input: expected a JSON object of inputs, got list"),
+        (["--input", "{"], "error: --input: invalid JSON"),
+        ([], "error: --input or --input-file is required"),
+    ],
+    ids=["not-an-object", "bad-json", "no-input"],
+)
+def test_run_rejects_bad_input_before_starting(args: list[str], message: str) -> None:
+    proc = omnirail("run", QUICKSTART, *args, timeout=QUICK_TIMEOUT)
+    assert proc.returncode == 2, explain(proc)
+    assert message in proc.stderr
+    assert "starting coordinator" not in proc.stderr  # no mesh was started for it
+    assert proc.stdout == ""
+
+
+def test_run_stage_error_exits_1_naming_stage() -> None:
+    proc = omnirail("run", QUICKSTART, "--input", '{"text": ""}')
+    assert proc.returncode == 1, explain(proc)
+    assert proc.stdout == ""
+    assert "in stage 'preprocess'" in proc.stderr
+    assert "inputs.text: a non-empty string is required" in proc.stderr
+
+
+# ---- up / generate / down ---------------------------------------------------------
+
+
+def test_up_detached_generate_down() -> None:
+    name = f"clitest-{uuid.uuid4().hex[:8]}"
+    shm_before = omnirail_shm()
+    with cleanup(name) as found:
+        up = omnirail("up", QUICKSTART, "--detach", "--name", name)
+        assert up.returncode == 0, explain(up)
+        address = up.stdout.strip()
+        assert re.fullmatch(r"unix:///\S+\.sock", address), address
+
+        state = read_states()[name]
+        launcher = int(state["pid"])  # type: ignore[arg-type]
+        found.pids = [launcher]
+        assert state["address"] == address
+        assert launcher != os.getpid() and pid_alive(launcher)
+        children = mesh_processes(launcher)
+        found.pids = [launcher, *children]
+        prefixes = shm_prefixes(children)
+        assert len(prefixes) == 1, prefixes
+        found.prefixes = prefixes
+        (prefix,) = prefixes
+
+        gen = omnirail(
+            "generate", "--address", address, "--input", '{"text": "hi"}', timeout=QUICK_TIMEOUT
+        )
+        assert gen.returncode == 0, explain(gen)
+        check_quickstart_outputs(json.loads(gen.stdout))
+        # The 196 KiB image went through the relay, so this mesh made shared memory.
+        ours = {n for n in omnirail_shm() - shm_before if n.startswith(prefix + "-")}
+        assert ours, "expected the mesh to hold shared memory after a relayed request"
+
+        down = omnirail("down", "--name", name, timeout=QUICK_TIMEOUT)
+        assert down.returncode == 0, explain(down)
+        assert f"stopped {name}" in down.stdout
+
+        assert not pid_alive(launcher), "launcher still running after `omnirail down`"
+        assert_gone(children)
+        assert not (state_dir() / f"{name}.json").exists(), "state file left behind"
+        assert name not in read_states()
+        leftover = sorted(n for n in omnirail_shm() - shm_before if n.startswith(prefix + "-"))
+        assert leftover == [], f"shared memory left after `omnirail down`: {leftover}"
+
+        again = omnirail("down", "--name", name, timeout=QUICK_TIMEOUT)
+        assert again.returncode == 2, explain(again)
+        assert f"no running mesh named {name!r}" in again.stderr
+
+
+def _first_line(proc: subprocess.Popen[str], timeout: float) -> str:
+    lines: queue.Queue[str] = queue.Queue()
+    assert proc.stdout is not None
+    stdout = proc.stdout
+    threading.Thread(target=lambda: lines.put(stdout.readline()), daemon=True).start()
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        try:
+            return lines.get(timeout=0.5)
+        except queue.Empty:
+            if proc.poll() is not None and lines.empty():
+                break
+    with contextlib.suppress(queue.Empty):
+        return lines.get(timeout=1)
+    return ""
+
+
+def test_up_foreground_tcp_sigint(tmp_path: Path) -> None:
+    name = f"clitest-{uuid.uuid4().hex[:8]}"
+    shm_before = omnirail_shm()
+    stderr_path = tmp_path / "up.stderr"
+    with cleanup(name) as found, open(stderr_path, "w") as stderr:
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "omnirail", "up", QUICKSTART, "--tcp", "--name", name],
+            cwd=REPO,
+            stdin=subprocess.DEVNULL,
+            stdout=subprocess.PIPE,
+            stderr=stderr,
+            text=True,
+        )
+        found.pids = [proc.pid]
+        try:
+            address = _first_line(proc, MESH_TIMEOUT).strip()
+            assert address, f"`omnirail up` printed no address:\n{stderr_path.read_text()}"
+            match = re.fullmatch(r"([\w.\-]+):(\d+)", address)
+            assert match, f"not host:port: {address!r}"
+            assert int(match.group(2)) > 0
+
+            state = read_states()[name]
+            assert state["pid"] == proc.pid and state["address"] == address
+            children = mesh_processes(proc.pid)
+            found.pids = [proc.pid, *children]
+            prefixes = shm_prefixes(children)
+            found.prefixes = prefixes
+            (prefix,) = prefixes
+
+            with Client(address, timeout=60) as client:
+                out = client.generate({"text": "hi"}).output
+            assert tuple(out["embedding"].shape) == (128,)
+            assert -1.0 <= out["similarity"] <= 1.0
+
+            proc.send_signal(signal.SIGINT)
+            assert proc.wait(timeout=30) == 0, stderr_path.read_text()
+        finally:
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait()
+            assert proc.stdout is not None
+            proc.stdout.close()
+        assert_gone(children)
+        assert "[omnirail] stopping" in stderr_path.read_text()
+        assert not (state_dir() / f"{name}.json").exists(), "state file left behind"
+        leftover = sorted(n for n in omnirail_shm() - shm_before if n.startswith(prefix + "-"))
+        assert leftover == [], f"shared memory left after SIGINT: {leftover}"
+
+
+# ---- bench --------------------------------------------------------------------------
+
+
+@pytest.mark.slow
+def test_bench_pipeline_json() -> None:
+    proc = omnirail(
+        "bench",
+        "pipeline",
+        "--stages",
+        "2",
+        "--requests",
+        "20",
+        "--throughput-requests",
+        "64",
+        "--concurrency",
+        "8",
+        "--json",
+    )
+    assert proc.returncode == 0, explain(proc)
+    lines = proc.stdout.strip().splitlines()
+    assert len(lines) == 1, proc.stdout
+    report = json.loads(lines[0])
+    for key in ("latency_p50_ms", "latency_p99_ms", "throughput_rps"):
+        assert isinstance(report[key], (int, float)) and report[key] > 0, (key, report)
+    assert report["latency_p50_ms"] <= report["latency_p99_ms"]
+    assert report["stages"] == 2 and report["requests"] == 20
+    assert "[omnirail]" not in proc.stderr  # --json: no progress
