@@ -19,6 +19,7 @@ from omnirail.v1 import common_pb2, mesh_pb2, mesh_pb2_grpc
 
 log = logging.getLogger(__name__)
 
+LOAD_INTERVAL_S = 1.0
 CommandHandler = Callable[[mesh_pb2.CoordinatorCommand], None]
 
 
@@ -41,6 +42,7 @@ class AttachClient:
         self._wake = asyncio.Event()
         self.connected = asyncio.Event()
         self._stopping = False
+        self._load_due = False
 
     # ---- upward events (called on the loop thread) ----------------------------
 
@@ -94,12 +96,24 @@ class AttachClient:
             self._on_command(first)
             self.connected.set()
             log.info("stage %s attached to %s", self._register.stage, self._address)
-            reader = asyncio.get_running_loop().create_task(self._read(call))
+            loop = asyncio.get_running_loop()
+            reader = loop.create_task(self._read(call))
+            ticker = loop.create_task(self._tick())
             try:
                 await self._write(call, reader)
             finally:
+                ticker.cancel()
                 reader.cancel()
                 call.cancel()
+
+    async def _tick(self) -> None:
+        """Asks for a load report once a second, riding with events when there are any."""
+        if self._load is None:
+            return
+        while True:
+            await asyncio.sleep(LOAD_INTERVAL_S)
+            self._load_due = True
+            self._wake.set()
 
     async def _read(self, call: grpc.aio.StreamStreamCall) -> None:
         while (command := await call.read()) is not grpc.aio.EOF:
@@ -112,21 +126,25 @@ class AttachClient:
     async def _write(self, call: grpc.aio.StreamStreamCall, reader: asyncio.Task[None]) -> None:
         reader.add_done_callback(lambda _: self._wake.set())
         while True:
-            while not _has_events(self._event) and not self._stopping and not reader.done():
+            while not self._has_events() and not self._stopping and not reader.done():
                 self._wake.clear()
                 await self._wake.wait()
-            if _has_events(self._event):
+            if self._has_events():
                 # Flushed even when the reader ended: abort acks answering a shutdown, say.
                 await call.write(self._swap())
             if reader.done():
                 reader.result()
                 return
-            if self._stopping and not _has_events(self._event):
+            if self._stopping and not self._has_events():
                 await call.done_writing()
                 return
 
+    def _has_events(self) -> bool:
+        return self._load_due or _nonempty(self._event)
+
     def _swap(self) -> mesh_pb2.StageEvent:
         event, self._event = self._event, mesh_pb2.StageEvent()
+        self._load_due = False
         if self._load is not None:
             depth, inflight = self._load()
             event.load.queue_depth = depth
@@ -134,5 +152,5 @@ class AttachClient:
         return event
 
 
-def _has_events(event: mesh_pb2.StageEvent) -> bool:
+def _nonempty(event: mesh_pb2.StageEvent) -> bool:
     return bool(event.completions or event.failures or event.abort_acks)

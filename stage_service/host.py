@@ -102,6 +102,7 @@ class StageHost(mesh_pb2_grpc.StageServicer):
                 ),
                 lambda cmd, n=name: self._on_command(n, cmd),
                 max_message_bytes=self._max_message,
+                load=lambda n=name: (self.stages[n].scheduler.queue_depth, self.stages[n].inflight),
             )
             relay = self._relays[self.pipeline.relay_for(name).backend]
             stage = Stage(name, self.pipeline, schedulers[name], relay, self._relays, self, attach)

@@ -254,3 +254,25 @@ async def _state_async(client, rid: str) -> str:
         return (await client.status(rid)).state
     except OmniError:
         return "unknown"
+
+
+def test_describe_reports_replicas_and_load(client: Client) -> None:
+    client.generate({"n": 2})
+    info = client.describe()
+    assert info.ready and info.entry_stage == "source"
+    assert list(info.terminal_stages) == ["summarize"]
+    by_name = {s.name: s for s in info.stages}
+    assert set(by_name) == {"source", "double", "summarize"}
+    for stage in by_name.values():
+        assert len(stage.replicas) == 1 and stage.replicas[0].live
+        assert stage.replicas[0].address.startswith("unix://")
+    # Load is reported once a second: a request held in `double` shows up there.
+    rid = client.submit({"n": 2, "sleep": 4})
+    deadline = time.monotonic() + 10
+    inflight = 0
+    while time.monotonic() < deadline and not inflight:
+        double = next(s for s in client.describe().stages if s.name == "double")
+        inflight = double.replicas[0].inflight
+        time.sleep(0.1)
+    assert inflight == 1
+    client.abort(rid)
