@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import argparse
-import asyncio
 import json
 import logging
 import os
@@ -14,6 +13,7 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
+from omnirail import aio
 from omnirail.config import ConfigError, format_topology, load_pipeline
 from omnirail.errors import OmniError
 
@@ -215,7 +215,7 @@ def cmd_coordinator(args: argparse.Namespace) -> int:
 
     _setup_logging(args.log_level)
     cfg = load_pipeline(args.pipeline)
-    asyncio.run(serve(cfg, args.listen, args.ready_file))
+    aio.run(serve(cfg, args.listen, args.ready_file))
     return 0
 
 
@@ -228,7 +228,7 @@ def cmd_stage(args: argparse.Namespace) -> int:
     for name in names:
         cfg.stage(name)  # unknown names fail here with a clear message
     listen = args.listen or f"{cfg.endpoints.host}:0"
-    asyncio.run(
+    aio.run(
         serve(
             cfg,
             names,

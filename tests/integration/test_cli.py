@@ -20,7 +20,7 @@ from pathlib import Path
 import pytest
 
 from omnirail.client import Client
-from omnirail.launcher import read_states, state_dir, sweep_shm
+from omnirail.launcher import pid_alive, read_states, state_dir, sweep_shm
 
 REPO = Path(__file__).resolve().parents[2]
 QUICKSTART = "examples/quickstart/pipeline.yaml"
@@ -47,14 +47,6 @@ def explain(proc: subprocess.CompletedProcess[str]) -> str:
 
 def omnirail_shm() -> set[str]:
     return {n for n in os.listdir("/dev/shm") if n.startswith("omnirail-")}
-
-
-def pid_alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    return True
 
 
 def child_pids(pid: int) -> list[int]:
