@@ -109,7 +109,6 @@ def _deadline(timeout: float | None) -> float | None:
     return None if timeout is None else timeout + _DEADLINE_SLACK_S
 
 
-
 class Client:
     """Blocking client. `address` is ``unix:///path`` or ``host:port``."""
 

@@ -1,0 +1,105 @@
+"""Relay interface and backend registry.
+
+A relay moves one packed tensor buffer per payload between processes. The sender
+`put`s (copying into its pool, waiting for edge credits), sends the handle's descriptor
+in a control message, and releases the handle when the receiver acks. The receiver
+`get`s a read-only view and releases it when done. All methods are called from the
+owning process's event loop thread.
+"""
+
+from __future__ import annotations
+
+import abc
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+from omnirail.payload import Packed
+from omnirail.v1 import common_pb2
+
+
+class RelayError(RuntimeError):
+    """A transfer cannot be done: bad descriptor, peer gone, closed relay."""
+
+
+@dataclass(frozen=True)
+class RelaySettings:
+    """Backend knobs (built from `RelayConfig`)."""
+
+    # Bytes of the first pool segment; more segments are added when a payload does not fit.
+    pool_bytes: int = 256 << 20
+    # Credits per edge: outstanding (unacked) transfers and bytes. A full edge blocks `put`;
+    # a single payload larger than `credit_bytes` is still sent once the edge is empty.
+    credit_slots: int = 64
+    credit_bytes: int = 1 << 30
+    # Prefix of every OS-visible name (shm segments) so a launcher can sweep leftovers.
+    name_prefix: str = "omnirail"
+    options: dict[str, Any] = field(default_factory=dict)
+
+
+class RelayHandle(abc.ABC):
+    """Sender side of one transfer. `release()` frees its pool extent and edge credit."""
+
+    descriptor: common_pb2.RelayDescriptor
+    request_id: str
+
+    @abc.abstractmethod
+    def release(self) -> None: ...
+
+
+class Received(abc.ABC):
+    """Receiver side: `buffer` is a read-only view valid until `release()`."""
+
+    buffer: memoryview
+
+    @abc.abstractmethod
+    def release(self) -> None: ...
+
+
+class Relay(abc.ABC):
+    name: str
+
+    @abc.abstractmethod
+    async def put(self, packed: Packed, request_id: str, edge: str) -> RelayHandle:
+        """Copies `packed` into the pool once `edge` has credit; never rejects for size."""
+
+    @abc.abstractmethod
+    async def get(self, descriptor: common_pb2.RelayDescriptor) -> Received:
+        """Maps the bytes a descriptor names; raises RelayError for a bad descriptor."""
+
+    @abc.abstractmethod
+    def cleanup(self, request_id: str) -> None:
+        """Releases every unacked handle of `request_id` (abort path)."""
+
+    @abc.abstractmethod
+    def close(self) -> None:
+        """Frees the pool and every OS resource; idempotent."""
+
+
+RelayFactory = Callable[[RelaySettings], Relay]
+_REGISTRY: dict[str, RelayFactory] = {}
+
+
+def register_relay(name: str, factory: RelayFactory) -> None:
+    _REGISTRY[name] = factory
+
+
+def relay_backends() -> list[str]:
+    _load_builtin()
+    return sorted(_REGISTRY)
+
+
+def create_relay(name: str, settings: RelaySettings | None = None) -> Relay:
+    _load_builtin()
+    try:
+        factory = _REGISTRY[name]
+    except KeyError:
+        raise RelayError(
+            f"unknown relay backend {name!r}; known: {', '.join(sorted(_REGISTRY))}"
+        ) from None
+    return factory(settings or RelaySettings())
+
+
+def _load_builtin() -> None:
+    # Importing registers them; kept lazy so `relay.base` stays cheap to import.
+    from relay import inline, shm  # noqa: F401

@@ -1,0 +1,47 @@
+"""`inline` relay: payload bytes ride inside the control message, up to the inline bound.
+
+`send_payload` never calls `put` for payloads within the bound, so with this backend
+configured a larger payload is an error rather than a silent MiB-sized protobuf.
+"""
+
+from __future__ import annotations
+
+from omnirail.payload import Packed
+from omnirail.v1 import common_pb2
+from relay.base import Received, Relay, RelayError, RelayHandle, RelaySettings, register_relay
+
+BACKEND = "inline"
+
+
+def oversize_error(nbytes: int, inline_bytes: int) -> RelayError:
+    return RelayError(
+        f"payload of {nbytes} bytes exceeds the inline bound {inline_bytes}; "
+        "configure a relay backend such as shm"
+    )
+
+
+class InlineRelay(Relay):
+    name = BACKEND
+
+    def __init__(self, settings: RelaySettings | None = None) -> None:
+        self.settings = settings or RelaySettings()
+
+    async def put(self, packed: Packed, request_id: str, edge: str) -> RelayHandle:
+        raise RelayError(
+            f"payload of {packed.nbytes} bytes cannot leave the message with the inline "
+            "relay; configure a relay backend such as shm"
+        )
+
+    async def get(self, descriptor: common_pb2.RelayDescriptor) -> Received:
+        raise RelayError(
+            f"the inline relay reads no descriptors (got one for {descriptor.backend!r})"
+        )
+
+    def cleanup(self, request_id: str) -> None:
+        pass
+
+    def close(self) -> None:
+        pass
+
+
+register_relay(BACKEND, InlineRelay)

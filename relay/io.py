@@ -1,0 +1,102 @@
+"""Turning values into wire payloads and back: the one place the stage layer uses.
+
+Payloads up to the inline bound (and those without tensors) travel inside the message;
+larger ones go through the relay and the message carries the descriptor. Never imports
+torch (the codec imports it lazily when it meets a torch tensor).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+from omnirail.payload import PayloadError, decode_inline, encode_inline, pack, unpack
+from omnirail.v1 import common_pb2
+from relay.base import Received, Relay, RelayError, RelayHandle
+from relay.inline import BACKEND as INLINE
+from relay.inline import oversize_error
+
+__all__ = [
+    "PayloadError",
+    "ReceivedPayload",
+    "RelayError",
+    "decode_inline",
+    "encode_inline",
+    "receive_payload",
+    "send_payload",
+]
+
+
+async def send_payload(
+    value: Any, relay: Relay, *, request_id: str, edge: str, inline_bytes: int
+) -> tuple[common_pb2.Payload, RelayHandle | None]:
+    """Packs `value`; inline when small, else through `relay` (waiting for edge credit).
+
+    The caller sends the Payload, then releases the handle when the receiver acks (or
+    `relay.cleanup(request_id)` on abort).
+    """
+    packed = pack(value)
+    if packed.nbytes <= inline_bytes or packed.num_tensors == 0:
+        return common_pb2.Payload(header=packed.header, inline_data=packed.to_bytes()), None
+    if relay.name == INLINE:
+        raise oversize_error(packed.nbytes, inline_bytes)
+    handle = await relay.put(packed, request_id, edge)
+    pb = common_pb2.Payload(header=packed.header)
+    pb.relay.CopyFrom(handle.descriptor)  # cheaper than passing relay= to the constructor
+    return pb, handle
+
+
+class ReceivedPayload:
+    """A decoded value; with zero-copy views they are valid until `release()`."""
+
+    __slots__ = ("_received", "value")
+
+    def __init__(self, value: Any, received: Received | None = None) -> None:
+        self.value = value
+        self._received = received
+
+    def release(self) -> None:
+        """Returns the relay view; idempotent. Views in `value` must not be used after."""
+        received, self._received = self._received, None
+        if received is not None:
+            received.release()
+
+    def __enter__(self) -> ReceivedPayload:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.release()
+
+
+async def receive_payload(
+    pb: common_pb2.Payload, relays: Mapping[str, Relay], *, copy: bool = False
+) -> ReceivedPayload:
+    """Decodes `pb`, reading through `relays[backend]` when it names a relay.
+
+    copy=False: tensors are read-only views (of the relay segment, or of the message's
+    bytes when inline). Raises PayloadError for a bad header, RelayError for a bad
+    descriptor or unknown backend; nothing stays acquired on error.
+    """
+    if pb.WhichOneof("body") != "relay":
+        return ReceivedPayload(unpack(pb.header, pb.inline_data, copy=copy))
+    desc = pb.relay
+    relay = relays.get(desc.backend)
+    if relay is None:
+        raise RelayError(
+            f"payload uses relay backend {desc.backend!r}, which this process has not "
+            f"configured (have: {', '.join(sorted(relays)) or 'none'})"
+        )
+    received = await relay.get(desc)
+    try:
+        if len(received.buffer) != desc.nbytes:
+            raise RelayError(
+                f"relay returned {len(received.buffer)} bytes for a descriptor of {desc.nbytes}"
+            )
+        value = unpack(pb.header, received.buffer, copy=copy)
+    except BaseException:
+        received.release()
+        raise
+    if copy:
+        received.release()
+        return ReceivedPayload(value)
+    return ReceivedPayload(value, received)

@@ -1,0 +1,355 @@
+"""`shm` relay: one shared-memory pool per sender process, mapped once by each receiver.
+
+Sender: `put` waits for edge credits, copies the packed tensors into a pool extent once and
+returns a handle; the handle is released when the receiver acks. Receiver: `get` maps the
+sender's segment read-only once (cached by name, re-mapped when the file's inode changes,
+e.g. the sender restarted) and returns a zero-copy read-only view.
+
+`RelaySettings.options["copy_thread_bytes"]` (default 8 MiB): payloads at least this large
+are copied in a worker thread so the event loop keeps serving other streams meanwhile.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import mmap
+import os
+import stat
+from collections import deque
+from dataclasses import dataclass
+
+from omnirail.payload import Packed
+from omnirail.v1 import common_pb2
+from relay.base import Received, Relay, RelayError, RelayHandle, RelaySettings, register_relay
+from relay.shm_pool import (
+    NAME_RE,
+    SHM_DIR,
+    Extent,
+    ShmPool,
+    close_mapping,
+    sweep_segments,
+)
+
+__all__ = ["ShmHandle", "ShmReceived", "ShmRelay", "sweep_segments"]
+
+BACKEND = "shm"
+# Copies at least this large run in a worker thread (numpy releases the GIL) so a big put
+# does not stall every other stream on the event loop; smaller ones are cheaper inline.
+DEFAULT_COPY_THREAD_BYTES = 8 << 20
+
+
+class _Edge:
+    """Credits of one edge: outstanding transfers and bytes, FIFO waiters."""
+
+    __slots__ = ("nbytes", "slots", "waiters")
+
+    def __init__(self) -> None:
+        self.slots = 0
+        self.nbytes = 0
+        self.waiters: deque[tuple[int, asyncio.Future[None]]] = deque()
+
+
+class ShmHandle(RelayHandle):
+    __slots__ = (
+        "_edge",
+        "_extent",
+        "_relay",
+        "descriptor",
+        "nbytes",
+        "released",
+        "request_id",
+        "transfer_id",
+    )
+
+    def __init__(
+        self,
+        relay: ShmRelay,
+        descriptor: common_pb2.RelayDescriptor,
+        request_id: str,
+        edge: _Edge,
+        extent: Extent,
+        nbytes: int,
+        transfer_id: int,
+    ) -> None:
+        self._relay = relay
+        self.descriptor = descriptor
+        self.request_id = request_id
+        self._edge = edge
+        self._extent = extent
+        self.nbytes = nbytes
+        self.released = False
+        self.transfer_id = transfer_id  # a plain int: reading the proto field costs more
+
+    def release(self) -> None:
+        """Frees the extent and returns the edge credit; idempotent."""
+        if not self.released:
+            self.released = True
+            self._relay._release(self)
+
+
+class ShmReceived(Received):
+    __slots__ = ("buffer",)
+
+    def __init__(self, buffer: memoryview) -> None:
+        self.buffer = buffer
+
+    def release(self) -> None:
+        # Only drops our reference: the mapping stays cached for the next transfer, and
+        # views the caller still holds keep it mapped even if the relay closes.
+        self.buffer = _EMPTY
+
+
+_EMPTY = memoryview(b"")
+
+
+@dataclass(slots=True)
+class _Mapping:
+    mmap: mmap.mmap
+    view: memoryview
+    dev: int
+    ino: int
+    size: int
+
+
+class ShmRelay(Relay):
+    name = BACKEND
+
+    def __init__(self, settings: RelaySettings | None = None) -> None:
+        self.settings = settings or RelaySettings()
+        self._pool: ShmPool | None = None  # created on the first put: receivers need none
+        self._edges: dict[str, _Edge] = {}
+        self._by_request: dict[str, dict[int, ShmHandle]] = {}
+        self._ids = itertools.count(1)
+        self._maps: dict[str, _Mapping] = {}
+        self._copy_thread_bytes = int(
+            self.settings.options.get("copy_thread_bytes", DEFAULT_COPY_THREAD_BYTES)
+        )
+        self.closed = False
+
+    # ------------------------------------------------------------------ sender side
+
+    @property
+    def pool(self) -> ShmPool:
+        if self._pool is None:
+            self._check_open()
+            self._pool = ShmPool(self.settings.name_prefix, self.settings.pool_bytes)
+        return self._pool
+
+    def _admits(self, edge: _Edge, nbytes: int) -> bool:
+        if edge.slots == 0:
+            return True  # an oversize payload still goes once the edge is empty
+        return (
+            edge.slots < self.settings.credit_slots
+            and edge.nbytes + nbytes <= self.settings.credit_bytes
+        )
+
+    def _wake(self, edge: _Edge) -> None:
+        # Strict FIFO: a big payload at the head is not overtaken, which keeps the order
+        # of transfers on the edge.
+        while edge.waiters:
+            nbytes, fut = edge.waiters[0]
+            if fut.done():
+                edge.waiters.popleft()
+                continue
+            if not self._admits(edge, nbytes):
+                return
+            edge.waiters.popleft()
+            edge.slots += 1
+            edge.nbytes += nbytes
+            fut.set_result(None)
+
+    async def _wait(self, edge: _Edge, nbytes: int) -> None:
+        """Queues for credit; `_wake` takes the credit on our behalf before resolving."""
+        fut: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+        edge.waiters.append((nbytes, fut))
+        try:
+            await fut
+        except BaseException:
+            if fut.done() and not fut.cancelled() and fut.exception() is None:
+                # Granted, then cancelled before we could use it: hand the credit back.
+                edge.slots -= 1
+                edge.nbytes -= nbytes
+            self._wake(edge)
+            raise
+
+    def _give_back(self, edge: _Edge, nbytes: int) -> None:
+        edge.slots -= 1
+        edge.nbytes -= nbytes
+        self._wake(edge)
+
+    async def put(self, packed: Packed, request_id: str, edge: str) -> ShmHandle:
+        """Copies `packed` into the pool once `edge` has credit; never rejects for size."""
+        if self.closed:
+            raise RelayError("shm relay is closed")
+        nbytes = packed.nbytes
+        credits = self._edges.get(edge)
+        if credits is None:
+            credits = self._edges[edge] = _Edge()
+        if credits.waiters or not self._admits(credits, nbytes):
+            await self._wait(credits, nbytes)
+        else:
+            credits.slots += 1
+            credits.nbytes += nbytes
+        try:
+            pool = self._pool or self.pool
+            extent = pool.alloc(nbytes)
+        except BaseException:
+            self._give_back(credits, nbytes)
+            raise
+        copy: asyncio.Future[None] | None = None
+        try:
+            target = extent.segment.array[extent.offset : extent.offset + nbytes]
+            if nbytes >= self._copy_thread_bytes:
+                copy = asyncio.get_running_loop().run_in_executor(None, packed.write_into, target)
+                del target
+                await asyncio.shield(copy)
+                self._check_open()  # closed while copying: the pool is gone
+            else:
+                packed.write_into(target)
+                del target
+        except BaseException:
+            if copy is not None and not copy.done():
+                # Cancelled mid-copy: the thread still writes into the extent, so it goes
+                # back to the pool only when the copy ends.
+                copy.add_done_callback(lambda _: self._abandon(pool, extent, credits, nbytes))
+            else:
+                self._abandon(pool, extent, credits, nbytes)
+            raise
+        tid = next(self._ids)
+        desc = common_pb2.RelayDescriptor(
+            backend=BACKEND,
+            region=extent.segment.name,
+            offset=extent.offset,
+            nbytes=nbytes,
+            transfer_id=tid,
+        )
+        handle = ShmHandle(self, desc, request_id, credits, extent, nbytes, tid)
+        handles = self._by_request.get(request_id)
+        if handles is None:
+            handles = self._by_request[request_id] = {}
+        handles[tid] = handle
+        return handle
+
+    def _abandon(self, pool: ShmPool, extent: Extent, credits: _Edge, nbytes: int) -> None:
+        pool.free(extent)
+        self._give_back(credits, nbytes)
+
+    def _release(self, handle: ShmHandle) -> None:
+        if self.closed:
+            return
+        handles = self._by_request.get(handle.request_id)
+        if handles is not None:
+            handles.pop(handle.transfer_id, None)
+            if not handles:
+                del self._by_request[handle.request_id]
+        if self._pool is not None:
+            self._pool.free(handle._extent)
+        self._give_back(handle._edge, handle.nbytes)
+
+    def cleanup(self, request_id: str) -> None:
+        """Releases every unacked handle of `request_id` (abort path)."""
+        for handle in list(self._by_request.get(request_id, {}).values()):
+            handle.release()
+
+    def outstanding(self, edge: str) -> tuple[int, int]:
+        """(transfers, bytes) unacked on `edge`."""
+        credits = self._edges.get(edge)
+        return (credits.slots, credits.nbytes) if credits else (0, 0)
+
+    # ------------------------------------------------------------------ receiver side
+
+    async def get(self, descriptor: common_pb2.RelayDescriptor) -> ShmReceived:
+        """Maps the bytes a descriptor names; raises RelayError for a bad descriptor."""
+        return self.get_nowait(descriptor)
+
+    def get_nowait(self, descriptor: common_pb2.RelayDescriptor) -> ShmReceived:
+        """`get` without the coroutine (it never waits)."""
+        self._check_open()
+        if descriptor.backend != BACKEND:
+            raise RelayError(f"descriptor for backend {descriptor.backend!r} given to shm relay")
+        name = descriptor.region
+        if len(name) > 255 or not NAME_RE.match(name) or name in (".", ".."):
+            raise RelayError(f"bad shm segment name {name!r}")
+        mapping = self._map(name)
+        end = descriptor.offset + descriptor.nbytes
+        if end > mapping.size:
+            raise RelayError(
+                f"descriptor points outside segment {name!r}: offset {descriptor.offset} + "
+                f"{descriptor.nbytes} bytes (size {mapping.size})"
+            )
+        return ShmReceived(mapping.view[descriptor.offset : end])
+
+    def _map(self, name: str) -> _Mapping:
+        path = os.path.join(SHM_DIR, name)
+        try:
+            st = os.lstat(path)
+        except FileNotFoundError:
+            self._drop(name)
+            raise RelayError(f"shm segment {name!r} does not exist (sender gone?)") from None
+        cached = self._maps.get(name)
+        if cached is not None and cached.ino == st.st_ino and cached.dev == st.st_dev:
+            return cached
+        # New segment or sender restart: also forget mappings of senders that are gone, or
+        # a long-lived receiver would pin every dead pool's memory.
+        self._prune()
+        if not stat.S_ISREG(st.st_mode):
+            raise RelayError(f"shm segment {name!r} is not a regular file")
+        try:
+            fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW)
+        except OSError as e:
+            raise RelayError(f"cannot open shm segment {name!r}: {e}") from None
+        try:
+            st = os.fstat(fd)
+            if st.st_size == 0:
+                raise RelayError(f"shm segment {name!r} is empty")
+            mm = mmap.mmap(fd, st.st_size, mmap.MAP_SHARED, mmap.PROT_READ)
+        except OSError as e:
+            raise RelayError(f"cannot map shm segment {name!r}: {e}") from None
+        finally:
+            os.close(fd)
+        self._drop(name)  # the sender restarted under the same name
+        mapping = _Mapping(mm, memoryview(mm), st.st_dev, st.st_ino, st.st_size)
+        self._maps[name] = mapping
+        return mapping
+
+    def _drop(self, name: str) -> None:
+        mapping = self._maps.pop(name, None)
+        if mapping is not None:
+            # Views still held stay valid: the unmap waits for the last of them.
+            close_mapping(mapping.mmap, mapping.view)
+
+    def _prune(self) -> None:
+        for name, mapping in list(self._maps.items()):
+            try:
+                st = os.lstat(os.path.join(SHM_DIR, name))
+            except OSError:
+                self._drop(name)
+                continue
+            if st.st_ino != mapping.ino or st.st_dev != mapping.dev:
+                self._drop(name)
+
+    # ------------------------------------------------------------------ lifetime
+
+    def _check_open(self) -> None:
+        if self.closed:
+            raise RelayError("shm relay is closed")
+
+    def close(self) -> None:
+        """Unlinks own segments and unmaps everything; idempotent."""
+        if self.closed:
+            return
+        self.closed = True
+        for credits in self._edges.values():
+            for _, fut in credits.waiters:
+                if not fut.done():
+                    fut.set_exception(RelayError("shm relay closed"))
+            credits.waiters.clear()
+        self._by_request.clear()
+        if self._pool is not None:
+            self._pool.close()
+        for name in list(self._maps):
+            self._drop(name)
+
+
+register_relay(BACKEND, ShmRelay)

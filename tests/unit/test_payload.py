@@ -1,0 +1,459 @@
+"""Payload codec: round trips, zero-copy views, and hostile headers."""
+
+from __future__ import annotations
+
+import random
+import subprocess
+import sys
+import textwrap
+
+import msgpack
+import numpy as np
+import pytest
+import torch
+
+from omnirail.payload import (
+    MAX_DEPTH,
+    PayloadError,
+    decode_inline,
+    encode_inline,
+    pack,
+    unpack,
+)
+from omnirail.v1 import common_pb2
+
+NP_DTYPES = [
+    np.bool_,
+    np.uint8,
+    np.uint16,
+    np.uint32,
+    np.uint64,
+    np.int8,
+    np.int16,
+    np.int32,
+    np.int64,
+    np.float16,
+    np.float32,
+    np.float64,
+    np.complex64,
+    np.complex128,
+]
+TORCH_DTYPES = [
+    torch.bool,
+    torch.uint8,
+    torch.uint16,
+    torch.uint32,
+    torch.uint64,
+    torch.int8,
+    torch.int16,
+    torch.int32,
+    torch.int64,
+    torch.float16,
+    torch.float32,
+    torch.float64,
+    torch.bfloat16,
+    torch.complex64,
+    torch.complex128,
+]
+
+
+def roundtrip(value, copy=False):
+    packed = pack(value)
+    return unpack(packed.header, packed.to_bytes(), copy=copy)
+
+
+def np_sample(dtype, shape):
+    rng = np.random.default_rng(0)
+    raw = rng.integers(0, 255, size=int(np.prod(shape)) * np.dtype(dtype).itemsize, dtype=np.uint8)
+    arr = raw.view(np.uint8).copy()
+    if np.dtype(dtype) == np.bool_:
+        return (arr[: int(np.prod(shape))] & 1).astype(np.bool_).reshape(shape)
+    out = arr.view(dtype).reshape(shape)
+    if np.issubdtype(dtype, np.floating) or np.issubdtype(dtype, np.complexfloating):
+        out = np.asarray(np.nan_to_num(out))  # NaN != NaN would break equality checks
+    return out
+
+
+def torch_sample(dtype, shape):
+    if dtype == torch.bool:
+        return torch.arange(int(np.prod(shape))).reshape(shape) % 3 == 0
+    if dtype.is_complex:
+        return torch.randn(shape, dtype=dtype)
+    if dtype.is_floating_point:
+        return torch.randn(shape).to(dtype)
+    return torch.arange(int(np.prod(shape)), dtype=torch.int64).reshape(shape).to(dtype)
+
+
+def bits(t):
+    flat = t.contiguous().reshape(-1)
+    if flat.dtype == torch.bfloat16:
+        flat = flat.view(torch.int16)
+    return flat.numpy().tobytes()
+
+
+def assert_torch_equal(a, b):
+    assert isinstance(b, torch.Tensor)
+    assert a.dtype == b.dtype and a.shape == b.shape
+    # Compare bits: an exact round trip, and no need for comparison kernels per dtype.
+    assert bits(a) == bits(b)
+
+
+@pytest.mark.parametrize("dtype", NP_DTYPES, ids=lambda d: np.dtype(d).name)
+@pytest.mark.parametrize("shape", [(), (0,), (3, 0, 2), (7,), (3, 5)])
+def test_numpy_roundtrip(dtype, shape):
+    arr = np_sample(dtype, shape)
+    out = roundtrip({"x": arr})["x"]
+    assert isinstance(out, np.ndarray)
+    assert out.dtype == arr.dtype and out.shape == arr.shape
+    np.testing.assert_array_equal(out, arr)
+
+
+@pytest.mark.parametrize("dtype", TORCH_DTYPES, ids=str)
+@pytest.mark.parametrize("shape", [(), (0,), (2, 0), (5,), (4, 3)])
+def test_torch_roundtrip(dtype, shape):
+    t = torch_sample(dtype, shape)
+    for copy in (False, True):
+        assert_torch_equal(t, roundtrip([t], copy=copy)[0])
+
+
+def test_non_contiguous_inputs():
+    base = torch.arange(60, dtype=torch.float32).reshape(3, 4, 5)
+    values = {
+        "t_transposed": base.transpose(0, 2),
+        "t_strided": base[:, ::2, 1:],
+        "t_expanded": torch.ones(3, 1).expand(3, 4),
+        "t_conj": torch.randn(3, dtype=torch.complex64).conj(),
+        "t_neg": torch.randn(3, dtype=torch.complex64).conj().imag,
+        "bf16_slice": base.to(torch.bfloat16)[::2, 1],
+        "n_transposed": np.arange(12).reshape(3, 4).T,
+        "n_reversed": np.arange(10, dtype=np.int16)[::-3],
+        "n_bigendian": np.arange(4, dtype=">i4"),
+    }
+    out = roundtrip(values)
+    for key, value in values.items():
+        if isinstance(value, torch.Tensor):
+            expected = value.resolve_conj().resolve_neg()
+            assert_torch_equal(expected, out[key])
+        else:
+            np.testing.assert_array_equal(out[key], value)
+            assert out[key].dtype.isnative
+
+
+def test_requires_grad_tensor():
+    t = torch.ones(3, requires_grad=True)
+    out = roundtrip(t)
+    assert not out.requires_grad
+    assert out.tolist() == [1.0, 1.0, 1.0]
+
+
+def test_nested_plain_values_roundtrip():
+    value = {
+        "none": None,
+        "flags": [True, False],
+        "ints": [0, -1, 2**63 - 1, -(2**63), 2**64 - 1],
+        "float": 1.5,
+        "text": "héllo",
+        "raw": b"\x00\xff",
+        "complex": 1 - 2j,
+        7: "int key",
+        "tuple": (1, (2, (3, [4, (5,)])), ()),
+        "list_of_tuples": [(1, "a"), ("b", 2.0)],
+        "empty": {"d": {}, "l": [], "t": ()},
+    }
+    assert roundtrip(value) == value
+    out = roundtrip(value)
+    assert type(out["tuple"]) is tuple and type(out["tuple"][1][1]) is tuple
+    assert type(out["tuple"][1][1][1]) is list
+
+
+def test_numpy_scalars_become_python():
+    out = roundtrip(
+        [np.int64(3), np.float32(1.5), np.bool_(True), np.uint8(7), np.complex64(1 + 1j)]
+    )
+    assert out == [3, 1.5, True, 7, 1 + 1j]
+    assert [type(v) for v in out] == [int, float, bool, int, complex]
+
+
+def test_top_level_leaves():
+    for value in [None, 3, "x", b"y", 2.0, (1, 2)]:
+        assert roundtrip(value) == value
+
+
+def test_layout_aligned_and_lazy():
+    a = np.ones(3, np.uint8)
+    b = torch.ones(5, dtype=torch.float64)
+    packed = pack({"a": a, "b": b, "c": [a]}, align=64)
+    # `a` appears twice but is stored once.
+    assert packed.num_tensors == 2
+    assert packed.nbytes == 64 + 40
+    a[0] = 9  # not copied at pack time: the write shows up
+    out = unpack(packed.header, packed.to_bytes())
+    assert out["a"][0] == 9 and out["c"][0][0] == 9
+    buf = bytearray(packed.nbytes + 10)
+    packed.write_into(memoryview(buf))
+    assert bytes(buf[: packed.nbytes]) == packed.to_bytes()
+    with pytest.raises(PayloadError):
+        packed.write_into(memoryview(bytearray(packed.nbytes - 1)))
+
+
+def test_no_tensors_means_empty_buffer():
+    packed = pack({"a": [1, 2]})
+    assert packed.nbytes == 0 and packed.num_tensors == 0 and packed.to_bytes() == b""
+    assert unpack(packed.header, None) == {"a": [1, 2]}
+
+
+def test_zero_copy_views_are_read_only_and_shared():
+    arr = np.arange(16, dtype=np.int32)
+    t = torch.arange(8, dtype=torch.float32)
+    packed = pack({"n": arr, "t": t})
+    buf = bytearray(packed.nbytes)
+    packed.write_into(buf)
+    out = unpack(packed.header, memoryview(buf))
+    assert not out["n"].flags.writeable
+    with pytest.raises(ValueError):
+        out["n"][0] = 1
+    # Views alias the buffer: a change in the buffer shows through.
+    np.frombuffer(buf, np.int32)[0] = 42
+    assert out["n"][0] == 42
+    lo = np.frombuffer(buf, np.uint8).ctypes.data
+    assert lo <= out["t"].data_ptr() < lo + len(buf)
+
+
+def test_copy_true_gives_owned_writable_values():
+    packed = pack({"n": np.arange(4), "t": torch.arange(4)})
+    buf = bytearray(packed.to_bytes())
+    out = unpack(packed.header, memoryview(buf), copy=True)
+    out["n"][0] = 5
+    out["t"][0] = 5
+    assert out["n"].flags.writeable and out["n"].flags.owndata
+    np.frombuffer(buf, np.uint8)[:] = 0
+    assert out["n"].tolist() == [5, 1, 2, 3] and out["t"].tolist() == [5, 1, 2, 3]
+
+
+def test_views_keep_buffer_alive():
+    packed = pack(torch.arange(1000, dtype=torch.int64))
+    out = unpack(packed.header, packed.to_bytes())  # the bytes object has no other owner
+    import gc
+
+    gc.collect()
+    assert out.sum().item() == sum(range(1000))
+
+
+@pytest.mark.parametrize(
+    ("value", "message"),
+    [
+        ({"inputs": {"images": [1, 2, {3}]}}, "inputs.images[2]: unsupported type set"),
+        ({"a": [(1, object())]}, "a[0][1]: unsupported type object"),
+        ({"a": {1.5: 2}}, "must be str or int"),
+        ({"a": bytearray(b"x")}, "a: unsupported type bytearray"),
+        ({"a": [2**64]}, "a[0]: integer does not fit"),
+        ({"a": np.array(["x"])}, "unsupported numpy dtype"),
+        ({"a": np.zeros(2, dtype=object)}, "unsupported numpy dtype"),
+        ({"a": np.datetime64("2020-01-01")}, "unsupported numpy scalar"),
+        ({"a": torch.zeros(2, dtype=torch.float8_e4m3fn)}, "unsupported torch dtype"),
+        ({"a": torch.zeros(2).to_sparse()}, "unsupported tensor layout"),
+        ({"a": torch.zeros(2, device="meta")}, "relays for GPU memory are not supported yet"),
+        ({"s": "\ud800"}, "cannot encode header"),
+    ],
+)
+def test_unsupported_values(value, message):
+    with pytest.raises(PayloadError, match=message.replace("[", r"\[").replace("]", r"\]")):
+        pack(value)
+
+
+def test_nesting_limit():
+    deep = leaf = []
+    for _ in range(MAX_DEPTH):
+        leaf.append([])
+        leaf = leaf[0]
+    with pytest.raises(PayloadError, match="nesting deeper"):
+        pack(deep)
+    ok = leaf = []
+    for _ in range(MAX_DEPTH - 1):
+        leaf.append(())
+        leaf = [leaf]
+    pack(ok)
+
+
+# ----------------------------------------------------------------------------- hostile input
+
+
+def header_with(tree, nbytes=0):
+    return msgpack.packb([1, nbytes, tree])
+
+
+def placeholder(kind="numpy", dtype="float32", shape=(2,), offset=0, nbytes=8):
+    return msgpack.ExtType(1, msgpack.packb([kind, dtype, list(shape), offset, nbytes]))
+
+
+@pytest.mark.parametrize(
+    "ph",
+    [
+        placeholder(offset=8),  # ends past the 8-byte buffer
+        placeholder(offset=2**63),
+        placeholder(nbytes=12),  # shape/dtype disagree with nbytes
+        placeholder(shape=(-1,), nbytes=-4),
+        placeholder(shape=(2**40, 2**40), nbytes=8),
+        placeholder(dtype="object"),
+        placeholder(dtype="bfloat16", nbytes=4),  # numpy kind cannot be bf16
+        placeholder(kind="pickle"),
+        placeholder(offset=2, shape=(1,), nbytes=4),  # misaligned for float32
+        msgpack.ExtType(1, msgpack.packb(["numpy", "float32", [2], 0])),
+        msgpack.ExtType(1, msgpack.packb({"kind": "numpy"})),
+        msgpack.ExtType(1, b"\xc1"),
+        msgpack.ExtType(9, b""),
+        msgpack.ExtType(2, msgpack.packb({"a": 1})),
+        msgpack.ExtType(3, msgpack.packb(["x", 1.0])),
+    ],
+)
+def test_bad_placeholders_rejected(ph):
+    with pytest.raises(PayloadError):
+        unpack(header_with({"x": ph}, 8), bytes(8))
+
+
+def test_in_bounds_placeholder_accepted():
+    out = unpack(header_with({"x": placeholder()}, 8), bytes(8))
+    assert out["x"].tolist() == [0.0, 0.0]
+
+
+@pytest.mark.parametrize(
+    "header",
+    [
+        b"",
+        b"\xc1",
+        msgpack.packb({"a": 1}),
+        msgpack.packb([2, 0, None]),
+        msgpack.packb([1, -1, None]),
+        msgpack.packb([1, 100, None]),  # needs 100 buffer bytes
+        msgpack.packb([1, 0, None]) + b"\x00",  # trailing data
+        msgpack.packb([1, 0, {b"k": 1}]),
+        msgpack.packb([1, 0, {True: 1}]),
+        msgpack.packb([1, 0, msgpack.Timestamp(1)]),
+        msgpack.packb([1, 0, [msgpack.Timestamp(1)]]),
+    ],
+)
+def test_bad_headers_rejected(header):
+    with pytest.raises(PayloadError):
+        unpack(header, b"")
+
+
+def test_deep_headers_rejected():
+    deep = msgpack.packb([1, 0, [[[[]]]]])
+    unpack(deep, None)
+    raw = [1, 0]
+    nested: list = []
+    cur = nested
+    for _ in range(MAX_DEPTH + 5):
+        cur.append([])
+        cur = cur[0]
+    raw.append(nested)
+    with pytest.raises(PayloadError, match="nesting"):
+        unpack(msgpack.packb(raw), None)
+    # Tuples nest through ext data, a separate path.
+    data = msgpack.packb([])
+    for _ in range(MAX_DEPTH + 5):
+        data = msgpack.packb([msgpack.ExtType(2, data)])
+    with pytest.raises(PayloadError, match="nesting"):
+        unpack(msgpack.packb([1, 0, msgpack.ExtType(2, data)]), None)
+
+
+def test_fuzz_random_and_mutated_headers():
+    rng = random.Random(1234)
+    packed = pack(
+        {
+            "a": torch.arange(6, dtype=torch.bfloat16).reshape(2, 3),
+            "b": (1, [np.arange(3)], "x"),
+            "c": {"d": 1.5, 3: b"raw"},
+        }
+    )
+    buffer = packed.to_bytes()
+    header = packed.header
+    for i in range(4000):
+        if i % 2:
+            data = bytes(rng.randrange(256) for _ in range(rng.randrange(1, 64)))
+        else:
+            data = bytearray(header)
+            for _ in range(rng.randrange(1, 4)):
+                data[rng.randrange(len(data))] = rng.randrange(256)
+            data = bytes(data)
+        try:
+            unpack(data, buffer)
+        except PayloadError:
+            pass
+
+
+def test_unpack_accepts_memoryview_of_other_formats():
+    packed = pack(np.arange(4, dtype=np.int32))
+    mv = memoryview(np.frombuffer(packed.to_bytes(), np.int32))
+    assert unpack(packed.header, mv).tolist() == [0, 1, 2, 3]
+
+
+# ----------------------------------------------------------------------------- inline wire
+
+
+def test_encode_decode_inline():
+    value = {"ids": [1, 2, 3], "x": torch.ones(2, 2)}
+    pb = encode_inline(value)
+    assert pb.WhichOneof("body") == "inline_data"
+    wire = common_pb2.Payload.FromString(pb.SerializeToString())
+    out = decode_inline(wire)
+    assert out["ids"] == [1, 2, 3] and out["x"].tolist() == [[1.0, 1.0], [1.0, 1.0]]
+    out["x"][0, 0] = 5  # copy=True by default: writable
+
+
+def test_decode_inline_rejects_relay():
+    pb = common_pb2.Payload(header=pack(1).header, relay=common_pb2.RelayDescriptor(backend="shm"))
+    with pytest.raises(PayloadError, match="relay"):
+        decode_inline(pb)
+
+
+# ----------------------------------------------------------------------------- without torch
+
+
+def run_python(code: str) -> str:
+    proc = subprocess.run(
+        [sys.executable, "-c", textwrap.dedent(code)], capture_output=True, text=True, timeout=120
+    )
+    assert proc.returncode == 0, proc.stderr
+    return proc.stdout
+
+
+def test_import_does_not_import_torch():
+    run_python(
+        """
+        import sys
+        import numpy as np
+        import omnirail.payload as p
+        out = p.unpack(*(lambda k: (k.header, k.to_bytes()))(p.pack({"a": np.arange(3)})))
+        assert out["a"].tolist() == [0, 1, 2]
+        p.decode_inline(p.encode_inline([1, (2,)]))
+        assert "torch" not in sys.modules, "omnirail.payload imported torch"
+        """
+    )
+
+
+def test_torch_placeholders_decode_as_numpy_without_torch():
+    packed = pack({"f": torch.arange(3, dtype=torch.float32), "b": torch.ones(2).bfloat16()})
+    out = run_python(
+        f"""
+        import sys
+        sys.modules["torch"] = None  # makes `import torch` fail
+        import omnirail.payload as p
+        out = p.unpack({packed.header!r}, {packed.to_bytes()!r})
+        print(out["f"].dtype, out["f"].tolist(), out["b"].dtype, out["b"].tolist())
+        """
+    )
+    # bfloat16 1.0 is 0x3f80: its raw bits come back as uint16.
+    assert out.split() == ["float32", "[0.0,", "1.0,", "2.0]", "uint16", "[16256,", "16256]"]
+
+
+def test_zero_copy_torch_views_do_not_warn():
+    import warnings
+
+    packed = pack(torch.arange(4))
+    data = packed.to_bytes()
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        for _ in range(3):
+            unpack(packed.header, data)
+    assert not [w for w in caught if "not writable" in str(w.message)]

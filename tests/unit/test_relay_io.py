@@ -1,0 +1,181 @@
+"""relay.io: the inline/relay decision and decoding with release on every path."""
+
+from __future__ import annotations
+
+import os
+import uuid
+
+import msgpack
+import numpy as np
+import pytest
+import torch
+
+from omnirail.payload import PayloadError, pack
+from omnirail.v1 import common_pb2
+from relay.base import Received, RelayError, RelaySettings, create_relay
+from relay.io import ReceivedPayload, decode_inline, encode_inline, receive_payload, send_payload
+from relay.shm import ShmRelay, sweep_segments
+from relay.shm_pool import SHM_DIR
+
+INLINE = 64 << 10
+
+
+@pytest.fixture
+def shm():
+    prefix = f"ortest{uuid.uuid4().hex[:10]}"
+    relay = create_relay("shm", RelaySettings(name_prefix=prefix, pool_bytes=1 << 20))
+    yield relay
+    relay.close()
+    left = [n for n in os.listdir(SHM_DIR) if n.startswith(prefix + "-")]
+    sweep_segments(prefix)
+    assert not left
+
+
+async def test_small_payload_travels_inline(shm):
+    value = {"ids": [1, 2, 3], "x": torch.arange(10)}
+    pb, handle = await send_payload(value, shm, request_id="r", edge="a->b", inline_bytes=INLINE)
+    assert handle is None and pb.WhichOneof("body") == "inline_data"
+    assert shm.outstanding("a->b") == (0, 0)
+    wire = common_pb2.Payload.FromString(pb.SerializeToString())
+    received = await receive_payload(wire, {"shm": shm})
+    assert received.value["ids"] == [1, 2, 3]
+    assert received.value["x"].tolist() == list(range(10))
+    received.release()
+
+
+async def test_large_payload_goes_through_shm(shm):
+    value = {"x": torch.arange(100_000, dtype=torch.float32), "meta": ("a", 1)}
+    pb, handle = await send_payload(value, shm, request_id="r", edge="a->b", inline_bytes=INLINE)
+    assert handle is not None and pb.WhichOneof("body") == "relay"
+    assert pb.relay == handle.descriptor and not pb.inline_data
+    wire = common_pb2.Payload.FromString(pb.SerializeToString())
+    received = await receive_payload(wire, {"shm": shm})
+    assert received.value["meta"] == ("a", 1)
+    assert torch.equal(received.value["x"], value["x"])
+    received.release()
+    received.release()  # idempotent
+    handle.release()
+    assert shm.outstanding("a->b") == (0, 0)
+
+
+async def test_copy_true_outlives_release(shm):
+    value = np.arange(50_000, dtype=np.int64)
+    pb, handle = await send_payload(value, shm, request_id="r", edge="e", inline_bytes=0)
+    received = await receive_payload(pb, {"shm": shm}, copy=True)
+    handle.release()
+    received.release()
+    # The extent may be reused now; the copy is unaffected.
+    pb2, handle2 = await send_payload(value * 0, shm, request_id="r", edge="e", inline_bytes=0)
+    assert pb2.relay.offset == pb.relay.offset
+    assert received.value.flags.writeable and received.value[-1] == 49_999
+    handle2.release()
+
+
+async def test_payload_without_tensors_is_always_inline(shm):
+    value = {"text": "x" * 200_000}
+    pb, handle = await send_payload(value, shm, request_id="r", edge="e", inline_bytes=0)
+    assert handle is None and pb.WhichOneof("body") == "inline_data"
+    assert (await receive_payload(pb, {})).value == value
+
+
+async def test_inline_backend_refuses_large_payloads():
+    relay = create_relay("inline")
+    small, handle = await send_payload(
+        np.ones(10), relay, request_id="r", edge="e", inline_bytes=1024
+    )
+    assert handle is None
+    with pytest.raises(
+        RelayError,
+        match=r"payload of 8000 bytes exceeds the inline bound 1024; "
+        r"configure a relay backend such as shm",
+    ):
+        await send_payload(np.ones(1000), relay, request_id="r", edge="e", inline_bytes=1024)
+    with pytest.raises(RelayError):
+        await relay.put(pack(np.ones(10)), "r", "e")
+    with pytest.raises(RelayError):
+        await relay.get(common_pb2.RelayDescriptor(backend="inline"))
+    relay.cleanup("r")
+    relay.close()
+    assert (await receive_payload(small, {"inline": relay})).value.tolist() == [1.0] * 10
+
+
+async def test_unknown_backend(shm):
+    pb = common_pb2.Payload(
+        header=pack(np.ones(4)).header, relay=common_pb2.RelayDescriptor(backend="nixl")
+    )
+    with pytest.raises(RelayError, match=r"'nixl'.*have: shm"):
+        await receive_payload(pb, {"shm": shm})
+
+
+class CountingRelay(ShmRelay):
+    """Counts the views handed out and returned."""
+
+    def __init__(self, inner: ShmRelay) -> None:
+        self.inner = inner
+        self.open_views = 0
+
+    async def get(self, descriptor):
+        received = await self.inner.get(descriptor)
+        outer = self
+
+        class Counted(Received):
+            buffer = received.buffer
+
+            def release(self) -> None:
+                outer.open_views -= 1
+                received.release()
+
+        self.open_views += 1
+        return Counted()
+
+
+async def test_errors_release_the_view(shm):
+    counting = CountingRelay(shm)
+    relays = {"shm": counting}
+    pb, handle = await send_payload(np.ones(1000), shm, request_id="r", edge="e", inline_bytes=0)
+
+    bad_header = common_pb2.Payload(header=b"\xc1garbage", relay=pb.relay)
+    with pytest.raises(PayloadError):
+        await receive_payload(bad_header, relays)
+    assert counting.open_views == 0
+
+    # A header whose tensor lies past the bytes the descriptor names.
+    lying = msgpack.packb(
+        [1, 8, msgpack.ExtType(1, msgpack.packb(["numpy", "float64", [1], 8000, 8]))]
+    )
+    with pytest.raises(PayloadError, match="outside the buffer"):
+        await receive_payload(common_pb2.Payload(header=lying, relay=pb.relay), relays)
+    assert counting.open_views == 0
+
+    short = common_pb2.RelayDescriptor()
+    short.CopyFrom(pb.relay)
+    short.nbytes = 8
+    with pytest.raises(PayloadError):
+        await receive_payload(common_pb2.Payload(header=pb.header, relay=short), relays)
+    assert counting.open_views == 0
+
+    outside = common_pb2.RelayDescriptor()
+    outside.CopyFrom(pb.relay)
+    outside.offset = 1 << 30
+    with pytest.raises(RelayError):
+        await receive_payload(common_pb2.Payload(header=pb.header, relay=outside), relays)
+    assert counting.open_views == 0
+
+    ok = await receive_payload(pb, relays)
+    assert counting.open_views == 1
+    with ok:
+        assert ok.value.sum() == 1000
+    assert counting.open_views == 0
+    handle.release()
+
+
+def test_received_payload_without_relay():
+    rp = ReceivedPayload(5)
+    rp.release()
+    rp.release()
+    assert rp.value == 5
+
+
+def test_inline_helpers_reexported():
+    pb = encode_inline({"a": np.arange(3)})
+    assert decode_inline(pb)["a"].tolist() == [0, 1, 2]

@@ -1,0 +1,381 @@
+"""shm relay: allocator, pool growth, credits, cleanup, descriptors, OS resources."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import uuid
+
+import numpy as np
+import pytest
+
+from omnirail.payload import pack, unpack
+from omnirail.v1 import common_pb2
+from relay.base import RelayError, RelaySettings, create_relay, relay_backends
+from relay.shm import ShmRelay, sweep_segments
+from relay.shm_pool import ALIGN, SHM_DIR, ExtentAllocator
+
+MiB = 1 << 20
+
+
+def leftovers(prefix: str) -> list[str]:
+    return sorted(n for n in os.listdir(SHM_DIR) if n.startswith(prefix + "-"))
+
+
+@pytest.fixture
+def prefix():
+    name = f"ortest{uuid.uuid4().hex[:10]}"
+    yield name
+    left = leftovers(name)
+    sweep_segments(name)
+    assert not left, f"segments left behind: {left}"
+
+
+@pytest.fixture
+def make_relay(prefix):
+    relays: list[ShmRelay] = []
+
+    def make(**kw) -> ShmRelay:
+        kw.setdefault("pool_bytes", MiB)
+        relay = create_relay("shm", RelaySettings(name_prefix=prefix, **kw))
+        assert isinstance(relay, ShmRelay)
+        relays.append(relay)
+        return relay
+
+    yield make
+    for relay in relays:
+        relay.close()
+
+
+def payload(nbytes: int, fill: int = 1):
+    return pack(np.full(nbytes, fill, np.uint8))
+
+
+async def settle() -> None:
+    # Lets every runnable task take its turn; blocked ones stay blocked.
+    for _ in range(5):
+        await asyncio.sleep(0)
+
+
+# ----------------------------------------------------------------------------- allocator
+
+
+def test_allocator_first_fit_and_coalescing():
+    a = ExtentAllocator(10 * ALIGN)
+    offs = [a.alloc(2 * ALIGN) for _ in range(5)]
+    assert offs == [0, 128, 256, 384, 512]
+    assert a.alloc(ALIGN) is None
+    a.free(128, 2 * ALIGN)
+    a.free(384, 2 * ALIGN)
+    # Fragmented: 256 bytes free in total but no 3-unit hole.
+    assert a.alloc(3 * ALIGN) is None
+    a.free(256, 2 * ALIGN)  # merges with both neighbours
+    assert a.free_extents == [(128, 6 * ALIGN)]
+    assert a.alloc(6 * ALIGN) == 128
+    for off in (0, 128, 512):
+        a.free(off, 2 * ALIGN if off != 128 else 6 * ALIGN)
+    assert a.free_extents == [(0, 10 * ALIGN)] and a.used == 0
+
+
+def test_allocator_rejects_double_free():
+    a = ExtentAllocator(4 * ALIGN)
+    off = a.alloc(ALIGN)
+    a.free(off, ALIGN)
+    with pytest.raises(ValueError, match="double free"):
+        a.free(off, ALIGN)
+
+
+def test_allocator_reuses_lowest_offsets():
+    a = ExtentAllocator(8 * ALIGN)
+    first = a.alloc(ALIGN)
+    second = a.alloc(ALIGN)
+    a.free(first, ALIGN)
+    assert a.alloc(ALIGN) == first
+    assert second == ALIGN
+
+
+# ----------------------------------------------------------------------------- pool
+
+
+async def test_extents_aligned_and_reused(make_relay):
+    relay = make_relay()
+    h1 = await relay.put(payload(100), "r", "e")
+    h2 = await relay.put(payload(100), "r", "e")
+    assert h1.descriptor.offset == 0 and h2.descriptor.offset == 128
+    assert (
+        h1.descriptor.region
+        == h2.descriptor.region
+        == f"{relay.settings.name_prefix}-{os.getpid()}-0"
+    )
+    h1.release()
+    h3 = await relay.put(payload(64), "r", "e")
+    assert h3.descriptor.offset == 0
+    assert h3.descriptor.transfer_id not in (h1.descriptor.transfer_id, h2.descriptor.transfer_id)
+
+
+async def test_pool_grows_when_full_and_takes_huge_payloads(make_relay, prefix):
+    relay = make_relay(pool_bytes=MiB)
+    handles = [await relay.put(payload(MiB // 2), f"r{i}", "e") for i in range(3)]
+    regions = [h.descriptor.region for h in handles]
+    assert regions[0] == regions[1] != regions[2]
+    assert len(leftovers(prefix)) == 2
+    huge = await relay.put(payload(5 * MiB, fill=7), "big", "other")
+    assert huge.descriptor.region not in regions
+    received = await relay.get(huge.descriptor)
+    assert len(received.buffer) == 5 * MiB
+    assert received.buffer[0] == 7 and received.buffer[-1] == 7
+    received.release()
+    for h in [*handles, huge]:
+        h.release()
+    # Segments stay for reuse: a second huge payload needs no new one.
+    again = await relay.put(payload(5 * MiB), "big", "other")
+    assert again.descriptor.region == huge.descriptor.region
+    assert len(leftovers(prefix)) == 3
+
+
+async def test_put_get_roundtrip_zero_copy(make_relay):
+    sender, receiver = make_relay(), make_relay()
+    value = {"a": np.arange(1000, dtype=np.float32), "b": [np.ones((3, 3), np.int8)]}
+    packed = pack(value)
+    handle = await sender.put(packed, "r", "e")
+    desc = common_pb2.RelayDescriptor.FromString(handle.descriptor.SerializeToString())
+    assert desc.backend == "shm" and desc.nbytes == packed.nbytes
+    received = await receiver.get(desc)
+    assert received.buffer.readonly
+    out = unpack(packed.header, received.buffer)
+    np.testing.assert_array_equal(out["a"], value["a"])
+    assert not out["a"].flags.writeable
+    received.release()
+    received.release()
+    handle.release()
+    handle.release()  # idempotent
+
+
+# ----------------------------------------------------------------------------- credits
+
+
+async def test_full_edge_blocks_until_release(make_relay):
+    relay = make_relay(credit_slots=2, credit_bytes=10 * MiB)
+    h1 = await relay.put(payload(10), "r", "e")
+    h2 = await relay.put(payload(10), "r", "e")
+    third = asyncio.create_task(relay.put(payload(10), "r", "e"))
+    await settle()
+    assert not third.done()
+    assert relay.outstanding("e") == (2, 20)
+    # Another edge has its own credits.
+    other = await relay.put(payload(10), "r", "other")
+    await settle()
+    assert not third.done()
+    h1.release()
+    h3 = await asyncio.wait_for(third, timeout=30)
+    assert relay.outstanding("e") == (2, 20)
+    for h in (h2, h3, other):
+        h.release()
+    assert relay.outstanding("e") == (0, 0) and relay.outstanding("other") == (0, 0)
+
+
+async def test_byte_credits_and_oversize_payload(make_relay):
+    relay = make_relay(credit_slots=64, credit_bytes=1000)
+    small = await relay.put(payload(600), "r", "e")
+    waiting = asyncio.create_task(relay.put(payload(600), "r", "e"))
+    await settle()
+    assert not waiting.done()  # 600 + 600 > 1000
+    small.release()
+    second = await asyncio.wait_for(waiting, timeout=30)
+    second.release()
+    # Larger than all the edge's byte credit: admitted because the edge is empty.
+    big = await asyncio.wait_for(relay.put(payload(5000), "r", "e"), timeout=30)
+    blocked = asyncio.create_task(relay.put(payload(1), "r", "e"))
+    await settle()
+    assert not blocked.done()
+    big.release()
+    (await asyncio.wait_for(blocked, timeout=30)).release()
+
+
+async def test_waiters_are_served_in_order(make_relay):
+    relay = make_relay(credit_slots=1)
+    first = await relay.put(payload(8), "r", "e")
+    tasks = [asyncio.create_task(relay.put(payload(8, fill=i), "r", "e")) for i in range(3)]
+    await settle()
+    got = []
+    current = first
+    for task in tasks:
+        current.release()
+        current = await asyncio.wait_for(task, timeout=30)
+        got.append((await relay.get(current.descriptor)).buffer[0])
+    assert got == [0, 1, 2]
+    current.release()
+
+
+async def test_cancelled_waiter_gives_up_its_place(make_relay):
+    relay = make_relay(credit_slots=1)
+    first = await relay.put(payload(8), "r", "e")
+    doomed = asyncio.create_task(relay.put(payload(8), "r", "e"))
+    later = asyncio.create_task(relay.put(payload(8), "r", "e"))
+    await settle()
+    doomed.cancel()
+    await settle()
+    first.release()
+    (await asyncio.wait_for(later, timeout=30)).release()
+    assert relay.outstanding("e") == (0, 0)
+
+
+async def test_cleanup_releases_a_request(make_relay):
+    relay = make_relay(credit_slots=4)
+    mine = [await relay.put(payload(100), "abort-me", "e") for _ in range(3)]
+    keep = await relay.put(payload(100), "keep", "e")
+    assert relay.outstanding("e") == (4, 400)
+    relay.cleanup("abort-me")
+    assert all(h.released for h in mine)
+    assert relay.outstanding("e") == (1, 100)
+    relay.cleanup("abort-me")  # nothing left: no-op
+    relay.cleanup("unknown")
+    assert not keep.released
+    keep.release()
+    assert relay.pool.segments[0].alloc.used == 0
+
+
+# ----------------------------------------------------------------------------- descriptors
+
+
+@pytest.mark.parametrize("region", ["", ".", "..", "../etc/passwd", "a/b", "x y", "a" * 300])
+async def test_bad_region_names(make_relay, region):
+    relay = make_relay()
+    with pytest.raises(RelayError, match="bad shm segment name"):
+        await relay.get(common_pb2.RelayDescriptor(backend="shm", region=region, nbytes=1))
+
+
+async def test_garbage_descriptors(make_relay, prefix):
+    relay = make_relay()
+    handle = await relay.put(payload(100), "r", "e")
+    region = handle.descriptor.region
+    with pytest.raises(RelayError, match="does not exist"):
+        await relay.get(common_pb2.RelayDescriptor(backend="shm", region=f"{prefix}-missing"))
+    with pytest.raises(RelayError, match=r"outside segment .* \(size 1048576\)"):
+        await relay.get(
+            common_pb2.RelayDescriptor(backend="shm", region=region, offset=MiB, nbytes=1)
+        )
+    with pytest.raises(RelayError, match="outside segment"):
+        await relay.get(
+            common_pb2.RelayDescriptor(backend="shm", region=region, offset=2**64 - 1, nbytes=2)
+        )
+    with pytest.raises(RelayError, match="backend"):
+        await relay.get(common_pb2.RelayDescriptor(backend="nixl", region=region))
+    # Something in /dev/shm that is not a plain file is refused, symlinks included.
+    link = f"{prefix}-link"
+    os.symlink("/etc/hostname", os.path.join(SHM_DIR, link))
+    try:
+        with pytest.raises(RelayError, match="not a regular file"):
+            await relay.get(common_pb2.RelayDescriptor(backend="shm", region=link, nbytes=1))
+    finally:
+        os.unlink(os.path.join(SHM_DIR, link))
+    handle.release()
+
+
+async def test_receiver_remaps_when_sender_restarts(make_relay, prefix):
+    receiver = make_relay()
+    name = f"{prefix}-restart-0"
+    path = os.path.join(SHM_DIR, name)
+    try:
+        for fill in (1, 2):
+            with open(path, "wb") as f:
+                f.write(bytes([fill]) * 4096)
+            received = await receiver.get(
+                common_pb2.RelayDescriptor(backend="shm", region=name, nbytes=16)
+            )
+            assert bytes(received.buffer) == bytes([fill]) * 16
+            view = received.buffer  # outlives the file being replaced
+            received.release()
+            os.unlink(path)
+        assert view[0] == 2
+    finally:
+        if os.path.exists(path):
+            os.unlink(path)
+
+
+# ----------------------------------------------------------------------------- lifetime
+
+
+async def test_close_unlinks_and_is_idempotent(make_relay, prefix):
+    sender, receiver = make_relay(), make_relay()
+    handle = await sender.put(payload(3 * MiB), "r", "e")
+    received = await receiver.get(handle.descriptor)
+    value = unpack(pack(np.zeros(3 * MiB, np.uint8)).header, received.buffer)
+    assert leftovers(prefix)
+    sender.close()
+    sender.close()
+    assert leftovers(prefix) == []
+    # The receiver's views outlive the unlink and even its own close.
+    receiver.close()
+    assert int(value[-1]) == 1
+    handle.release()  # after close: a no-op
+    with pytest.raises(RelayError, match="closed"):
+        await sender.put(payload(1), "r", "e")
+    with pytest.raises(RelayError, match="closed"):
+        await receiver.get(handle.descriptor)
+
+
+async def test_close_fails_blocked_puts(make_relay):
+    relay = make_relay(credit_slots=1)
+    await relay.put(payload(8), "r", "e")
+    blocked = asyncio.create_task(relay.put(payload(8), "r", "e"))
+    await settle()
+    relay.close()
+    with pytest.raises(RelayError):
+        await asyncio.wait_for(blocked, timeout=30)
+
+
+def test_sweep_segments(prefix):
+    for i in range(3):
+        with open(os.path.join(SHM_DIR, f"{prefix}-999999-{i}"), "wb"):
+            pass
+    keep = os.path.join(SHM_DIR, f"{prefix}x-1-0")  # another prefix that merely starts alike
+    open(keep, "wb").close()
+    try:
+        assert sweep_segments(prefix) == 3
+        assert leftovers(prefix) == [] and os.path.exists(keep)
+    finally:
+        os.unlink(keep)
+    with pytest.raises(ValueError):
+        sweep_segments("")
+    with pytest.raises(ValueError):
+        sweep_segments("../x")
+
+
+def test_registry():
+    assert {"inline", "shm"} <= set(relay_backends())
+    with pytest.raises(RelayError, match="unknown relay backend"):
+        create_relay("carrier-pigeon")
+
+
+async def test_receiver_forgets_mappings_of_gone_senders(make_relay):
+    receiver = make_relay()
+    first, second = make_relay(), make_relay()
+    h1 = await first.put(payload(10), "r", "e")
+    (await receiver.get(h1.descriptor)).release()
+    assert set(receiver._maps) == {h1.descriptor.region}
+    first.close()
+    with pytest.raises(RelayError, match="does not exist"):
+        await receiver.get(h1.descriptor)
+    assert receiver._maps == {}
+    h2 = await second.put(payload(10), "r", "e")
+    (await receiver.get(h2.descriptor)).release()
+    assert set(receiver._maps) == {h2.descriptor.region}
+    h2.release()
+
+
+async def test_put_cancelled_during_threaded_copy_frees_after_copy(make_relay):
+    relay = make_relay(options={"copy_thread_bytes": 1})
+    task = asyncio.create_task(relay.put(payload(4 * MiB), "r", "e"))
+    await asyncio.sleep(0)  # the put is now waiting on its copy thread
+    task.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await task
+    for _ in range(3000):  # the extent returns once the thread's copy has finished
+        if relay.outstanding("e") == (0, 0):
+            break
+        await asyncio.sleep(0.01)
+    assert relay.outstanding("e") == (0, 0)
+    assert all(seg.alloc.used == 0 for seg in relay.pool.segments)
+    handle = await relay.put(payload(10), "r", "e")  # still usable
+    handle.release()
