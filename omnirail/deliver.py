@@ -28,6 +28,8 @@ _MAX_BATCH_BYTES = 8 << 20
 
 
 class Releasable(Protocol):
+    acked_in_band: bool
+
     def release(self) -> None: ...
 
 
@@ -86,7 +88,7 @@ class DeliverChannel:
             return
         self._seq += 1
         item.seq = self._seq
-        if handle is not None:
+        if handle is not None and handle.acked_in_band:
             self._pending[self._seq] = _Pending(item.request_id, handle)
         self._queue.append(item)
         self._wake.set()

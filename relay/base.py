@@ -42,6 +42,9 @@ class RelayHandle(abc.ABC):
 
     descriptor: common_pb2.RelayDescriptor
     request_id: str
+    # True: the sender releases it when the receiver's ack arrives on the Deliver stream.
+    # False: the backend learns of the receiver's release by itself (shm release marks).
+    acked_in_band: bool = True
 
     @abc.abstractmethod
     def release(self) -> None: ...
@@ -58,6 +61,8 @@ class Received(abc.ABC):
 
 class Relay(abc.ABC):
     name: str
+    # Whether receivers must ack each transfer over the Deliver stream (see RelayHandle).
+    acks_in_band: bool = True
 
     @abc.abstractmethod
     async def put(self, packed: Packed, request_id: str, edge: str) -> RelayHandle:

@@ -1,9 +1,11 @@
 """`shm` relay: one shared-memory pool per sender process, mapped once by each receiver.
 
 Sender: `put` waits for edge credits, copies the packed tensors into a pool extent once and
-returns a handle; the handle is released when the receiver acks. Receiver: `get` maps the
-sender's segment read-only once (cached by name, re-mapped when the file's inode changes,
-e.g. the sender restarted) and returns a zero-copy read-only view.
+returns a handle. Receiver: `get` maps the sender's segment read-only once (cached by name,
+re-mapped when the file's inode changes, e.g. the sender restarted) and returns a zero-copy
+read-only view. Releasing it writes the transfer id into the sender's release-mark slot;
+the sender reclaims marked extents on its next `put` (or by polling while an edge waits
+for credit), so no ack message crosses the stream.
 
 `RelaySettings.options["copy_thread_bytes"]` (default 8 MiB): payloads at least this large
 are copied in a worker thread so the event loop keeps serving other streams meanwhile.
@@ -23,11 +25,13 @@ from omnirail.payload import Packed
 from omnirail.v1 import common_pb2
 from relay.base import Received, Relay, RelayError, RelayHandle, RelaySettings, register_relay
 from relay.shm_pool import (
+    MARK_SLOTS,
     NAME_RE,
     SHM_DIR,
     Extent,
     ShmPool,
     close_mapping,
+    marks_name,
     sweep_segments,
 )
 
@@ -37,6 +41,12 @@ BACKEND = "shm"
 # Copies at least this large run in a worker thread (numpy releases the GIL) so a big put
 # does not stall every other stream on the event loop; smaller ones are cheaper inline.
 DEFAULT_COPY_THREAD_BYTES = 8 << 20
+_SLOT_BITS = 16
+_SLOT_MASK = (1 << _SLOT_BITS) - 1
+assert MARK_SLOTS == 1 << _SLOT_BITS
+# Credit waiters poll the marks with a backoff between these bounds (seconds).
+_POLL_MIN_S = 50e-6
+_POLL_MAX_S = 2e-3
 
 
 class _Edge:
@@ -59,8 +69,10 @@ class ShmHandle(RelayHandle):
         "nbytes",
         "released",
         "request_id",
+        "slot",
         "transfer_id",
     )
+    acked_in_band = False
 
     def __init__(
         self,
@@ -80,6 +92,7 @@ class ShmHandle(RelayHandle):
         self.nbytes = nbytes
         self.released = False
         self.transfer_id = transfer_id  # a plain int: reading the proto field costs more
+        self.slot = transfer_id & _SLOT_MASK
 
     def release(self) -> None:
         """Frees the extent and returns the edge credit; idempotent."""
@@ -89,15 +102,22 @@ class ShmHandle(RelayHandle):
 
 
 class ShmReceived(Received):
-    __slots__ = ("buffer",)
+    __slots__ = ("_marks", "_slot", "_tid", "buffer")
 
-    def __init__(self, buffer: memoryview) -> None:
+    def __init__(self, buffer: memoryview, marks: memoryview | None, transfer_id: int) -> None:
         self.buffer = buffer
+        self._marks = marks
+        self._slot = transfer_id & _SLOT_MASK
+        self._tid = transfer_id
 
     def release(self) -> None:
-        # Only drops our reference: the mapping stays cached for the next transfer, and
+        """Marks the transfer done for the sender; idempotent."""
+        # Drops our reference only: the mapping stays cached for the next transfer, and
         # views the caller still holds keep it mapped even if the relay closes.
         self.buffer = _EMPTY
+        marks, self._marks = self._marks, None
+        if marks is not None:
+            marks[self._slot] = self._tid
 
 
 _EMPTY = memoryview(b"")
@@ -110,10 +130,12 @@ class _Mapping:
     dev: int
     ino: int
     size: int
+    marks: memoryview | None = None  # the uint64 view of a release-marks segment
 
 
 class ShmRelay(Relay):
     name = BACKEND
+    acks_in_band = False
 
     def __init__(self, settings: RelaySettings | None = None) -> None:
         self.settings = settings or RelaySettings()
@@ -121,6 +143,10 @@ class ShmRelay(Relay):
         self._edges: dict[str, _Edge] = {}
         self._by_request: dict[str, dict[int, ShmHandle]] = {}
         self._ids = itertools.count(1)
+        self._free_slots: deque[int] = deque(range(1, MARK_SLOTS))  # 0: never a live slot
+        self._live: dict[int, ShmHandle] = {}
+        self._marks: memoryview | None = None
+        self._poller: asyncio.Task[None] | None = None
         self._maps: dict[str, _Mapping] = {}
         self._copy_thread_bytes = int(
             self.settings.options.get("copy_thread_bytes", DEFAULT_COPY_THREAD_BYTES)
@@ -134,7 +160,25 @@ class ShmRelay(Relay):
         if self._pool is None:
             self._check_open()
             self._pool = ShmPool(self.settings.name_prefix, self.settings.pool_bytes)
+            self._marks = memoryview(self._pool.marks).cast("B").cast("Q")
         return self._pool
+
+    def reclaim(self) -> int:
+        """Releases every transfer whose receiver has marked it done; returns how many."""
+        marks = self._marks
+        if marks is None or not self._live:
+            return 0
+        done = [h for tid, h in self._live.items() if marks[h.slot] == tid]
+        for handle in done:
+            handle.release()
+        return len(done)
+
+    async def _poll_marks(self) -> None:
+        """Runs while some edge waits for credit: its credit returns only via marks."""
+        delay = _POLL_MIN_S
+        while not self.closed and any(e.waiters for e in self._edges.values()):
+            delay = _POLL_MIN_S if self.reclaim() else min(delay * 2, _POLL_MAX_S)
+            await asyncio.sleep(delay)
 
     def _admits(self, edge: _Edge, nbytes: int) -> bool:
         if edge.slots == 0:
@@ -163,6 +207,8 @@ class ShmRelay(Relay):
         """Queues for credit; `_wake` takes the credit on our behalf before resolving."""
         fut: asyncio.Future[None] = asyncio.get_running_loop().create_future()
         edge.waiters.append((nbytes, fut))
+        if self._poller is None or self._poller.done():
+            self._poller = asyncio.get_running_loop().create_task(self._poll_marks())
         try:
             await fut
         except BaseException:
@@ -183,6 +229,8 @@ class ShmRelay(Relay):
         if self.closed:
             raise RelayError("shm relay is closed")
         nbytes = packed.nbytes
+        if self._live:
+            self.reclaim()
         credits = self._edges.get(edge)
         if credits is None:
             credits = self._edges[edge] = _Edge()
@@ -216,7 +264,13 @@ class ShmRelay(Relay):
             else:
                 self._abandon(pool, extent, credits, nbytes)
             raise
-        tid = next(self._ids)
+        if not self._free_slots and not self.reclaim():
+            self._abandon(pool, extent, credits, nbytes)
+            raise RelayError(f"more than {MARK_SLOTS - 1} transfers outstanding")
+        slot = self._free_slots.popleft()
+        tid = (next(self._ids) << _SLOT_BITS) | slot
+        assert self._marks is not None
+        self._marks[slot] = 0
         desc = common_pb2.RelayDescriptor(
             backend=BACKEND,
             region=extent.segment.name,
@@ -229,6 +283,7 @@ class ShmRelay(Relay):
         if handles is None:
             handles = self._by_request[request_id] = {}
         handles[tid] = handle
+        self._live[tid] = handle
         return handle
 
     def _abandon(self, pool: ShmPool, extent: Extent, credits: _Edge, nbytes: int) -> None:
@@ -243,6 +298,8 @@ class ShmRelay(Relay):
             handles.pop(handle.transfer_id, None)
             if not handles:
                 del self._by_request[handle.request_id]
+        if self._live.pop(handle.transfer_id, None) is not None:
+            self._free_slots.append(handle.slot)
         if self._pool is not None:
             self._pool.free(handle._extent)
         self._give_back(handle._edge, handle.nbytes)
@@ -278,14 +335,19 @@ class ShmRelay(Relay):
                 f"descriptor points outside segment {name!r}: offset {descriptor.offset} + "
                 f"{descriptor.nbytes} bytes (size {mapping.size})"
             )
-        return ShmReceived(mapping.view[descriptor.offset : end])
+        if not descriptor.transfer_id & _SLOT_MASK:
+            raise RelayError(
+                f"descriptor has no release slot (transfer_id {descriptor.transfer_id})"
+            )
+        marks = self._map(marks_name(name), writable=True).marks
+        return ShmReceived(mapping.view[descriptor.offset : end], marks, descriptor.transfer_id)
 
-    def _map(self, name: str) -> _Mapping:
+    def _map(self, name: str, writable: bool = False) -> _Mapping:
         path = os.path.join(SHM_DIR, name)
         try:
             st = os.lstat(path)
         except FileNotFoundError:
-            self._drop(name)
+            self._prune()  # the sender is gone: forget its segments and marks
             raise RelayError(f"shm segment {name!r} does not exist (sender gone?)") from None
         cached = self._maps.get(name)
         if cached is not None and cached.ino == st.st_ino and cached.dev == st.st_dev:
@@ -296,20 +358,23 @@ class ShmRelay(Relay):
         if not stat.S_ISREG(st.st_mode):
             raise RelayError(f"shm segment {name!r} is not a regular file")
         try:
-            fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW)
+            fd = os.open(path, (os.O_RDWR if writable else os.O_RDONLY) | os.O_NOFOLLOW)
         except OSError as e:
             raise RelayError(f"cannot open shm segment {name!r}: {e}") from None
         try:
             st = os.fstat(fd)
-            if st.st_size == 0:
-                raise RelayError(f"shm segment {name!r} is empty")
-            mm = mmap.mmap(fd, st.st_size, mmap.MAP_SHARED, mmap.PROT_READ)
+            if st.st_size == 0 or (writable and st.st_size != MARK_SLOTS * 8):
+                raise RelayError(f"shm segment {name!r} has a bad size ({st.st_size})")
+            prot = mmap.PROT_READ | mmap.PROT_WRITE if writable else mmap.PROT_READ
+            mm = mmap.mmap(fd, st.st_size, mmap.MAP_SHARED, prot)
         except OSError as e:
             raise RelayError(f"cannot map shm segment {name!r}: {e}") from None
         finally:
             os.close(fd)
         self._drop(name)  # the sender restarted under the same name
-        mapping = _Mapping(mm, memoryview(mm), st.st_dev, st.st_ino, st.st_size)
+        view = memoryview(mm)
+        marks = view.cast("Q") if writable else None
+        mapping = _Mapping(mm, view, st.st_dev, st.st_ino, st.st_size, marks)
         self._maps[name] = mapping
         return mapping
 
@@ -346,6 +411,12 @@ class ShmRelay(Relay):
                     fut.set_exception(RelayError("shm relay closed"))
             credits.waiters.clear()
         self._by_request.clear()
+        self._live.clear()
+        if self._poller is not None:
+            self._poller.cancel()
+        if self._marks is not None:
+            self._marks.release()
+            self._marks = None
         if self._pool is not None:
             self._pool.close()
         for name in list(self._maps):

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import atexit
 import bisect
+import itertools
 import mmap
 import os
 import re
@@ -133,6 +134,18 @@ class Extent:
         self.size = size
 
 
+# Release marks: one uint64 per transfer slot in a small segment next to the pool. A
+# receiver that is done with a transfer writes its id into the slot; the sender reclaims
+# marked extents itself, so a release needs no message back over the Deliver stream.
+MARK_SLOTS = 1 << 16
+MARKS_SUFFIX = "marks"
+
+
+def marks_name(region: str) -> str:
+    """The marks segment of the pool that owns data segment `region`."""
+    return region.rsplit("-", 1)[0] + "-" + MARKS_SUFFIX
+
+
 class _Reaper:
     """atexit hook unlinking a pool's files; an object per pool so unregister is exact."""
 
@@ -151,8 +164,15 @@ class _Reaper:
         self.paths.clear()
 
 
+_pool_ids = itertools.count()
+
+
 class ShmPool:
-    """Segments named f"{prefix}-{pid}-{n}"; the first is `first_bytes`, more are added."""
+    """Segments named f"{prefix}-{pid}.{pool}-{n}", the first `first_bytes`, more added.
+
+    `pool` numbers the pools of one process, so each has its own marks segment
+    (f"{prefix}-{pid}.{pool}-marks") even when several share a prefix.
+    """
 
     def __init__(self, prefix: str, first_bytes: int) -> None:
         if not NAME_RE.match(prefix):
@@ -165,6 +185,9 @@ class ShmPool:
         self._reaper = _Reaper(self._paths)
         atexit.register(self._reaper)
         self.closed = False
+        self._stem = f"{prefix}-{os.getpid()}.{next(_pool_ids)}"
+        self._marks_segment = self._create(f"{self._stem}-{MARKS_SUFFIX}", MARK_SLOTS * 8)
+        self.marks = np.frombuffer(self._marks_segment.mmap, np.uint64)  # type: ignore[arg-type]
 
     def alloc(self, nbytes: int) -> Extent:
         size = _round_up(max(nbytes, 1), ALIGN)
@@ -185,9 +208,8 @@ class ShmPool:
             extent.segment.alloc.free(extent.offset, extent.size)
 
     def _add_segment(self, size: int) -> Segment:
-        pid = os.getpid()
         while True:
-            name = f"{self.prefix}-{pid}-{self._next}"
+            name = f"{self._stem}-{self._next}"
             self._next += 1
             try:
                 seg = Segment(name, size)
@@ -198,6 +220,16 @@ class ShmPool:
             self._paths.append(seg.path)
             return seg
 
+    def _create(self, name: str, size: int) -> Segment:
+        try:
+            seg = Segment(name, size)
+        except FileExistsError:
+            # A dead process with our pid left it (containers reuse pids): replace it.
+            os.unlink(os.path.join(SHM_DIR, name))
+            seg = Segment(name, size)
+        self._paths.append(seg.path)
+        return seg
+
     def close(self) -> None:
         if self.closed:
             return
@@ -207,6 +239,8 @@ class ShmPool:
         for seg in self.segments:
             seg.close()
         self.segments.clear()
+        del self.marks
+        self._marks_segment.close()
 
 
 def sweep_segments(prefix: str) -> int:

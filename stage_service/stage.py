@@ -124,20 +124,23 @@ class Stage:
         if not rid:
             ack(invalid("delivery without request_id", self.name))  # harmless if not awaited
             return
-        # Only relayed items are acked: the ack returns the sender's relay credit.
-        ack_fn = ack if item.payload.HasField("relay") else None
+        # Errors are acked for every relayed item; successes only where the backend
+        # returns credit through acks (shm learns of releases through its marks).
+        relayed = item.payload.HasField("relay")
+        error_ack = ack if relayed else None
         if rid in self._aborted:
-            if ack_fn:
-                ack_fn(None)
+            if error_ack:
+                error_ack(None)
             return
         try:
             received = await receive_payload(item.payload, self._relays)
         except (PayloadError, RelayError) as exc:
             err = invalid(f"bad payload from {source}: {exc}", self.name)
-            if ack_fn:
-                ack_fn(err)
+            if error_ack:
+                error_ack(err)
             self._fail(rid, err)
             return
+        ack_fn = ack if relayed and self._relays[item.payload.relay.backend].acks_in_band else None
         if rid in self._aborted:  # aborted while the relay read was in flight
             received.release()
             if ack_fn:

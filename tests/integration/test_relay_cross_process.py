@@ -134,7 +134,7 @@ async def test_stream_through_shm_to_another_process(prefix, child):
     await asyncio.wait_for(reader, TIMEOUT)
     assert results == [True] * len(sizes)
     assert relay.outstanding("e") == (0, 0)
-    assert len(leftovers(prefix)) >= 2  # the pool grew past its first segment
+    assert len([n for n in leftovers(prefix) if not n.endswith("-marks")]) >= 2  # pool grew
     relay.close()
     assert leftovers(prefix) == []
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import os
+import re
 import uuid
 
 import numpy as np
@@ -13,13 +14,17 @@ from omnirail.payload import pack, unpack
 from omnirail.v1 import common_pb2
 from relay.base import RelayError, RelaySettings, create_relay, relay_backends
 from relay.shm import ShmRelay, sweep_segments
-from relay.shm_pool import ALIGN, SHM_DIR, ExtentAllocator
+from relay.shm_pool import ALIGN, MARK_SLOTS, SHM_DIR, ExtentAllocator, marks_name
 
 MiB = 1 << 20
 
 
 def leftovers(prefix: str) -> list[str]:
     return sorted(n for n in os.listdir(SHM_DIR) if n.startswith(prefix + "-"))
+
+
+def data_segments(prefix: str) -> list[str]:
+    return [n for n in leftovers(prefix) if not n.endswith("-marks")]
 
 
 @pytest.fixture
@@ -102,11 +107,8 @@ async def test_extents_aligned_and_reused(make_relay):
     h1 = await relay.put(payload(100), "r", "e")
     h2 = await relay.put(payload(100), "r", "e")
     assert h1.descriptor.offset == 0 and h2.descriptor.offset == 128
-    assert (
-        h1.descriptor.region
-        == h2.descriptor.region
-        == f"{relay.settings.name_prefix}-{os.getpid()}-0"
-    )
+    assert h1.descriptor.region == h2.descriptor.region
+    assert re.fullmatch(rf"{relay.settings.name_prefix}-{os.getpid()}\.\d+-0", h1.descriptor.region)
     h1.release()
     h3 = await relay.put(payload(64), "r", "e")
     assert h3.descriptor.offset == 0
@@ -118,7 +120,7 @@ async def test_pool_grows_when_full_and_takes_huge_payloads(make_relay, prefix):
     handles = [await relay.put(payload(MiB // 2), f"r{i}", "e") for i in range(3)]
     regions = [h.descriptor.region for h in handles]
     assert regions[0] == regions[1] != regions[2]
-    assert len(leftovers(prefix)) == 2
+    assert len(data_segments(prefix)) == 2
     huge = await relay.put(payload(5 * MiB, fill=7), "big", "other")
     assert huge.descriptor.region not in regions
     received = await relay.get(huge.descriptor)
@@ -130,7 +132,7 @@ async def test_pool_grows_when_full_and_takes_huge_payloads(make_relay, prefix):
     # Segments stay for reuse: a second huge payload needs no new one.
     again = await relay.put(payload(5 * MiB), "big", "other")
     assert again.descriptor.region == huge.descriptor.region
-    assert len(leftovers(prefix)) == 3
+    assert len(data_segments(prefix)) == 3
 
 
 async def test_put_get_roundtrip_zero_copy(make_relay):
@@ -276,12 +278,15 @@ async def test_receiver_remaps_when_sender_restarts(make_relay, prefix):
     receiver = make_relay()
     name = f"{prefix}-restart-0"
     path = os.path.join(SHM_DIR, name)
+    marks = os.path.join(SHM_DIR, f"{prefix}-restart-marks")
     try:
         for fill in (1, 2):
             with open(path, "wb") as f:
                 f.write(bytes([fill]) * 4096)
+            with open(marks, "wb") as f:
+                f.write(bytes(MARK_SLOTS * 8))
             received = await receiver.get(
-                common_pb2.RelayDescriptor(backend="shm", region=name, nbytes=16)
+                common_pb2.RelayDescriptor(backend="shm", region=name, nbytes=16, transfer_id=1)
             )
             assert bytes(received.buffer) == bytes([fill]) * 16
             view = received.buffer  # outlives the file being replaced
@@ -289,8 +294,9 @@ async def test_receiver_remaps_when_sender_restarts(make_relay, prefix):
             os.unlink(path)
         assert view[0] == 2
     finally:
-        if os.path.exists(path):
-            os.unlink(path)
+        for p in (path, marks):
+            if os.path.exists(p):
+                os.unlink(p)
 
 
 # ----------------------------------------------------------------------------- lifetime
@@ -353,14 +359,14 @@ async def test_receiver_forgets_mappings_of_gone_senders(make_relay):
     first, second = make_relay(), make_relay()
     h1 = await first.put(payload(10), "r", "e")
     (await receiver.get(h1.descriptor)).release()
-    assert set(receiver._maps) == {h1.descriptor.region}
+    assert set(receiver._maps) == {h1.descriptor.region, marks_name(h1.descriptor.region)}
     first.close()
     with pytest.raises(RelayError, match="does not exist"):
         await receiver.get(h1.descriptor)
     assert receiver._maps == {}
     h2 = await second.put(payload(10), "r", "e")
     (await receiver.get(h2.descriptor)).release()
-    assert set(receiver._maps) == {h2.descriptor.region}
+    assert set(receiver._maps) == {h2.descriptor.region, marks_name(h2.descriptor.region)}
     h2.release()
 
 
@@ -378,4 +384,60 @@ async def test_put_cancelled_during_threaded_copy_frees_after_copy(make_relay):
     assert relay.outstanding("e") == (0, 0)
     assert all(seg.alloc.used == 0 for seg in relay.pool.segments)
     handle = await relay.put(payload(10), "r", "e")  # still usable
+    handle.release()
+
+
+# ------------------------------------------------------------------- release marks
+
+
+async def test_receiver_release_returns_credit_without_an_ack(make_relay):
+    sender, receiver = make_relay(credit_slots=1), make_relay()
+    first = await sender.put(payload(1000), "r1", "e")
+    assert not first.acked_in_band and not sender.acks_in_band
+    received = await receiver.get(first.descriptor)
+    blocked = asyncio.ensure_future(sender.put(payload(1000), "r2", "e"))
+    await asyncio.sleep(0.01)
+    assert not blocked.done()  # the edge's only credit is still out
+    received.release()  # marks the slot; the sender's poller notices
+    second = await asyncio.wait_for(blocked, 5)
+    assert first.released and sender.outstanding("e") == (1, second.nbytes)
+    received.release()  # idempotent: no second mark
+    second.release()
+
+
+async def test_put_reclaims_marked_transfers_first(make_relay):
+    sender, receiver = make_relay(), make_relay()
+    handles = [await sender.put(payload(4096), f"r{i}", "e") for i in range(4)]
+    for h in handles[:3]:
+        (await receiver.get(h.descriptor)).release()
+    assert sender.outstanding("e")[0] == 4
+    fresh = await sender.put(payload(4096), "r9", "e")
+    assert [h.released for h in handles] == [True, True, True, False]
+    assert sender.outstanding("e")[0] == 2
+    # The freed extent is reused: first-fit puts the new transfer at offset 0.
+    assert fresh.descriptor.offset == 0
+    handles[3].release()
+    fresh.release()
+
+
+async def test_stale_mark_after_cleanup_does_not_free_a_newer_transfer(make_relay):
+    sender, receiver = make_relay(), make_relay()
+    old = await sender.put(payload(64), "aborted", "e")
+    received = await receiver.get(old.descriptor)
+    sender.cleanup("aborted")  # abort: freed without the receiver's mark
+    newer = await sender.put(payload(64), "live", "e")
+    received.release()  # the late mark names the old transfer id only
+    assert sender.reclaim() == 0
+    assert not newer.released
+    newer.release()
+
+
+async def test_descriptor_without_slot_is_rejected(make_relay):
+    sender, receiver = make_relay(), make_relay()
+    handle = await sender.put(payload(64), "r", "e")
+    bad = common_pb2.RelayDescriptor()
+    bad.CopyFrom(handle.descriptor)
+    bad.transfer_id = handle.descriptor.transfer_id & ~0xFFFF
+    with pytest.raises(RelayError, match="release slot"):
+        await receiver.get(bad)
     handle.release()
