@@ -68,6 +68,13 @@ class Relay(abc.ABC):
     async def put(self, packed: Packed, request_id: str, edge: str) -> RelayHandle:
         """Copies `packed` into the pool once `edge` has credit; never rejects for size."""
 
+    def put_nowait(self, packed: Packed, request_id: str, edge: str) -> RelayHandle | None:
+        """`put` when it can finish without waiting (credit free, no async copy); else None.
+
+        Lets callers skip a task switch on the common path; backends may leave it None.
+        """
+        return None
+
     @abc.abstractmethod
     async def get(self, descriptor: common_pb2.RelayDescriptor) -> Received:
         """Maps the bytes a descriptor names; raises RelayError for a bad descriptor."""

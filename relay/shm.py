@@ -224,13 +224,43 @@ class ShmRelay(Relay):
         edge.nbytes -= nbytes
         self._wake(edge)
 
+    def put_nowait(self, packed: Packed, request_id: str, edge: str) -> ShmHandle | None:
+        """`put` without a coroutine when the edge has credit and the copy runs inline."""
+        nbytes = packed.nbytes
+        if self.closed or nbytes >= self._copy_thread_bytes:
+            return None
+        if self._live:
+            self.reclaim()
+        credits = self._edges.get(edge)
+        if credits is None:
+            credits = self._edges[edge] = _Edge()
+        if credits.waiters or not self._admits(credits, nbytes):
+            return None
+        credits.slots += 1
+        credits.nbytes += nbytes
+        try:
+            pool = self._pool or self.pool
+            extent = pool.alloc(nbytes)
+        except BaseException:
+            self._give_back(credits, nbytes)
+            raise
+        try:
+            target = extent.segment.array[extent.offset : extent.offset + nbytes]
+            packed.write_into(target)
+            del target
+        except BaseException:
+            self._abandon(pool, extent, credits, nbytes)
+            raise
+        return self._handle(pool, extent, credits, request_id, nbytes)
+
     async def put(self, packed: Packed, request_id: str, edge: str) -> ShmHandle:
         """Copies `packed` into the pool once `edge` has credit; never rejects for size."""
         if self.closed:
             raise RelayError("shm relay is closed")
+        quick = self.put_nowait(packed, request_id, edge)
+        if quick is not None:
+            return quick
         nbytes = packed.nbytes
-        if self._live:
-            self.reclaim()
         credits = self._edges.get(edge)
         if credits is None:
             credits = self._edges[edge] = _Edge()
@@ -264,6 +294,12 @@ class ShmRelay(Relay):
             else:
                 self._abandon(pool, extent, credits, nbytes)
             raise
+        return self._handle(pool, extent, credits, request_id, nbytes)
+
+    def _handle(
+        self, pool: ShmPool, extent: Extent, credits: _Edge, request_id: str, nbytes: int
+    ) -> ShmHandle:
+        """Gives a copied-in extent its release slot, descriptor and handle."""
         if not self._free_slots and not self.reclaim():
             self._abandon(pool, extent, credits, nbytes)
             raise RelayError(f"more than {MARK_SLOTS - 1} transfers outstanding")

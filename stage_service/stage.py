@@ -213,9 +213,9 @@ class Stage:
     # ---- output path ---------------------------------------------------------
     #
     # Results are handled right in the loop callback that the outbox schedules, with no
-    # extra task hop, when everything they send fits inline. A result that needs a relay
-    # put (which may wait for edge credit) goes to an ordered backlog served by one task;
-    # later results queue behind it so per-edge order holds.
+    # extra task hop, when nothing they send has to wait (inline, or a relay put with free
+    # credit). A send that must wait for edge credit goes to an ordered backlog served by
+    # one task; later results queue behind it so per-edge order holds.
 
     def _on_outbox(self) -> None:
         for msg in self.scheduler.outbox.drain():
@@ -236,7 +236,7 @@ class Stage:
             self._backlog.popleft()
 
     def _handle_now(self, msg: OutgoingMessage) -> _Send | None:
-        """Sends `msg` if it needs no relay put; else returns the prepared send."""
+        """Sends what of `msg` needs no waiting; returns the rest, if any, for the backlog."""
         rid = msg.request_id
         req = self._requests.get(rid)
         if req is None or rid in self._aborted:
@@ -254,10 +254,20 @@ class Stage:
                 project = self._project.get(target)
                 packed = pack(project(msg.data) if project is not None else msg.data)
                 send.parts.append((target, packed))
-            if any(not self._fits_inline(p) for _, p in send.parts):
-                return send
-            for target, packed in send.parts:
-                self._deliver(req, rid, target, _inline_payload(packed), None)
+            # Send in order what needs no waiting; the rest waits in the backlog.
+            while send.parts:
+                target, packed = send.parts[0]
+                if self._fits_inline(packed):
+                    self._deliver(req, rid, target, _inline_payload(packed), None)
+                else:
+                    if self._relay.name == INLINE_BACKEND:
+                        raise oversize_error(packed.nbytes, self._inline_bytes)
+                    handle = self._relay.put_nowait(packed, rid, f"{self.name}->{target}")
+                    if handle is None:
+                        return send
+                    payload = common_pb2.Payload(header=packed.header, relay=handle.descriptor)
+                    self._deliver(req, rid, target, payload, handle)
+                send.parts.pop(0)
         except Exception as exc:
             self._fail(rid, _as_error(exc, self.name))
             return None

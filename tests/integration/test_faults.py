@@ -9,6 +9,7 @@ import time
 
 import grpc
 import pytest
+from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from omnirail.client import Client
 from omnirail.errors import Code, OmniError
@@ -41,6 +42,9 @@ def test_garbage_on_deliver_fails_items_not_the_stage() -> None:
     try:
         with Client(mesh.address or "", timeout=30) as client:
             address = _stage_address(client, "double")
+            with grpc.insecure_channel(address) as channel:  # stages serve health too
+                reply = health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest())
+                assert reply.status == health_pb2.HealthCheckResponse.SERVING
             bad_region = common_pb2.Payload(
                 header=encode_inline({"x": 1}).header,
                 relay=common_pb2.RelayDescriptor(

@@ -75,6 +75,10 @@ def test_route_fn_outside_next_fails_clearly(routing: Client) -> None:
 
 
 def test_all_terminals_are_merged(terminals: Client) -> None:
+    # `upper` and `length` share one process (`process: shared`), each with its own stream.
+    info = terminals.describe()
+    replicas = {s.name: s.replicas[0] for s in info.stages}
+    assert replicas["upper"].address == replicas["length"].address != replicas["echo"].address
     result = terminals.generate({"value": "abc"})
     assert result.outputs == {"upper": {"text": "ABC"}, "length": {"length": 3}}
     assert result.output == result.outputs

@@ -441,3 +441,13 @@ async def test_descriptor_without_slot_is_rejected(make_relay):
     with pytest.raises(RelayError, match="release slot"):
         await receiver.get(bad)
     handle.release()
+
+
+async def test_put_nowait_only_when_nothing_must_wait(make_relay):
+    relay = make_relay(credit_slots=1, options={"copy_thread_bytes": MiB})
+    first = relay.put_nowait(pack(np.ones(100, np.uint8)), "r", "e")
+    assert first is not None and relay.outstanding("e") == (1, first.nbytes)
+    assert relay.put_nowait(pack(np.ones(100, np.uint8)), "r", "e") is None  # no credit
+    first.release()
+    assert relay.put_nowait(pack(np.ones(2 * MiB, np.uint8)), "r", "e") is None  # threaded copy
+    assert relay.outstanding("e") == (0, 0)
