@@ -9,7 +9,6 @@ lets subprocess use vfork/posix_spawn.
 
 from __future__ import annotations
 
-import contextlib
 import ctypes
 import json
 import os
@@ -231,21 +230,12 @@ class Mesh:
                     child.proc.kill()
                     child.proc.wait()
         self._children.clear()
-        sweep_shm(self.shm_prefix)
+        # Segments of processes that were killed (and so could not unlink their own).
+        from relay.shm_pool import sweep_segments
+
+        sweep_segments(self.shm_prefix)
         if self._own_run_dir:
             shutil.rmtree(self.run_dir, ignore_errors=True)
-
-
-def sweep_shm(prefix: str) -> int:
-    """Unlinks /dev/shm names a killed process of this run may have left behind."""
-    removed = 0
-    with contextlib.suppress(FileNotFoundError):
-        for name in os.listdir("/dev/shm"):
-            if name.startswith(prefix + "-"):
-                with contextlib.suppress(FileNotFoundError):
-                    os.unlink(os.path.join("/dev/shm", name))
-                    removed += 1
-    return removed
 
 
 def write_state(name: str, data: dict[str, object]) -> Path:

@@ -20,7 +20,8 @@ from pathlib import Path
 import pytest
 
 from omnirail.client import Client
-from omnirail.launcher import pid_alive, read_states, state_dir, sweep_shm
+from omnirail.launcher import pid_alive, read_states, state_dir
+from relay.shm_pool import sweep_segments
 
 REPO = Path(__file__).resolve().parents[2]
 QUICKSTART = "examples/quickstart/pipeline.yaml"
@@ -108,7 +109,7 @@ def cleanup(name: str) -> Iterator[Tracked]:
             if pid_alive(pid):
                 os.kill(pid, signal.SIGKILL)
         for prefix in found.prefixes:
-            sweep_shm(prefix)
+            sweep_segments(prefix)
         (state_dir() / f"{name}.json").unlink(missing_ok=True)
         (state_dir() / f"{name}.log").unlink(missing_ok=True)
 
