@@ -151,23 +151,27 @@ class Mesh:
         self.address = ready_file.read_text().strip()
         groups = self.pipeline.process_groups()
         for group, stages in groups.items():
-            self._progress(f"starting process {group!r}: stages {', '.join(stages)}")
-            self._spawn(
-                f"stage-{group}",
-                [
-                    "stage",
-                    "--pipeline",
-                    self.pipeline_path,
-                    "--stage",
-                    ",".join(stages),
-                    "--coordinator",
-                    self.address,
-                    "--listen",
-                    self._listen(f"stage-{group}"),
-                    "--shm-prefix",
-                    self.shm_prefix,
-                ],
-            )
+            # Stages sharing a process have equal `replicas` (config validation).
+            replicas = self.pipeline.stage(stages[0]).replicas
+            for r in range(replicas):
+                name = f"stage-{group}" if replicas == 1 else f"stage-{group}-{r}"
+                self._progress(f"starting process {name!r}: stages {', '.join(stages)}")
+                self._spawn(
+                    name,
+                    [
+                        "stage",
+                        "--pipeline",
+                        self.pipeline_path,
+                        "--stage",
+                        ",".join(stages),
+                        "--coordinator",
+                        self.address,
+                        "--listen",
+                        self._listen(name),
+                        "--shm-prefix",
+                        self.shm_prefix,
+                    ],
+                )
         self._wait_ready(deadline)
         return self.address
 
@@ -181,8 +185,9 @@ class Mesh:
                     self._check_alive(child)
                 try:
                     info = client.describe()
-                    missing = [s.name for s in info.stages if not s.replicas]
-                    if info.ready:
+                    want = {s.name: s.replicas for s in self.pipeline.stages}
+                    missing = [s.name for s in info.stages if len(s.replicas) < want[s.name]]
+                    if not missing:
                         self._progress(f"mesh ready: {len(info.stages)} stages")
                         return
                     msg = f"waiting for stages: {', '.join(missing)}"

@@ -148,3 +148,8 @@ def make_batch_square() -> Any:
         return [{"value": p["value"] ** 2, "batch": len(payloads)} for p in payloads]
 
     return SimpleScheduler(batch_fn=batch, max_batch_size=8, max_wait_ms=20)
+
+
+def make_join_pid() -> Any:
+    inner = make_join()
+    return lambda p: {**inner(p), "pid": os.getpid()}

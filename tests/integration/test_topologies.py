@@ -95,3 +95,20 @@ def test_terminal_stages_fn_bad_answer_fails_request(terminals: Client) -> None:
         terminals.generate({"value": "x", "want": ["echo"]})
     assert info.value.code == Code.INTERNAL
     assert "terminal_stages_fn" in info.value.message
+
+
+@pytest.fixture(scope="module")
+def replicas() -> Iterator[Client]:
+    yield from _client("replicas")
+
+
+def test_replicas_share_the_load_and_fan_in_stays_consistent(replicas: Client) -> None:
+    # Both producers pick the join replica by the same hash of the request id, so each
+    # request's two halves meet at one replica.
+    info = {s.name: s for s in replicas.describe().stages}
+    assert len(info["left"].replicas) == 2 and len(info["join"].replicas) == 2
+    sizes = list(range(1, 41))
+    with concurrent.futures.ThreadPoolExecutor(8) as pool:
+        outs = list(pool.map(lambda n: replicas.generate({"n": n}).output, sizes))
+    assert [o["left_sum"] for o in outs] == [sum(range(n)) + n for n in sizes]
+    assert len({o["pid"] for o in outs}) == 2
