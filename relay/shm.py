@@ -231,19 +231,12 @@ class ShmRelay(Relay):
             return None
         if self._live:
             self.reclaim()
-        credits = self._edges.get(edge)
-        if credits is None:
-            credits = self._edges[edge] = _Edge()
+        credits = self._edge(edge)
         if credits.waiters or not self._admits(credits, nbytes):
             return None
         credits.slots += 1
         credits.nbytes += nbytes
-        try:
-            pool = self._pool or self.pool
-            extent = pool.alloc(nbytes)
-        except BaseException:
-            self._give_back(credits, nbytes)
-            raise
+        pool, extent = self._alloc(credits, nbytes)
         try:
             target = extent.segment.array[extent.offset : extent.offset + nbytes]
             packed.write_into(target)
@@ -261,20 +254,13 @@ class ShmRelay(Relay):
         if quick is not None:
             return quick
         nbytes = packed.nbytes
-        credits = self._edges.get(edge)
-        if credits is None:
-            credits = self._edges[edge] = _Edge()
+        credits = self._edge(edge)
         if credits.waiters or not self._admits(credits, nbytes):
             await self._wait(credits, nbytes)
         else:
             credits.slots += 1
             credits.nbytes += nbytes
-        try:
-            pool = self._pool or self.pool
-            extent = pool.alloc(nbytes)
-        except BaseException:
-            self._give_back(credits, nbytes)
-            raise
+        pool, extent = self._alloc(credits, nbytes)
         copy: asyncio.Future[None] | None = None
         try:
             target = extent.segment.array[extent.offset : extent.offset + nbytes]
@@ -295,6 +281,21 @@ class ShmRelay(Relay):
                 self._abandon(pool, extent, credits, nbytes)
             raise
         return self._handle(pool, extent, credits, request_id, nbytes)
+
+    def _edge(self, edge: str) -> _Edge:
+        credits = self._edges.get(edge)
+        if credits is None:
+            credits = self._edges[edge] = _Edge()
+        return credits
+
+    def _alloc(self, credits: _Edge, nbytes: int) -> tuple[ShmPool, Extent]:
+        """An extent for a transfer that holds credit; the credit goes back on failure."""
+        try:
+            pool = self._pool or self.pool
+            return pool, pool.alloc(nbytes)
+        except BaseException:
+            self._give_back(credits, nbytes)
+            raise
 
     def _handle(
         self, pool: ShmPool, extent: Extent, credits: _Edge, request_id: str, nbytes: int
