@@ -20,7 +20,7 @@ from omnirail import dotted
 from omnirail.config import PipelineConfig
 from omnirail.deliver import DeliverChannel
 from omnirail.errors import Code, OmniError, internal, invalid, unavailable
-from omnirail.grpc_server import NOT_SERVING, SERVING
+from omnirail.grpc_server import NOT_SERVING, SERVING, write_until_read_ends
 from omnirail.payload import PayloadError, decode_inline
 from omnirail.v1 import client_pb2, client_pb2_grpc, mesh_pb2, mesh_pb2_grpc
 
@@ -117,20 +117,16 @@ class Coordinator(client_pb2_grpc.OmnirailServicer, mesh_pb2_grpc.CoordinatorSer
                         reason = abort.reason or "aborted by client"
                         self._end(rec, State.ABORTED, OmniError(Code.CANCELLED, reason))
 
-        reader = asyncio.get_running_loop().create_task(read())
-        reader.add_done_callback(lambda _: wake.set())
+        def take() -> client_pb2.SessionEvents | None:
+            nonlocal events
+            if not events.events:
+                return None
+            batch, events = events, client_pb2.SessionEvents()
+            return batch
+
         try:
-            while True:
-                if events.events:
-                    batch, events = events, client_pb2.SessionEvents()
-                    await context.write(batch)
-                elif reader.done():
-                    return
-                else:
-                    wake.clear()
-                    await wake.wait()
+            await write_until_read_ends(context, read(), wake, take)
         finally:
-            reader.cancel()
             for rid in list(mine):
                 rec = self.requests.live.get(rid)
                 if rec is not None:
@@ -411,20 +407,9 @@ class Coordinator(client_pb2_grpc.OmnirailServicer, mesh_pb2_grpc.CoordinatorSer
             async for event in request_iterator:
                 self._on_event(replica, event)
 
-        reader = asyncio.get_running_loop().create_task(read())
-        reader.add_done_callback(lambda _: replica.wake.set())
         try:
-            while True:
-                command = replica.take()
-                if command is not None:
-                    await context.write(command)
-                elif reader.done():
-                    return
-                else:
-                    replica.wake.clear()
-                    await replica.wake.wait()
+            await write_until_read_ends(context, read(), replica.wake, replica.take)
         finally:
-            reader.cancel()
             if self.registry.remove(replica):
                 log.warning("stage %s replica %s is gone", replica.stage, replica.replica_id)
                 self._replica_gone(replica)

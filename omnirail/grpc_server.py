@@ -2,14 +2,19 @@
 
 from __future__ import annotations
 
+import asyncio
+import logging
 import os
-from collections.abc import Iterable
+from collections.abc import Callable, Coroutine, Iterable
+from typing import Any
 
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
 from omnirail.deliver import channel_options
+
+log = logging.getLogger(__name__)
 
 SERVING = health_pb2.HealthCheckResponse.SERVING
 NOT_SERVING = health_pb2.HealthCheckResponse.NOT_SERVING
@@ -45,3 +50,31 @@ def bind(server: grpc.aio.Server, address: str) -> str:
     if host in ("", "0.0.0.0", "[::]"):
         host = "127.0.0.1"
     return f"{host}:{port}"
+
+
+async def write_until_read_ends(
+    context: grpc.aio.ServicerContext,
+    read: Coroutine[Any, Any, None],
+    wake: asyncio.Event,
+    take: Callable[[], Any | None],
+) -> None:
+    """The write side of a bidi servicer: runs `read` as a task and, until it ends, writes
+    whatever `take()` returns each time `wake` is set (None: nothing pending). Whoever
+    queues something sets `wake`, so a burst goes out as one write.
+    """
+    reader = asyncio.get_running_loop().create_task(read)
+    reader.add_done_callback(lambda _: wake.set())
+    try:
+        while True:
+            message = take()
+            if message is not None:
+                await context.write(message)
+            elif reader.done():
+                if not reader.cancelled() and reader.exception() is not None:
+                    log.warning("stream reader ended: %s", reader.exception())
+                return
+            else:
+                wake.clear()
+                await wake.wait()
+    finally:
+        reader.cancel()

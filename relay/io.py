@@ -10,7 +10,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
-from omnirail.payload import PayloadError, decode_inline, encode_inline, pack, unpack
+from omnirail.payload import Packed, PayloadError, decode_inline, encode_inline, pack, unpack
 from omnirail.v1 import common_pb2
 from relay.base import Received, Relay, RelayError, RelayHandle
 from relay.inline import BACKEND as INLINE
@@ -22,9 +22,15 @@ __all__ = [
     "RelayError",
     "decode_inline",
     "encode_inline",
+    "inline_payload",
     "receive_payload",
     "send_payload",
 ]
+
+
+def inline_payload(packed: Packed) -> common_pb2.Payload:
+    """`packed` with its tensor bytes inside the message."""
+    return common_pb2.Payload(header=packed.header, inline_data=packed.to_bytes())
 
 
 async def send_payload(
@@ -37,7 +43,7 @@ async def send_payload(
     """
     packed = pack(value)
     if packed.nbytes <= inline_bytes or packed.num_tensors == 0:
-        return common_pb2.Payload(header=packed.header, inline_data=packed.to_bytes()), None
+        return inline_payload(packed), None
     if relay.name == INLINE:
         raise oversize_error(packed.nbytes, inline_bytes)
     handle = await relay.put(packed, request_id, edge)

@@ -20,7 +20,7 @@ from omnirail import dotted
 from omnirail.config import PipelineConfig
 from omnirail.deliver import DeliverChannel
 from omnirail.errors import OmniError, invalid, unavailable
-from omnirail.grpc_server import SERVING, bind, create_server
+from omnirail.grpc_server import SERVING, bind, create_server, write_until_read_ends
 from omnirail.v1 import mesh_pb2, mesh_pb2_grpc
 from relay.base import Relay, RelayHandle, create_relay
 from stage_service.attach import AttachClient
@@ -240,20 +240,11 @@ class StageHost(mesh_pb2_grpc.StageServicer):
                         continue
                     await stage.on_item(item, ack_for(item.seq))
 
-        reader = asyncio.get_running_loop().create_task(read())
-        reader.add_done_callback(lambda _: wake.set())
-        try:
-            while True:
-                while not acks.acks and not reader.done():
-                    wake.clear()
-                    await wake.wait()
-                if acks.acks:
-                    batch, acks = acks, mesh_pb2.AckBatch()
-                    await context.write(batch)
-                elif reader.done():
-                    exc = None if reader.cancelled() else reader.exception()
-                    if exc is not None:
-                        log.warning("deliver stream ended: %s", exc)
-                    return
-        finally:
-            reader.cancel()
+        def take() -> mesh_pb2.AckBatch | None:
+            nonlocal acks
+            if not acks.acks:
+                return None
+            batch, acks = acks, mesh_pb2.AckBatch()
+            return batch
+
+        await write_until_read_ends(context, read(), wake, take)

@@ -25,7 +25,7 @@ from omnirail.v1 import common_pb2, mesh_pb2
 from relay.base import Relay, RelayError, RelayHandle
 from relay.inline import BACKEND as INLINE_BACKEND
 from relay.inline import oversize_error
-from relay.io import ReceivedPayload, receive_payload
+from relay.io import ReceivedPayload, inline_payload, receive_payload
 from stage_service.scheduler import AbortSet, IncomingMessage, OutgoingMessage, Scheduler
 
 log = logging.getLogger(__name__)
@@ -257,16 +257,8 @@ class Stage:
             # Send in order what needs no waiting; the rest waits in the backlog.
             while send.parts:
                 target, packed = send.parts[0]
-                if self._fits_inline(packed):
-                    self._deliver(req, rid, target, _inline_payload(packed), None)
-                else:
-                    if self._relay.name == INLINE_BACKEND:
-                        raise oversize_error(packed.nbytes, self._inline_bytes)
-                    handle = self._relay.put_nowait(packed, rid, f"{self.name}->{target}")
-                    if handle is None:
-                        return send
-                    payload = common_pb2.Payload(header=packed.header, relay=handle.descriptor)
-                    self._deliver(req, rid, target, payload, handle)
+                if not self._send_part_now(req, rid, target, packed):
+                    return send
                 send.parts.pop(0)
         except Exception as exc:
             self._fail(rid, _as_error(exc, self.name))
@@ -278,24 +270,36 @@ class Stage:
         rid, req = send.request_id, send.request
         try:
             for target, packed in send.parts:
-                if self._fits_inline(packed):
-                    self._deliver(req, rid, target, _inline_payload(packed), None)
+                if self._send_part_now(req, rid, target, packed):
                     continue
-                if self._relay.name == INLINE_BACKEND:
-                    raise oversize_error(packed.nbytes, self._inline_bytes)
                 handle = await self._relay.put(packed, rid, f"{self.name}->{target}")
                 if rid in self._aborted:  # aborted while waiting for relay credit
                     handle.release()
                     return
-                payload = common_pb2.Payload(header=packed.header, relay=handle.descriptor)
-                self._deliver(req, rid, target, payload, handle)
+                self._deliver_relayed(req, rid, target, packed, handle)
         except Exception as exc:
             self._fail(rid, _as_error(exc, self.name))
             return
         self._finish(rid)
 
-    def _fits_inline(self, packed: Packed) -> bool:
-        return packed.nbytes <= self._inline_bytes or packed.num_tensors == 0
+    def _send_part_now(self, req: _Request, rid: str, target: str, packed: Packed) -> bool:
+        """Sends one payload if that needs no waiting; False when it must wait for credit."""
+        if packed.nbytes <= self._inline_bytes or packed.num_tensors == 0:
+            self._deliver(req, rid, target, inline_payload(packed), None)
+            return True
+        if self._relay.name == INLINE_BACKEND:
+            raise oversize_error(packed.nbytes, self._inline_bytes)
+        handle = self._relay.put_nowait(packed, rid, f"{self.name}->{target}")
+        if handle is None:
+            return False
+        self._deliver_relayed(req, rid, target, packed, handle)
+        return True
+
+    def _deliver_relayed(
+        self, req: _Request, rid: str, target: str, packed: Packed, handle: RelayHandle
+    ) -> None:
+        payload = common_pb2.Payload(header=packed.header, relay=handle.descriptor)
+        self._deliver(req, rid, target, payload, handle)
 
     def _deliver(
         self,
@@ -366,10 +370,6 @@ class _Send:
     request_id: str
     request: _Request
     parts: list[tuple[str, Packed]]
-
-
-def _inline_payload(packed: Packed) -> common_pb2.Payload:
-    return common_pb2.Payload(header=packed.header, inline_data=packed.to_bytes())
 
 
 class _Pending:
