@@ -1,8 +1,8 @@
-"""Python form of a pipeline config, loaded by tests/unit/test_config.py."""
+"""Python form of a pipeline config, loaded by tests/unit/config/."""
 
 from omnirail.config import PipelineConfig, StageConfig
 
-F = "tests.unit.test_config:factory"
+F = "tests.unit.config.helpers:factory"
 
 pipeline = PipelineConfig(
     name="py-demo",
