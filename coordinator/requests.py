@@ -30,6 +30,8 @@ class RequestRecord:
     timer: asyncio.TimerHandle | None = None
     # Called once when the request ends (Session streams answer through these).
     on_done: list[Callable[[RequestRecord], None]] = field(default_factory=list)
+    # Called with each client-bound stream chunk (set by streaming calls only).
+    on_chunk: list[Callable[[client_pb2.Chunk], None]] = field(default_factory=list)
 
     @property
     def finished(self) -> bool:
@@ -82,6 +84,7 @@ class RequestTable:
         for callback in record.on_done:
             callback(record)
         record.on_done.clear()
+        record.on_chunk.clear()
         return True
 
     def counts(self) -> dict[str, int]:

@@ -8,6 +8,7 @@ import math
 import re
 import time
 import uuid
+from collections import deque
 from collections.abc import AsyncIterator
 from typing import Any
 
@@ -59,7 +60,10 @@ class Coordinator(client_pb2_grpc.OmnirailServicer, mesh_pb2_grpc.CoordinatorSer
     ) -> None:
         rec = await self._start_or_abort(request, context)
         try:
-            await rec.done.wait()
+            if request.stream:
+                await self._stream_chunks(rec, context)
+            else:
+                await rec.done.wait()
         except asyncio.CancelledError:
             # The client went away: nothing downstream should keep working on it.
             self._end(rec, State.ABORTED, OmniError(Code.CANCELLED, "client cancelled the call"))
@@ -68,6 +72,26 @@ class Coordinator(client_pb2_grpc.OmnirailServicer, mesh_pb2_grpc.CoordinatorSer
             await context.write(client_pb2.GenerateEvent(result=rec.result()))
             return
         await _abort_call(context, rec.error or internal("request ended without a result"))
+
+    @staticmethod
+    async def _stream_chunks(rec: RequestRecord, context: grpc.aio.ServicerContext) -> None:
+        """Writes the request's chunks as they come, until it ends."""
+        chunks: deque[client_pb2.Chunk] = deque()
+        wake = asyncio.Event()
+
+        def on_chunk(chunk: client_pb2.Chunk) -> None:
+            chunks.append(chunk)
+            wake.set()
+
+        rec.on_chunk.append(on_chunk)
+        rec.on_done.append(lambda _: wake.set())
+        while True:
+            while chunks:
+                await context.write(client_pb2.GenerateEvent(chunk=chunks.popleft()))
+            if rec.finished:
+                return
+            wake.clear()
+            await wake.wait()
 
     async def Session(
         self,
@@ -111,6 +135,12 @@ class Coordinator(client_pb2_grpc.OmnirailServicer, mesh_pb2_grpc.CoordinatorSer
                         continue
                     mine.add(rec.request_id)
                     rec.on_done.append(on_done)
+                    if request.stream:
+                        rec.on_chunk.append(
+                            lambda chunk, rid=rec.request_id: emit(
+                                client_pb2.SessionEvent(request_id=rid, chunk=chunk)
+                            )
+                        )
                 for abort in msg.abort:
                     rec = self.requests.live.get(abort.request_id)
                     if rec is not None:
@@ -353,6 +383,18 @@ class Coordinator(client_pb2_grpc.OmnirailServicer, mesh_pb2_grpc.CoordinatorSer
     # ---- stage events ------------------------------------------------------------
 
     def _on_event(self, replica: Replica, event: mesh_pb2.StageEvent) -> None:
+        for chunk in event.chunks:
+            rec = self.requests.live.get(chunk.request_id)
+            if rec is None or not rec.on_chunk or replica.stage not in rec.terminals:
+                continue
+            out = client_pb2.Chunk(
+                stage=replica.stage,
+                chunk_id=chunk.chunk_id,
+                modality=chunk.modality,
+                data=chunk.data,
+            )
+            for on_chunk in rec.on_chunk:
+                on_chunk(out)
         for done in event.completions:
             rec = self.requests.live.get(done.request_id)
             if rec is None or replica.stage not in rec.terminals:

@@ -8,16 +8,16 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Any
 
 __version__ = "0.1.0"
-__all__ = ["AsyncClient", "Client", "GenerateResult", "OmniError", "__version__"]
+__all__ = ["AsyncClient", "Chunk", "Client", "GenerateResult", "OmniError", "__version__"]
 
 if TYPE_CHECKING:
-    from omnirail.client import AsyncClient, Client, GenerateResult
+    from omnirail.client import AsyncClient, Chunk, Client, GenerateResult
     from omnirail.errors import OmniError
 
 
 def __getattr__(name: str) -> Any:
     # Lazy so `import omnirail.config` does not pull grpc into config-only users.
-    if name in ("AsyncClient", "Client", "GenerateResult"):
+    if name in ("AsyncClient", "Chunk", "Client", "GenerateResult"):
         from omnirail import client
 
         return getattr(client, name)

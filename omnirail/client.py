@@ -9,10 +9,11 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import queue
 import threading
 import time
 import uuid
-from collections.abc import Mapping
+from collections.abc import AsyncIterator, Iterator, Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -45,6 +46,20 @@ class GenerateResult:
 
 
 @dataclass(frozen=True)
+class Chunk:
+    """One stream chunk of a terminal stage, in order per (request, stage)."""
+
+    request_id: str
+    stage: str
+    chunk_id: int
+    modality: str
+    data: Any
+
+
+StreamEvent = Chunk | GenerateResult
+
+
+@dataclass(frozen=True)
 class RequestStatus:
     request_id: str
     state: str  # pending, running, completed, failed, aborted
@@ -58,6 +73,7 @@ def build_request(
     request_id: str | None,
     timeout: float | None,
     traceparent: str | None,
+    stream: bool = False,
 ) -> client_pb2.GenerateRequest:
     if not isinstance(inputs, Mapping):
         raise invalid(f"inputs: expected a mapping of names to values, got {type(inputs).__name__}")
@@ -70,6 +86,7 @@ def build_request(
         inputs=payload,
         timeout_s=timeout or 0.0,
         traceparent=traceparent or "",
+        stream=stream,
     )
 
 
@@ -77,6 +94,19 @@ def parse_result(result: client_pb2.Result) -> GenerateResult:
     return GenerateResult(
         result.request_id, {stage: decode_inline(p) for stage, p in result.outputs.items()}
     )
+
+
+def parse_chunk(request_id: str, chunk: client_pb2.Chunk) -> Chunk:
+    return Chunk(request_id, chunk.stage, chunk.chunk_id, chunk.modality, decode_inline(chunk.data))
+
+
+def stream_event(request_id: str, event: client_pb2.SessionEvent | OmniError) -> StreamEvent:
+    """A chunk or the final result of a streaming request; raises for its error."""
+    if isinstance(event, OmniError):
+        raise event
+    if event.HasField("chunk"):
+        return parse_chunk(request_id, event.chunk)
+    return event_result(event)
 
 
 def parse_status(status: client_pb2.RequestStatus) -> RequestStatus:
@@ -159,6 +189,42 @@ class Client:
                 session.abort(request.request_id, "the client stopped waiting")
             raise
         return event_result(event)
+
+    def stream(
+        self,
+        inputs: Mapping[str, Any],
+        *,
+        request_id: str | None = None,
+        timeout: float | None = None,
+        traceparent: str | None = None,
+    ) -> Iterator[StreamEvent]:
+        """Runs one request, yielding each `Chunk` as terminal stages make it, then the
+        `GenerateResult`. Raises OmniError when the request fails. Closing the iterator
+        early (break, exception) aborts the request everywhere."""
+        timeout = timeout if timeout is not None else self.timeout
+        request = build_request(inputs, request_id, timeout, traceparent, stream=True)
+        rid = request.request_id
+        session = self._session()
+        events = session.send_stream(request)
+        deadline = None if timeout is None else time.monotonic() + _deadline(timeout)
+        ended = False
+        try:
+            while True:
+                wait = None if deadline is None else max(0.0, deadline - time.monotonic())
+                try:
+                    event = events.get(timeout=wait)
+                except queue.Empty:
+                    raise OmniError(
+                        Code.DEADLINE_EXCEEDED, f"no answer within {timeout}s"
+                    ) from None
+                ended = isinstance(event, OmniError) or not event.HasField("chunk")
+                item = stream_event(rid, event)
+                yield item
+                if ended:
+                    return
+        finally:
+            if not ended:
+                session.abort(rid, "the client stopped reading the stream")
 
     def _session(self) -> SyncSession:
         with self._lock:
@@ -274,6 +340,40 @@ class AsyncClient:
             session.abort(request.request_id, "the caller cancelled")
             raise
         return event_result(event)
+
+    async def stream(
+        self,
+        inputs: Mapping[str, Any],
+        *,
+        request_id: str | None = None,
+        timeout: float | None = None,
+        traceparent: str | None = None,
+    ) -> AsyncIterator[StreamEvent]:
+        """`Client.stream`, as an async iterator; cancelling or closing it aborts the request."""
+        timeout = timeout if timeout is not None else self.timeout
+        request = build_request(inputs, request_id, timeout, traceparent, stream=True)
+        rid = request.request_id
+        session = self._session()
+        events = session.send_stream(request)
+        deadline = None if timeout is None else time.monotonic() + _deadline(timeout)
+        ended = False
+        try:
+            while True:
+                wait = None if deadline is None else max(0.0, deadline - time.monotonic())
+                try:
+                    event = await asyncio.wait_for(events.get(), wait)
+                except TimeoutError:
+                    raise OmniError(
+                        Code.DEADLINE_EXCEEDED, f"no answer within {timeout}s"
+                    ) from None
+                ended = isinstance(event, OmniError) or not event.HasField("chunk")
+                item = stream_event(rid, event)
+                yield item
+                if ended:
+                    return
+        finally:
+            if not ended:
+                session.abort(rid, "the client stopped reading the stream")
 
     def _session(self) -> AsyncSession:
         if self._sess is None or self._sess.broken:

@@ -1,8 +1,10 @@
 """Client side of the `Session` stream: many requests multiplexed over one call.
 
 Requests queued while a write is in flight go out together; each request's result or
-error comes back tagged with its id and resolves that request's future. When the stream
-breaks, every waiting request fails with UNAVAILABLE and the next call opens a new one.
+error comes back tagged with its id and resolves that request's future. A streaming
+request gets a queue instead, fed with its chunk events and then its result or error.
+When the stream breaks, every waiting request fails with UNAVAILABLE and the next call
+opens a new one.
 """
 
 from __future__ import annotations
@@ -38,6 +40,7 @@ class SyncSession:
     def __init__(self, stub: Any) -> None:
         self._outgoing: queue.SimpleQueue[client_pb2.SessionRequest | None] = queue.SimpleQueue()
         self._futures: dict[str, concurrent.futures.Future[client_pb2.SessionEvent]] = {}
+        self._streams: dict[str, queue.SimpleQueue[client_pb2.SessionEvent | OmniError]] = {}
         self._lock = threading.Lock()
         self.broken = False
         self._call = stub.Session(self._requests())
@@ -64,17 +67,26 @@ class SyncSession:
         try:
             for events in self._call:
                 for event in events.events:
+                    rid = event.request_id
                     with self._lock:
-                        future = self._futures.pop(event.request_id, None)
-                    if future is not None:
+                        stream = self._streams.get(rid)
+                        if stream is not None and not event.HasField("chunk"):
+                            del self._streams[rid]
+                        future = self._futures.pop(rid, None) if stream is None else None
+                    if stream is not None:
+                        stream.put(event)
+                    elif future is not None:
                         future.set_result(event)
         except grpc.RpcError as exc:
             error = exc
         with self._lock:
             self.broken = True
             waiting, self._futures = self._futures, {}
+            streams, self._streams = self._streams, {}
         for future in waiting.values():
             future.set_exception(_broken(error))
+        for stream in streams.values():
+            stream.put(_broken(error))
 
     def send(
         self, request: client_pb2.GenerateRequest
@@ -88,8 +100,22 @@ class SyncSession:
         self._outgoing.put(client_pb2.SessionRequest(generate=[request]))
         return future
 
+    def send_stream(
+        self, request: client_pb2.GenerateRequest
+    ) -> queue.SimpleQueue[client_pb2.SessionEvent | OmniError]:
+        """Starts a streaming request; its events (chunks, then the end) arrive in order."""
+        events: queue.SimpleQueue[client_pb2.SessionEvent | OmniError] = queue.SimpleQueue()
+        with self._lock:
+            if self.broken:
+                events.put(_broken(None))
+                return events
+            self._streams[request.request_id] = events
+        self._outgoing.put(client_pb2.SessionRequest(generate=[request]))
+        return events
+
     def abort(self, request_id: str, reason: str) -> None:
         with self._lock:
+            self._streams.pop(request_id, None)
             future = self._futures.pop(request_id, None)
         if future is not None:
             future.set_exception(OmniError(Code.CANCELLED, reason))
@@ -113,6 +139,7 @@ class AsyncSession:
         self._pending = client_pb2.SessionRequest()
         self._wake = asyncio.Event()
         self._futures: dict[str, asyncio.Future[client_pb2.SessionEvent]] = {}
+        self._streams: dict[str, asyncio.Queue[client_pb2.SessionEvent | OmniError]] = {}
         self.broken = False
         loop = asyncio.get_running_loop()
         self._reader = loop.create_task(self._read())
@@ -134,7 +161,14 @@ class AsyncSession:
         try:
             while (events := await self._call.read()) is not grpc.aio.EOF:
                 for event in events.events:
-                    future = self._futures.pop(event.request_id, None)
+                    rid = event.request_id
+                    stream = self._streams.get(rid)
+                    if stream is not None:
+                        if not event.HasField("chunk"):
+                            del self._streams[rid]
+                        stream.put_nowait(event)
+                        continue
+                    future = self._futures.pop(rid, None)
                     if future is not None and not future.done():
                         future.set_result(event)
         except grpc.RpcError as exc:
@@ -142,9 +176,12 @@ class AsyncSession:
         self.broken = True
         self._writer.cancel()
         waiting, self._futures = self._futures, {}
+        streams, self._streams = self._streams, {}
         for future in waiting.values():
             if not future.done():
                 future.set_exception(_broken(error))
+        for stream in streams.values():
+            stream.put_nowait(_broken(error))
 
     def send(self, request: client_pb2.GenerateRequest) -> asyncio.Future[client_pb2.SessionEvent]:
         future: asyncio.Future[client_pb2.SessionEvent] = asyncio.get_running_loop().create_future()
@@ -156,7 +193,21 @@ class AsyncSession:
         self._wake.set()
         return future
 
+    def send_stream(
+        self, request: client_pb2.GenerateRequest
+    ) -> asyncio.Queue[client_pb2.SessionEvent | OmniError]:
+        """Starts a streaming request; its events (chunks, then the end) arrive in order."""
+        events: asyncio.Queue[client_pb2.SessionEvent | OmniError] = asyncio.Queue()
+        if self.broken:
+            events.put_nowait(_broken(None))
+            return events
+        self._streams[request.request_id] = events
+        self._pending.generate.append(request)
+        self._wake.set()
+        return events
+
     def abort(self, request_id: str, reason: str) -> None:
+        self._streams.pop(request_id, None)
         self._futures.pop(request_id, None)
         self._pending.abort.add(request_id=request_id, reason=reason)
         self._wake.set()

@@ -50,6 +50,14 @@ class AttachClient:
         self._event.completions.add(request_id=request_id, output=output, traceparent=traceparent)
         self._wake.set()
 
+    def chunk(
+        self, request_id: str, chunk_id: int, modality: str, data: common_pb2.Payload
+    ) -> None:
+        self._event.chunks.add(
+            request_id=request_id, chunk_id=chunk_id, modality=modality, data=data
+        )
+        self._wake.set()
+
     def fail(self, request_id: str, error: OmniError) -> None:
         self._event.failures.add(request_id=request_id, error=error.to_proto())
         self._wake.set()
@@ -153,4 +161,4 @@ class AttachClient:
 
 
 def _nonempty(event: mesh_pb2.StageEvent) -> bool:
-    return bool(event.completions or event.failures or event.abort_acks)
+    return bool(event.completions or event.failures or event.abort_acks or event.chunks)

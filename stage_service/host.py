@@ -35,10 +35,17 @@ def build_scheduler(pipeline: PipelineConfig, name: str) -> Scheduler:
     cfg = pipeline.stage(name)
     factory = dotted.resolve(cfg.factory, pipeline.source_dir)
     made = factory(**pipeline.factory_args_for(name))
+    if callable(made) and not isinstance(made, Scheduler):
+        made = SimpleScheduler(made, name=name)
     if isinstance(made, Scheduler):
+        sources = pipeline.stream_sources_of(name)
+        if sources and not made.takes_streams:
+            raise TypeError(
+                f"stages[{name}]: {', '.join(sources)} stream to it, but its scheduler "
+                f"{type(made).__name__} takes no stream input; use StreamingScheduler or "
+                "ARScheduler"
+            )
         return made
-    if callable(made):
-        return SimpleScheduler(made, name=name)
     raise TypeError(
         f"stages[{name}].factory {cfg.factory!r} returned {type(made).__name__}; "
         "expected a Scheduler or a callable"
@@ -143,7 +150,7 @@ class StageHost(mesh_pb2_grpc.StageServicer):
         users: dict[str, str] = {}
         for name in self.stage_names:
             users.setdefault(self.pipeline.relay_for(name).backend, name)
-            for up in self.pipeline.upstream_of(name):
+            for up in self.pipeline.upstream_of(name) + self.pipeline.stream_sources_of(name):
                 users.setdefault(self.pipeline.relay_for(up).backend, name)
         for backend, stage in users.items():
             settings = self.pipeline.relay_for(stage).to_settings(self._shm_prefix)

@@ -13,22 +13,46 @@ import queue
 import threading
 import time
 from collections import OrderedDict, deque
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from typing import Any, Literal
 
 log = logging.getLogger(__name__)
 
+# OutgoingMessage.target for chunks meant for the client (not a valid stage name).
+CLIENT = "@client"
+
 
 @dataclass(slots=True)
 class IncomingMessage:
+    """Work for a scheduler.
+
+    `new_request`: `data` is the request's input payload (None for a stage fed only by
+    streams). `stream_chunk`: `data` is one chunk from stage `source`, numbered `chunk_id`
+    per (request, edge) from 0. `stream_done`: every stream into this stage for the
+    request has ended (sent once, after the request's last chunk).
+    """
+
     request_id: str
     type: Literal["new_request", "stream_chunk", "stream_done"]
     data: Any
+    source: str = ""
+    chunk_id: int = -1
+    # Run on the stage's loop once the scheduler has taken the message (returns the
+    # sender's stream credit); schedulers never call it themselves.
+    on_taken: Callable[[], None] | None = None
 
 
 @dataclass(slots=True)
 class OutgoingMessage:
+    """Output of a scheduler.
+
+    `result`: the request's final output at this stage. `stream`: one chunk, sent to
+    `target`: a stage in `stream_to`, `CLIENT` (terminal stages only), or None: every
+    `stream_to` target, or the client when the stage is terminal without `stream_to`.
+    `metadata["modality"]` labels chunks for clients. `error`: `data` is the exception.
+    """
+
     request_id: str
     type: Literal["result", "stream", "error"]
     data: Any
@@ -36,37 +60,140 @@ class OutgoingMessage:
     metadata: dict[str, Any] | None = None
 
 
-class Outbox:
-    """Thread-safe queue that wakes the consumer's event loop once per burst.
+class Inbox:
+    """The scheduler's input queue (the `queue.SimpleQueue` calls schedulers use).
 
-    Producers (scheduler threads) call `put`; the stage binds a waker that schedules one
-    drain on its loop. Waking once per burst, not per message, keeps cross-thread calls
-    rare when a batch produces many results at once.
+    Messages with `on_taken` are reported to the stage's loop when a scheduler takes them,
+    so stream credit goes back to the producer only as fast as this stage consumes.
     """
 
     def __init__(self) -> None:
-        self._items: deque[OutgoingMessage] = deque()
+        self._queue: queue.SimpleQueue[IncomingMessage | None] = queue.SimpleQueue()
+        self._taken: list[Callable[[], None]] = []
         self._lock = threading.Lock()
         self._wake_pending = False
         self._waker: Callable[[], None] | None = None
 
     def bind(self, waker: Callable[[], None]) -> None:
+        """`waker` is called (from any thread) once per burst of taken messages."""
         self._waker = waker
 
-    def put(self, msg: OutgoingMessage) -> None:
+    def put(self, msg: IncomingMessage | None) -> None:
+        self._queue.put(msg)
+
+    def get(self, block: bool = True, timeout: float | None = None) -> IncomingMessage | None:
+        msg = self._queue.get(block, timeout)
+        if msg is not None and msg.on_taken is not None:
+            self._note_taken(msg.on_taken)
+        return msg
+
+    def get_nowait(self) -> IncomingMessage | None:
+        return self.get(False)
+
+    def qsize(self) -> int:
+        return self._queue.qsize()
+
+    def empty(self) -> bool:
+        return self._queue.empty()
+
+    def _note_taken(self, callback: Callable[[], None]) -> None:
         with self._lock:
-            self._items.append(msg)
+            self._taken.append(callback)
+            if self._wake_pending or self._waker is None:
+                return
+            self._wake_pending = True
+        self._waker()
+
+    def drain_taken(self) -> list[Callable[[], None]]:
+        """The `on_taken` callbacks of messages taken since the last call (stage loop)."""
+        with self._lock:
+            self._wake_pending = False
+            taken, self._taken = self._taken, []
+        return taken
+
+
+class Outbox:
+    """Thread-safe queue that wakes the consumer's event loop once per burst.
+
+    Producers (scheduler threads) call `put` / `put_many`; the stage binds a waker that
+    schedules one drain on its loop. Waking once per burst, not per message, keeps
+    cross-thread calls rare when a batch produces many results at once.
+
+    Stream chunks are bounded: the stage reports with `sent` when chunks have left it, and
+    `put` of a chunk blocks while `stream_limit` chunks are still unsent, so a slow
+    consumer slows its producer instead of growing memory. `unsent(request_id)` lets a
+    batching scheduler hold back just the requests whose streams are backed up.
+    """
+
+    def __init__(self, stream_limit: int = 256) -> None:
+        self._items: deque[OutgoingMessage] = deque()
+        self._cond = threading.Condition(threading.Lock())
+        self._wake_pending = False
+        self._waker: Callable[[], None] | None = None
+        self._stream_limit = stream_limit
+        self._unsent = 0
+        self._unsent_by_request: dict[str, int] = {}
+        self._closed = False
+
+    def bind(self, waker: Callable[[], None]) -> None:
+        self._waker = waker
+
+    def set_stream_limit(self, limit: int) -> None:
+        with self._cond:
+            self._stream_limit = max(1, limit)
+            self._cond.notify_all()
+
+    def put(self, msg: OutgoingMessage) -> None:
+        self.put_many((msg,))
+
+    def put_many(self, msgs: Iterable[OutgoingMessage]) -> None:
+        """Queues `msgs` together: the stage drains them in one pass (one write per peer)."""
+        msgs = list(msgs)
+        if not msgs:
+            return
+        streams = [m.request_id for m in msgs if m.type == "stream"]
+        with self._cond:
+            if streams:
+                while self._unsent >= self._stream_limit and not self._closed:
+                    self._cond.wait()
+                self._unsent += len(streams)
+                for rid in streams:
+                    self._unsent_by_request[rid] = self._unsent_by_request.get(rid, 0) + 1
+            self._items.extend(msgs)
             if self._wake_pending or self._waker is None:
                 return
             self._wake_pending = True
         self._waker()
 
     def drain(self) -> list[OutgoingMessage]:
-        with self._lock:
+        with self._cond:
             self._wake_pending = False
             items = list(self._items)
             self._items.clear()
         return items
+
+    def sent(self, request_id: str, n: int = 1) -> None:
+        """`n` stream chunks of `request_id` left the stage (or were dropped)."""
+        with self._cond:
+            left = self._unsent_by_request.get(request_id, 0) - n
+            if left > 0:
+                self._unsent_by_request[request_id] = left
+            else:
+                self._unsent_by_request.pop(request_id, None)
+            self._unsent = max(0, self._unsent - n)
+            self._cond.notify_all()
+
+    def unsent(self, request_id: str | None = None) -> int:
+        """Stream chunks put but not yet sent on: all, or those of one request."""
+        if request_id is None:
+            return self._unsent
+        return self._unsent_by_request.get(request_id, 0)
+
+    def close(self) -> None:
+        """Unblocks producers for good (the stage is stopping)."""
+        with self._cond:
+            self._closed = True
+            self._cond.notify_all()
 
     def __len__(self) -> int:
         return len(self._items)
@@ -93,8 +220,11 @@ class AbortSet:
 class Scheduler(abc.ABC):
     """The surface the stage uses. Subclasses own their compute thread(s)."""
 
+    # Whether stream chunks may be fed to it (a stage named in some `stream_to` needs it).
+    takes_streams = True
+
     def __init__(self) -> None:
-        self.inbox: queue.SimpleQueue[IncomingMessage | None] = queue.SimpleQueue()
+        self.inbox = Inbox()
         self.outbox = Outbox()
         self.aborted = AbortSet()
 
@@ -118,6 +248,8 @@ class SimpleScheduler(Scheduler):
     With `batch_fn`, up to `max_batch_size` waiting requests are computed together; the
     thread waits at most `max_wait_ms` for a batch to fill once the first one arrived.
     """
+
+    takes_streams = False
 
     def __init__(
         self,
@@ -178,6 +310,17 @@ class SimpleScheduler(Scheduler):
             batch = self._next_batch()
             if batch is None:
                 return
+            for msg in batch:
+                if msg.type != "new_request" and msg.request_id not in self.aborted:
+                    # fn takes whole payloads; feeding it chunks would compute garbage.
+                    # Recording the request as aborted keeps its later chunks (and a
+                    # new_request in the same batch) from producing more output.
+                    self.aborted.add(msg.request_id)
+                    err = TypeError(
+                        f"stage scheduler {type(self).__name__} does not take stream input; "
+                        "use StreamingScheduler or ARScheduler"
+                    )
+                    self.outbox.put(OutgoingMessage(msg.request_id, "error", err))
             live = [m for m in batch if m.request_id not in self.aborted]
             if not live:
                 continue

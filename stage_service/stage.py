@@ -26,7 +26,14 @@ from relay.base import Relay, RelayError, RelayHandle
 from relay.inline import BACKEND as INLINE_BACKEND
 from relay.inline import oversize_error
 from relay.io import ReceivedPayload, inline_payload, receive_payload
-from stage_service.scheduler import AbortSet, IncomingMessage, OutgoingMessage, Scheduler
+from stage_service.scheduler import (
+    CLIENT,
+    AbortSet,
+    IncomingMessage,
+    OutgoingMessage,
+    Scheduler,
+)
+from stage_service.stream_out import SentToken, StreamSender
 
 log = logging.getLogger(__name__)
 
@@ -37,6 +44,10 @@ class Reporter(Protocol):
     """Upward events to the coordinator (the stage's Attach stream)."""
 
     def complete(self, request_id: str, output: common_pb2.Payload, traceparent: str) -> None: ...
+
+    def chunk(
+        self, request_id: str, chunk_id: int, modality: str, data: common_pb2.Payload
+    ) -> None: ...
 
     def fail(self, request_id: str, error: OmniError) -> None: ...
 
@@ -58,6 +69,14 @@ class _Request:
     arrived: dict[str, Any] = field(default_factory=dict)
     active: frozenset[str] | None = None
     submitted: bool = False
+    # Streams in: next chunk id per source, sources that ended, and what waits for the
+    # request's payload before it can go to the scheduler.
+    next_chunk: dict[str, int] = field(default_factory=dict)
+    done_from: set[str] = field(default_factory=set)
+    early: list[IncomingMessage] = field(default_factory=list)
+    stream_done: bool = False
+    # Streams out to the client: next chunk id.
+    client_chunks: int = 0
 
 
 class Stage:
@@ -88,8 +107,23 @@ class Stage:
         self._route_fn = dotted.resolve(self.cfg.route_fn, base) if self.cfg.route_fn else None
         self._next = tuple(self.cfg.next_stages)
         self._project = {t: dotted.resolve(p, base) for t, p in self.cfg.project_payload.items()}
+        self._stream_to = tuple(self.cfg.stream_to)
+        self._stream_done_to_fn = (
+            dotted.resolve(self.cfg.stream_done_to_fn, base) if self.cfg.stream_done_to_fn else None
+        )
+        self._stream_sources = frozenset(pipeline.stream_sources_of(name))
+        self._takes_payload = pipeline.takes_payload(name)
+        self._hold_early = self.cfg.stream.hold_early_chunks
+        # Client-bound chunks ride the Attach stream, inline: keep them under its limit.
+        self._max_client_chunk = (pipeline.endpoints.max_message_mb << 20) - (64 << 10)
+        self._streams = StreamSender(
+            name, self.cfg.stream, relay, self._inline_bytes, router.deliver, self._stream_failed
+        )
+        scheduler.outbox.set_stream_limit(self.cfg.stream.outbox_chunks)
         self._requests: dict[str, _Request] = {}
         self._aborted = AbortSet()
+        # Requests that ended here; late stream items for them are drained, not errors.
+        self._ended = AbortSet()
         self._backlog: deque[OutgoingMessage | _Send] = deque()
         self._sender: asyncio.Task[None] | None = None
 
@@ -98,6 +132,7 @@ class Stage:
     def start(self) -> None:
         loop = asyncio.get_running_loop()
         self.scheduler.outbox.bind(lambda: loop.call_soon_threadsafe(self._on_outbox))
+        self.scheduler.inbox.bind(lambda: loop.call_soon_threadsafe(self._on_taken))
         self.scheduler.start()
 
     async def stop(self) -> None:
@@ -108,6 +143,8 @@ class Stage:
             except asyncio.CancelledError:
                 pass
         self._backlog.clear()
+        await self._streams.close()
+        self.scheduler.outbox.close()
         await asyncio.to_thread(self.scheduler.stop)
         for rid in list(self._requests):
             self._release(self._requests.pop(rid))
@@ -128,6 +165,9 @@ class Stage:
         # returns credit through acks (shm learns of releases through its marks).
         relayed = item.payload.HasField("relay")
         error_ack = ack if relayed else None
+        if item.HasField("stream"):
+            await self._on_stream_item(item, ack)
+            return
         if rid in self._aborted:
             if error_ack:
                 error_ack(None)
@@ -162,8 +202,136 @@ class Stage:
             self._fail(rid, _as_error(exc, self.name))
             return
         if ready is not _PENDING and not req.submitted:
-            req.submitted = True
-            self.scheduler.inbox.put(IncomingMessage(rid, "new_request", ready))
+            self._submit(rid, req, ready)
+
+    def _submit(self, rid: str, req: _Request, data: Any) -> None:
+        """Hands the request to the scheduler, then whatever stream input waited for it."""
+        req.submitted = True
+        inbox = self.scheduler.inbox
+        inbox.put(IncomingMessage(rid, "new_request", data))
+        for msg in req.early:
+            inbox.put(msg)
+        req.early.clear()
+
+    # ---- stream input ----------------------------------------------------------
+    #
+    # Every stream item is acked: chunks once the scheduler has taken them (that returns
+    # the producer's credit), everything else at once. Relayed chunk bytes are copied out
+    # and the relay slot released on arrival, so a window the scheduler keeps never pins
+    # relay credit.
+
+    async def _on_stream_item(self, item: mesh_pb2.DeliverItem, ack: AckFn) -> None:
+        rid, source, signal = item.request_id, item.from_stage, item.stream
+        if rid in self._aborted or rid in self._ended:
+            await self._drain(item)
+            ack(None)
+            return
+        if source not in self._stream_sources:
+            err = invalid(
+                f"stream from {source or 'coordinator'!r}, which does not list "
+                f"{self.name!r} in stream_to",
+                self.name,
+            )
+            await self._drain(item)
+            ack(err)
+            self._fail(rid, err)
+            return
+        req = self._requests.get(rid)
+        if req is None:
+            req = self._requests[rid] = _Request(item.meta, item.traceparent)
+        if signal.HasField("error"):
+            # The producer already reported the failure; just stop work on it here.
+            ack(None)
+            self.abort(rid)
+            return
+        expected = req.next_chunk.get(source, 0)
+        problem = None
+        if source in req.done_from:
+            problem = f"stream item {signal.chunk_id} from {source!r} after its done"
+        elif signal.done and signal.chunk_id != expected:
+            problem = (
+                f"stream from {source!r} ended after {signal.chunk_id} chunks, "
+                f"but {expected} arrived"
+            )
+        elif not signal.done and signal.chunk_id != expected:
+            problem = (
+                f"stream chunk {signal.chunk_id} from {source!r} is out of order or "
+                f"a duplicate (expected chunk {expected})"
+            )
+        if problem is not None:
+            await self._drain(item)
+            err = invalid(problem, self.name)
+            ack(err)
+            self._fail(rid, err)
+            return
+        if signal.done:
+            ack(None)
+            req.done_from.add(source)
+            self._maybe_stream_done(rid, req)
+            return
+        relayed = item.payload.HasField("relay")
+        try:
+            received = await receive_payload(item.payload, self._relays, copy=relayed)
+        except (PayloadError, RelayError) as exc:
+            err = invalid(f"bad stream chunk from {source}: {exc}", self.name)
+            ack(err)
+            self._fail(rid, err)
+            return
+        if rid in self._aborted:  # aborted while the relay read was in flight
+            received.release()
+            ack(None)
+            return
+        req.next_chunk[source] = expected + 1
+        msg = IncomingMessage(
+            rid, "stream_chunk", received.value, source, signal.chunk_id, lambda: ack(None)
+        )
+        if req.submitted:
+            self.scheduler.inbox.put(msg)
+        elif not self._takes_payload:
+            self._submit(rid, req, None)  # a stage fed only by streams starts on its first
+            self.scheduler.inbox.put(msg)
+        elif self._hold_early:
+            req.early.append(msg)
+        else:
+            ack(None)
+            self._fail(
+                rid,
+                invalid(
+                    f"stream chunk from {source!r} arrived before the request's payload; "
+                    f"set stream.hold_early_chunks on stage {self.name!r} to hold such chunks",
+                    self.name,
+                ),
+            )
+
+    def _maybe_stream_done(self, rid: str, req: _Request) -> None:
+        sources = self._stream_sources
+        if req.meta.terminal_stages:
+            sources = sources & self._router.possible_stages(tuple(req.meta.terminal_stages))
+        if req.stream_done or not sources <= req.done_from:
+            return
+        req.stream_done = True
+        msg = IncomingMessage(rid, "stream_done", None)
+        if req.submitted:
+            self.scheduler.inbox.put(msg)
+        elif not self._takes_payload:
+            self._submit(rid, req, None)
+            self.scheduler.inbox.put(msg)
+        else:
+            req.early.append(msg)  # an end signal holds nothing: keep it for the payload
+
+    async def _drain(self, item: mesh_pb2.DeliverItem) -> None:
+        """Releases the relay slot of a stream item that will not be used."""
+        if not item.payload.HasField("relay"):
+            return
+        try:
+            received = await receive_payload(item.payload, self._relays)
+        except (PayloadError, RelayError):
+            return
+        received.release()
+
+    def _on_taken(self) -> None:
+        for on_taken in self.scheduler.inbox.drain_taken():
+            on_taken()
 
     def _fan_in(self, rid: str, req: _Request, source: str, value: Any) -> Any:
         if not self._wait_for:
@@ -219,6 +387,10 @@ class Stage:
 
     def _on_outbox(self) -> None:
         for msg in self.scheduler.outbox.drain():
+            if msg.type == "stream":
+                # Stream edges keep their own order and credit; results never wait on them.
+                self._send_stream(msg)
+                continue
             if self._backlog:
                 self._backlog.append(msg)
                 continue
@@ -245,6 +417,7 @@ class Stage:
             self._fail(rid, _as_error(msg.data, self.name))
             return None
         try:
+            self._end_streams(rid, req, msg.data)
             if self.cfg.terminal:
                 self._reporter.complete(rid, encode_inline(msg.data), req.traceparent)
                 self._finish(rid)
@@ -265,6 +438,87 @@ class Stage:
             return None
         self._finish(rid)
         return None
+
+    # ---- stream output -----------------------------------------------------------
+
+    def _send_stream(self, msg: OutgoingMessage) -> None:
+        rid = msg.request_id
+        outbox = self.scheduler.outbox
+        req = self._requests.get(rid)
+        if req is None or rid in self._aborted:
+            outbox.sent(rid)
+            return
+        try:
+            to_client = msg.target == CLIENT or (
+                msg.target is None and not self._stream_to and self.cfg.terminal
+            )
+            if to_client and not self.cfg.terminal:
+                raise internal("only terminal stages stream to the client", self.name)
+            if msg.target is None and not self._stream_to and not to_client:
+                raise internal(
+                    "the scheduler emitted a stream chunk, but the stage has no stream_to "
+                    "and is not terminal",
+                    self.name,
+                )
+            targets = [] if to_client else self._stream_targets(msg.target, req.meta)
+            modality = str((msg.metadata or {}).get("modality", ""))
+            packed = pack(msg.data)
+            if to_client:
+                self._client_chunk(rid, req, packed, modality)
+        except Exception as exc:
+            outbox.sent(rid)
+            self._fail(rid, _as_error(exc, self.name))
+            return
+        if not targets:
+            outbox.sent(rid)
+            return
+        token = SentToken(rid, len(targets), outbox.sent)
+        for target in targets:
+            self._streams.chunk(rid, target, packed, modality, req.meta, req.traceparent, token)
+
+    def _stream_targets(self, target: str | None, meta: mesh_pb2.RequestMeta) -> list[str]:
+        if target is not None and target not in self._stream_to:
+            raise internal(
+                f"the scheduler streamed to {target!r}, which is not in stream_to "
+                f"{list(self._stream_to)}",
+                self.name,
+            )
+        targets = list(self._stream_to) if target is None else [target]
+        if meta.terminal_stages:
+            possible = self._router.possible_stages(tuple(meta.terminal_stages))
+            targets = [t for t in targets if t in possible]
+        return targets
+
+    def _client_chunk(self, rid: str, req: _Request, packed: Packed, modality: str) -> None:
+        if packed.nbytes > self._max_client_chunk:
+            raise OmniError(
+                Code.RESOURCE_EXHAUSTED,
+                f"stream chunk of {packed.nbytes} bytes exceeds the client message limit "
+                f"({self._max_client_chunk} bytes; endpoints.max_message_mb)",
+                self.name,
+            )
+        self._reporter.chunk(rid, req.client_chunks, modality, inline_payload(packed))
+        req.client_chunks += 1
+
+    def _end_streams(self, rid: str, req: _Request, output: Any) -> None:
+        """Sends done on this request's stream edges, after the chunks already queued."""
+        if not self._stream_to:
+            return
+        if self._stream_done_to_fn is not None:
+            chosen = self._check_subset(
+                self._stream_done_to_fn(rid, output),
+                self._stream_to,
+                "stream_done_to_fn",
+                "stream_to",
+            )
+            targets = [t for t in self._stream_to if t in chosen]
+        else:
+            targets = self._stream_targets(None, req.meta)
+        for target in targets:
+            self._streams.done(rid, target, req.meta, req.traceparent)
+
+    def _stream_failed(self, rid: str, exc: BaseException) -> None:
+        self._fail(rid, _as_error(exc, self.name))
 
     async def _send_relayed(self, send: _Send) -> None:
         rid, req = send.request_id, send.request
@@ -342,17 +596,34 @@ class Stage:
     def _finish(self, rid: str) -> None:
         req = self._requests.pop(rid, None)
         if req is not None:
+            self._ended.add(rid)
             self._release(req)
 
     def _fail(self, rid: str, error: OmniError) -> None:
+        if rid in self._aborted:
+            return  # already failed or aborted here: report once
         self._reporter.fail(rid, error)
+        req = self._requests.get(rid)
+        if req is not None:
+            # Consumers stop at once instead of waiting for the coordinator's abort.
+            self._streams.error(rid, error, req.meta, req.traceparent)
         # The coordinator broadcasts an abort next; stop work on it here already.
         self.abort(rid)
 
     def abort(self, rid: str) -> None:
         self._aborted.add(rid)
         self.scheduler.abort(rid)
+        self._streams.forget(rid)
+        self._drop_backlog(rid)
         self._finish(rid)
+
+    def _drop_backlog(self, rid: str) -> None:
+        if not any(_request_of(m) == rid for m in self._backlog):
+            return
+        # The head may be mid-send in the drain task; it notices the abort itself.
+        head = self._backlog[0] if self._sender is not None and not self._sender.done() else None
+        kept = deque(m for m in self._backlog if m is head or _request_of(m) != rid)
+        self._backlog = kept
 
     @staticmethod
     def _release(req: _Request) -> None:
@@ -370,6 +641,10 @@ class _Send:
     request_id: str
     request: _Request
     parts: list[tuple[str, Packed]]
+
+
+def _request_of(entry: OutgoingMessage | _Send) -> str:
+    return entry.request_id
 
 
 class _Pending:

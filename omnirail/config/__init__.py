@@ -17,6 +17,7 @@ from omnirail.config.models import (
     PipelineConfig,
     RelayConfig,
     StageConfig,
+    StreamConfig,
 )
 from omnirail.config.validation import validate
 
@@ -27,6 +28,7 @@ __all__ = [
     "PipelineConfig",
     "RelayConfig",
     "StageConfig",
+    "StreamConfig",
     "format_topology",
     "load_pipeline",
     "validate",

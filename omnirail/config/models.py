@@ -98,6 +98,20 @@ class EndpointsConfig(_Model):
     max_message_mb: int = Field(64, gt=0)
 
 
+class StreamConfig(_Model):
+    """Flow control of the stream edges out of a stage, and how it takes early chunks."""
+
+    # Chunks in flight per edge (sent, not yet taken by the receiving scheduler).
+    credits: int = Field(64, gt=0)
+    credit_mb: int = Field(64, gt=0)
+    # In-flight chunks one request may hold on an edge, so one stream cannot starve others.
+    request_credits: int = Field(16, gt=0)
+    # Chunks the stage's scheduler may have emitted but not yet sent before it blocks.
+    outbox_chunks: int = Field(256, gt=0)
+    # Hold chunks that arrive before the request's payload (instead of failing the request).
+    hold_early_chunks: bool = False
+
+
 class StageConfig(_Model):
     name: str
     factory: str
@@ -110,6 +124,7 @@ class StageConfig(_Model):
     merge_fn: str | None = None
     stream_to: list[str] = []
     stream_done_to_fn: str | None = None
+    stream: StreamConfig = StreamConfig()
     project_payload: dict[str, str] = {}
     # None: the stage runs in its own process named after the stage.
     process: str | None = None
@@ -263,6 +278,14 @@ class PipelineConfig(_Model):
     def upstream_of(self, name: str) -> list[str]:
         """Stages whose `next` names `name`, in declaration order."""
         return [s.name for s in self.stages if name in s.next_stages]
+
+    def stream_sources_of(self, name: str) -> list[str]:
+        """Stages whose `stream_to` names `name`, in declaration order."""
+        return [s.name for s in self.stages if name in s.stream_to]
+
+    def takes_payload(self, name: str) -> bool:
+        """Whether `name` gets a request payload (entry, or some stage's `next`)."""
+        return name == self.resolved_entry_stage or bool(self.upstream_of(name))
 
     def relay_for(self, stage_name: str) -> RelayConfig:
         """The pipeline relay with the fields the stage's override sets explicitly."""

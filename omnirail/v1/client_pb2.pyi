@@ -8,16 +8,18 @@ from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 DESCRIPTOR: _descriptor.FileDescriptor
 
 class GenerateRequest(_message.Message):
-    __slots__ = ("request_id", "inputs", "timeout_s", "traceparent")
+    __slots__ = ("request_id", "inputs", "timeout_s", "traceparent", "stream")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     INPUTS_FIELD_NUMBER: _ClassVar[int]
     TIMEOUT_S_FIELD_NUMBER: _ClassVar[int]
     TRACEPARENT_FIELD_NUMBER: _ClassVar[int]
+    STREAM_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     inputs: _common_pb2.Payload
     timeout_s: float
     traceparent: str
-    def __init__(self, request_id: _Optional[str] = ..., inputs: _Optional[_Union[_common_pb2.Payload, _Mapping]] = ..., timeout_s: _Optional[float] = ..., traceparent: _Optional[str] = ...) -> None: ...
+    stream: bool
+    def __init__(self, request_id: _Optional[str] = ..., inputs: _Optional[_Union[_common_pb2.Payload, _Mapping]] = ..., timeout_s: _Optional[float] = ..., traceparent: _Optional[str] = ..., stream: _Optional[bool] = ...) -> None: ...
 
 class SubmitResponse(_message.Message):
     __slots__ = ("request_id",)
@@ -46,11 +48,25 @@ class Result(_message.Message):
     outputs: _containers.MessageMap[str, _common_pb2.Payload]
     def __init__(self, request_id: _Optional[str] = ..., outputs: _Optional[_Mapping[str, _common_pb2.Payload]] = ...) -> None: ...
 
+class Chunk(_message.Message):
+    __slots__ = ("stage", "chunk_id", "modality", "data")
+    STAGE_FIELD_NUMBER: _ClassVar[int]
+    CHUNK_ID_FIELD_NUMBER: _ClassVar[int]
+    MODALITY_FIELD_NUMBER: _ClassVar[int]
+    DATA_FIELD_NUMBER: _ClassVar[int]
+    stage: str
+    chunk_id: int
+    modality: str
+    data: _common_pb2.Payload
+    def __init__(self, stage: _Optional[str] = ..., chunk_id: _Optional[int] = ..., modality: _Optional[str] = ..., data: _Optional[_Union[_common_pb2.Payload, _Mapping]] = ...) -> None: ...
+
 class GenerateEvent(_message.Message):
-    __slots__ = ("result",)
+    __slots__ = ("chunk", "result")
+    CHUNK_FIELD_NUMBER: _ClassVar[int]
     RESULT_FIELD_NUMBER: _ClassVar[int]
+    chunk: Chunk
     result: Result
-    def __init__(self, result: _Optional[_Union[Result, _Mapping]] = ...) -> None: ...
+    def __init__(self, chunk: _Optional[_Union[Chunk, _Mapping]] = ..., result: _Optional[_Union[Result, _Mapping]] = ...) -> None: ...
 
 class SessionRequest(_message.Message):
     __slots__ = ("generate", "abort")
@@ -61,14 +77,16 @@ class SessionRequest(_message.Message):
     def __init__(self, generate: _Optional[_Iterable[_Union[GenerateRequest, _Mapping]]] = ..., abort: _Optional[_Iterable[_Union[AbortRequest, _Mapping]]] = ...) -> None: ...
 
 class SessionEvent(_message.Message):
-    __slots__ = ("request_id", "result", "error")
+    __slots__ = ("request_id", "result", "error", "chunk")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     RESULT_FIELD_NUMBER: _ClassVar[int]
     ERROR_FIELD_NUMBER: _ClassVar[int]
+    CHUNK_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     result: Result
     error: _common_pb2.Error
-    def __init__(self, request_id: _Optional[str] = ..., result: _Optional[_Union[Result, _Mapping]] = ..., error: _Optional[_Union[_common_pb2.Error, _Mapping]] = ...) -> None: ...
+    chunk: Chunk
+    def __init__(self, request_id: _Optional[str] = ..., result: _Optional[_Union[Result, _Mapping]] = ..., error: _Optional[_Union[_common_pb2.Error, _Mapping]] = ..., chunk: _Optional[_Union[Chunk, _Mapping]] = ...) -> None: ...
 
 class SessionEvents(_message.Message):
     __slots__ = ("events",)

@@ -53,19 +53,33 @@ class AbortAck(_message.Message):
     request_id: str
     def __init__(self, request_id: _Optional[str] = ...) -> None: ...
 
+class ClientChunk(_message.Message):
+    __slots__ = ("request_id", "chunk_id", "modality", "data")
+    REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
+    CHUNK_ID_FIELD_NUMBER: _ClassVar[int]
+    MODALITY_FIELD_NUMBER: _ClassVar[int]
+    DATA_FIELD_NUMBER: _ClassVar[int]
+    request_id: str
+    chunk_id: int
+    modality: str
+    data: _common_pb2.Payload
+    def __init__(self, request_id: _Optional[str] = ..., chunk_id: _Optional[int] = ..., modality: _Optional[str] = ..., data: _Optional[_Union[_common_pb2.Payload, _Mapping]] = ...) -> None: ...
+
 class StageEvent(_message.Message):
-    __slots__ = ("register", "completions", "failures", "abort_acks", "load")
+    __slots__ = ("register", "completions", "failures", "abort_acks", "load", "chunks")
     REGISTER_FIELD_NUMBER: _ClassVar[int]
     COMPLETIONS_FIELD_NUMBER: _ClassVar[int]
     FAILURES_FIELD_NUMBER: _ClassVar[int]
     ABORT_ACKS_FIELD_NUMBER: _ClassVar[int]
     LOAD_FIELD_NUMBER: _ClassVar[int]
+    CHUNKS_FIELD_NUMBER: _ClassVar[int]
     register: Register
     completions: _containers.RepeatedCompositeFieldContainer[Completion]
     failures: _containers.RepeatedCompositeFieldContainer[Failure]
     abort_acks: _containers.RepeatedCompositeFieldContainer[AbortAck]
     load: Load
-    def __init__(self, register: _Optional[_Union[Register, _Mapping]] = ..., completions: _Optional[_Iterable[_Union[Completion, _Mapping]]] = ..., failures: _Optional[_Iterable[_Union[Failure, _Mapping]]] = ..., abort_acks: _Optional[_Iterable[_Union[AbortAck, _Mapping]]] = ..., load: _Optional[_Union[Load, _Mapping]] = ...) -> None: ...
+    chunks: _containers.RepeatedCompositeFieldContainer[ClientChunk]
+    def __init__(self, register: _Optional[_Union[Register, _Mapping]] = ..., completions: _Optional[_Iterable[_Union[Completion, _Mapping]]] = ..., failures: _Optional[_Iterable[_Union[Failure, _Mapping]]] = ..., abort_acks: _Optional[_Iterable[_Union[AbortAck, _Mapping]]] = ..., load: _Optional[_Union[Load, _Mapping]] = ..., chunks: _Optional[_Iterable[_Union[ClientChunk, _Mapping]]] = ...) -> None: ...
 
 class Abort(_message.Message):
     __slots__ = ("request_id", "reason")
@@ -126,8 +140,20 @@ class RequestMeta(_message.Message):
     deadline: float
     def __init__(self, terminal_stages: _Optional[_Iterable[str]] = ..., deadline: _Optional[float] = ...) -> None: ...
 
+class StreamSignal(_message.Message):
+    __slots__ = ("chunk_id", "done", "error", "modality")
+    CHUNK_ID_FIELD_NUMBER: _ClassVar[int]
+    DONE_FIELD_NUMBER: _ClassVar[int]
+    ERROR_FIELD_NUMBER: _ClassVar[int]
+    MODALITY_FIELD_NUMBER: _ClassVar[int]
+    chunk_id: int
+    done: bool
+    error: _common_pb2.Error
+    modality: str
+    def __init__(self, chunk_id: _Optional[int] = ..., done: _Optional[bool] = ..., error: _Optional[_Union[_common_pb2.Error, _Mapping]] = ..., modality: _Optional[str] = ...) -> None: ...
+
 class DeliverItem(_message.Message):
-    __slots__ = ("seq", "request_id", "from_stage", "to_stage", "payload", "traceparent", "meta")
+    __slots__ = ("seq", "request_id", "from_stage", "to_stage", "payload", "traceparent", "meta", "stream")
     SEQ_FIELD_NUMBER: _ClassVar[int]
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     FROM_STAGE_FIELD_NUMBER: _ClassVar[int]
@@ -135,6 +161,7 @@ class DeliverItem(_message.Message):
     PAYLOAD_FIELD_NUMBER: _ClassVar[int]
     TRACEPARENT_FIELD_NUMBER: _ClassVar[int]
     META_FIELD_NUMBER: _ClassVar[int]
+    STREAM_FIELD_NUMBER: _ClassVar[int]
     seq: int
     request_id: str
     from_stage: str
@@ -142,7 +169,8 @@ class DeliverItem(_message.Message):
     payload: _common_pb2.Payload
     traceparent: str
     meta: RequestMeta
-    def __init__(self, seq: _Optional[int] = ..., request_id: _Optional[str] = ..., from_stage: _Optional[str] = ..., to_stage: _Optional[str] = ..., payload: _Optional[_Union[_common_pb2.Payload, _Mapping]] = ..., traceparent: _Optional[str] = ..., meta: _Optional[_Union[RequestMeta, _Mapping]] = ...) -> None: ...
+    stream: StreamSignal
+    def __init__(self, seq: _Optional[int] = ..., request_id: _Optional[str] = ..., from_stage: _Optional[str] = ..., to_stage: _Optional[str] = ..., payload: _Optional[_Union[_common_pb2.Payload, _Mapping]] = ..., traceparent: _Optional[str] = ..., meta: _Optional[_Union[RequestMeta, _Mapping]] = ..., stream: _Optional[_Union[StreamSignal, _Mapping]] = ...) -> None: ...
 
 class DeliverBatch(_message.Message):
     __slots__ = ("sender", "items")

@@ -362,3 +362,22 @@ def test_stop_after_batch_joins_thread() -> None:
 
 def test_stop_without_start_is_noop() -> None:
     SimpleScheduler(lambda x: x).stop()
+
+
+@pytest.mark.parametrize("kind", ["stream_chunk", "stream_done"])
+def test_stream_input_fails_the_request(stop_later, kind: str) -> None:
+    seen: list[Any] = []
+    sched = stop_later(SimpleScheduler(lambda x: seen.append(x) or x))
+    out = Collector(sched.outbox)
+    sched.inbox.put(IncomingMessage("s", kind, "chunk", source="up", chunk_id=0))
+    sched.inbox.put(IncomingMessage("s", kind, "chunk", source="up", chunk_id=1))
+    sched.inbox.put(new("after", 1))
+    sched.start()
+    items = out.result_for("after")
+    assert [(m.request_id, m.type) for m in items] == [("s", "error"), ("after", "result")]
+    assert isinstance(items[0].data, TypeError)
+    assert str(items[0].data) == (
+        "stage scheduler SimpleScheduler does not take stream input; "
+        "use StreamingScheduler or ARScheduler"
+    )
+    assert seen == [1], "fn must never see a stream chunk"

@@ -1,0 +1,348 @@
+"""Sender side of stream edges: chunk ids, per-edge credit, fair queueing, end signals.
+
+A chunk holds credit on its edge (this stage -> one target stage) from the moment it is
+sent until the receiving scheduler takes it; the receiver acks then. Credit is counted in
+chunks and bytes per edge, and one request may hold at most `request_credits` of an edge.
+Chunks that find no credit wait in per-request queues served round-robin, so one long or
+stalled stream cannot starve the other requests on the edge. Order per (request, edge)
+holds: a request's chunks, then its done signal, leave in sequence.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections import OrderedDict, deque
+from collections.abc import Callable
+from dataclasses import dataclass
+from enum import Enum
+
+from omnirail.config import StreamConfig
+from omnirail.errors import OmniError
+from omnirail.payload import Packed
+from omnirail.v1 import common_pb2, mesh_pb2
+from relay.base import Relay, RelayHandle
+from relay.inline import BACKEND as INLINE_BACKEND
+from relay.inline import oversize_error
+from relay.io import inline_payload
+
+log = logging.getLogger(__name__)
+
+# Delivers one item to a replica of `item.to_stage`; the handle is released on its ack.
+DeliverFn = Callable[[mesh_pb2.DeliverItem, "ChunkCredit | None"], None]
+
+
+class SentToken:
+    """One scheduler stream message, fanned out to several edges: `on_sent` fires once all
+    of its copies have left (or were dropped), which unblocks the scheduler's outbox."""
+
+    __slots__ = ("_left", "_on_sent", "request_id")
+
+    def __init__(self, request_id: str, copies: int, on_sent: Callable[[str], None]) -> None:
+        self.request_id = request_id
+        self._left = copies
+        self._on_sent = on_sent
+
+    def one_done(self) -> None:
+        self._left -= 1
+        if self._left == 0:
+            self._on_sent(self.request_id)
+
+
+@dataclass(slots=True)
+class _Out:
+    """A chunk (packed) or a done signal (packed is None) waiting for its turn."""
+
+    request_id: str
+    packed: Packed | None
+    signal: mesh_pb2.StreamSignal
+    meta: mesh_pb2.RequestMeta
+    traceparent: str
+    token: SentToken | None
+
+
+class _Result(Enum):
+    SENT = 0
+    WAIT = 1  # no credit yet
+    ASYNC = 2  # credit taken; a relay put is in progress
+
+
+class ChunkCredit:
+    """Rides with a sent chunk; the receiver's ack (or a broken stream) releases it."""
+
+    __slots__ = ("_edge", "_handle", "_released", "nbytes", "request_id")
+    acked_in_band = True
+
+    def __init__(self, edge: _Edge, request_id: str, nbytes: int) -> None:
+        self._edge = edge
+        self.request_id = request_id
+        self.nbytes = nbytes
+        self._handle: RelayHandle | None = None
+        self._released = False
+
+    def attach(self, handle: RelayHandle) -> None:
+        self._handle = handle
+
+    def release(self) -> None:
+        if self._released:
+            return
+        self._released = True
+        handle, self._handle = self._handle, None
+        # Backends that learn of releases out of band (shm marks) need nothing here.
+        if handle is not None and handle.acked_in_band:
+            handle.release()
+        self._edge.give_back(self)
+
+
+class _Edge:
+    def __init__(self, target: str, cfg: StreamConfig, pump: Callable[[_Edge], None]) -> None:
+        self.target = target
+        self.slots = 0
+        self.nbytes = 0
+        self.by_request: dict[str, int] = {}
+        self.waiting: OrderedDict[str, deque[_Out]] = OrderedDict()
+        self.busy: set[str] = set()  # requests with a relay put in progress
+        self._max_slots = cfg.credits
+        self._max_bytes = cfg.credit_mb << 20
+        self._max_per_request = cfg.request_credits
+        self._pump = pump
+
+    def take(self, request_id: str, nbytes: int) -> ChunkCredit | None:
+        held = self.by_request.get(request_id, 0)
+        if self.slots >= self._max_slots or held >= self._max_per_request:
+            return None
+        # A chunk larger than the byte budget still goes alone on an idle edge.
+        if self.slots and self.nbytes + nbytes > self._max_bytes:
+            return None
+        self.slots += 1
+        self.nbytes += nbytes
+        self.by_request[request_id] = held + 1
+        return ChunkCredit(self, request_id, nbytes)
+
+    def give_back(self, credit: ChunkCredit) -> None:
+        self.slots -= 1
+        self.nbytes -= credit.nbytes
+        held = self.by_request.get(credit.request_id, 0) - 1
+        if held > 0:
+            self.by_request[credit.request_id] = held
+        else:
+            self.by_request.pop(credit.request_id, None)
+        if self.waiting:
+            self._pump(self)
+
+
+class StreamSender:
+    """The stream edges out of one stage."""
+
+    def __init__(
+        self,
+        stage: str,
+        cfg: StreamConfig,
+        relay: Relay,
+        inline_bytes: int,
+        deliver: DeliverFn,
+        on_failed: Callable[[str, BaseException], None],
+    ) -> None:
+        self._stage = stage
+        self._cfg = cfg
+        self._relay = relay
+        self._inline_bytes = inline_bytes
+        self._deliver_fn = deliver
+        self._on_failed = on_failed
+        self._edges: dict[str, _Edge] = {}
+        # (request, target) -> next chunk id; present while the stream is open.
+        self._next_id: dict[tuple[str, str], int] = {}
+        self._forgotten: set[str] = set()
+        self._tasks: set[asyncio.Task[None]] = set()
+
+    # ---- what the stage calls ----------------------------------------------------
+
+    def chunk(
+        self,
+        request_id: str,
+        target: str,
+        packed: Packed,
+        modality: str,
+        meta: mesh_pb2.RequestMeta,
+        traceparent: str,
+        token: SentToken | None,
+    ) -> None:
+        key = (request_id, target)
+        chunk_id = self._next_id.get(key, 0)
+        self._next_id[key] = chunk_id + 1
+        signal = mesh_pb2.StreamSignal(chunk_id=chunk_id, modality=modality)
+        self._submit(self._edge(target), _Out(request_id, packed, signal, meta, traceparent, token))
+
+    def done(
+        self, request_id: str, target: str, meta: mesh_pb2.RequestMeta, traceparent: str
+    ) -> None:
+        """Ends the (request, target) stream after the chunks queued so far."""
+        count = self._next_id.pop((request_id, target), 0)
+        signal = mesh_pb2.StreamSignal(chunk_id=count, done=True)
+        self._submit(self._edge(target), _Out(request_id, None, signal, meta, traceparent, None))
+
+    def error(
+        self, request_id: str, error: OmniError, meta: mesh_pb2.RequestMeta, traceparent: str
+    ) -> None:
+        """Tells every target this request streamed to that the stream failed, at once."""
+        targets = [t for (rid, t) in self._next_id if rid == request_id]
+        self.forget(request_id)
+        for target in targets:
+            signal = mesh_pb2.StreamSignal(error=error.to_proto())
+            self._send(_Out(request_id, None, signal, meta, traceparent, None), target, None)
+
+    def forget(self, request_id: str) -> None:
+        """Drops what of `request_id` still waits (abort). Sent chunks come back by ack."""
+        self._forgotten.add(request_id)
+        if len(self._forgotten) > 65536:
+            self._forgotten.clear()  # only guards puts in flight; old ids are long done
+            self._forgotten.add(request_id)
+        for edge in self._edges.values():
+            queue = edge.waiting.pop(request_id, None)
+            for out in queue or ():
+                if out.token is not None:
+                    out.token.one_done()
+        for key in [k for k in self._next_id if k[0] == request_id]:
+            del self._next_id[key]
+
+    def streamed_to(self, request_id: str) -> list[str]:
+        return [t for (rid, t) in self._next_id if rid == request_id]
+
+    async def close(self) -> None:
+        for task in list(self._tasks):
+            task.cancel()
+        await asyncio.gather(*self._tasks, return_exceptions=True)
+        for edge in self._edges.values():
+            for queue in edge.waiting.values():
+                for out in queue:
+                    if out.token is not None:
+                        out.token.one_done()
+            edge.waiting.clear()
+
+    def outstanding(self, target: str) -> tuple[int, int]:
+        """(chunks, bytes) in flight on the edge to `target`."""
+        edge = self._edges.get(target)
+        return (0, 0) if edge is None else (edge.slots, edge.nbytes)
+
+    def waiting(self, target: str) -> int:
+        edge = self._edges.get(target)
+        return 0 if edge is None else sum(len(q) for q in edge.waiting.values())
+
+    # ---- queueing ----------------------------------------------------------------
+
+    def _edge(self, target: str) -> _Edge:
+        edge = self._edges.get(target)
+        if edge is None:
+            edge = self._edges[target] = _Edge(target, self._cfg, self._pump)
+        return edge
+
+    def _submit(self, edge: _Edge, out: _Out) -> None:
+        rid = out.request_id
+        queue = edge.waiting.get(rid)
+        if queue is None and rid not in edge.busy:
+            if self._try_send(edge, out) is not _Result.WAIT:
+                return
+        if queue is None:
+            queue = edge.waiting[rid] = deque()
+        queue.append(out)
+
+    def _pump(self, edge: _Edge) -> None:
+        """Sends waiting heads round-robin, one per request per pass, while credit lasts."""
+        progressed = True
+        while progressed and edge.waiting:
+            progressed = False
+            for rid in list(edge.waiting):
+                queue = edge.waiting.get(rid)
+                if queue is None or rid in edge.busy:
+                    continue
+                if self._try_send(edge, queue[0]) is _Result.WAIT:
+                    continue
+                queue.popleft()
+                progressed = True
+                if queue:
+                    edge.waiting.move_to_end(rid)
+                else:
+                    del edge.waiting[rid]
+
+    def _try_send(self, edge: _Edge, out: _Out) -> _Result:
+        packed = out.packed
+        if packed is None:  # signals take no credit
+            self._send(out, edge.target, None)
+            return _Result.SENT
+        credit = edge.take(out.request_id, packed.nbytes)
+        if credit is None:
+            return _Result.WAIT
+        try:
+            if packed.nbytes <= self._inline_bytes or packed.num_tensors == 0:
+                self._send(out, edge.target, credit, inline_payload(packed))
+                return _Result.SENT
+            if self._relay.name == INLINE_BACKEND:
+                raise oversize_error(packed.nbytes, self._inline_bytes)
+            handle = self._relay.put_nowait(packed, out.request_id, self._edge_name(edge))
+        except Exception as exc:
+            credit.release()
+            self._drop(out, exc)
+            return _Result.SENT
+        if handle is None:
+            edge.busy.add(out.request_id)
+            task = asyncio.get_running_loop().create_task(self._put_later(edge, out, credit))
+            self._tasks.add(task)
+            task.add_done_callback(self._tasks.discard)
+            return _Result.ASYNC
+        credit.attach(handle)
+        self._send(out, edge.target, credit, _relayed(packed, handle))
+        return _Result.SENT
+
+    async def _put_later(self, edge: _Edge, out: _Out, credit: ChunkCredit) -> None:
+        rid = out.request_id
+        assert out.packed is not None
+        try:
+            handle = await self._relay.put(out.packed, rid, self._edge_name(edge))
+        except Exception as exc:
+            edge.busy.discard(rid)
+            credit.release()
+            self._drop(out, exc)
+            return
+        edge.busy.discard(rid)
+        if rid in self._forgotten:
+            handle.release()
+            credit.release()
+            if out.token is not None:
+                out.token.one_done()
+            return
+        credit.attach(handle)
+        self._send(out, edge.target, credit, _relayed(out.packed, handle))
+        self._pump(edge)
+
+    def _drop(self, out: _Out, exc: BaseException) -> None:
+        if out.token is not None:
+            out.token.one_done()
+        self._on_failed(out.request_id, exc)
+
+    def _send(
+        self,
+        out: _Out,
+        target: str,
+        credit: ChunkCredit | None,
+        payload: common_pb2.Payload | None = None,
+    ) -> None:
+        item = mesh_pb2.DeliverItem(
+            request_id=out.request_id,
+            from_stage=self._stage,
+            to_stage=target,
+            traceparent=out.traceparent,
+            meta=out.meta,
+            stream=out.signal,
+        )
+        if payload is not None:
+            item.payload.CopyFrom(payload)
+        self._deliver_fn(item, credit)
+        if out.token is not None:
+            out.token.one_done()
+
+    def _edge_name(self, edge: _Edge) -> str:
+        return f"{self._stage}->{edge.target}"
+
+
+def _relayed(packed: Packed, handle: RelayHandle) -> common_pb2.Payload:
+    return common_pb2.Payload(header=packed.header, relay=handle.descriptor)
