@@ -10,12 +10,13 @@ import signal
 import subprocess
 import sys
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
+from typing import Any
 
 from omnirail import aio
 from omnirail.config import ConfigError, format_topology, load_pipeline
-from omnirail.errors import OmniError
+from omnirail.errors import Code, OmniError
 
 EXIT_USAGE = 2
 
@@ -190,7 +191,10 @@ def cmd_run(args: argparse.Namespace) -> int:
         assert mesh.address is not None
         with Client(mesh.address) as client:
             started = time.perf_counter()
-            result = client.generate(inputs, timeout=args.timeout)
+            if args.stream:
+                result = _print_stream(client.stream(inputs, timeout=args.timeout), started)
+            else:
+                result = client.generate(inputs, timeout=args.timeout)
             elapsed = time.perf_counter() - started
         _progress(args.quiet)(f"request {result.request_id} took {elapsed * 1000:.1f} ms")
         print(dumps(result.outputs))
@@ -203,11 +207,36 @@ def cmd_generate(args: argparse.Namespace) -> int:
 
     inputs = _read_inputs(args)
     with Client(args.address) as client:
-        result = client.generate(
-            inputs, request_id=args.request_id, timeout=args.timeout, traceparent=args.traceparent
-        )
+        options = {
+            "request_id": args.request_id,
+            "timeout": args.timeout,
+            "traceparent": args.traceparent,
+        }
+        if args.stream:
+            result = _print_stream(client.stream(inputs, **options), time.perf_counter())
+        else:
+            result = client.generate(inputs, **options)
     print(dumps(result.outputs))
     return 0
+
+
+def _print_stream(events: Iterator[Any], started: float) -> Any:
+    """Prints each chunk as one JSON line as it arrives; returns the final result."""
+    from omnirail.client import Chunk
+    from omnirail.jsonio import to_jsonable
+
+    for event in events:
+        if not isinstance(event, Chunk):
+            return event
+        line = {
+            "t_ms": round((time.perf_counter() - started) * 1000, 1),
+            "stage": event.stage,
+            "chunk_id": event.chunk_id,
+            "modality": event.modality,
+            "data": to_jsonable(event.data),
+        }
+        print(json.dumps(line), flush=True)
+    raise OmniError(Code.INTERNAL, "the stream ended without a result")
 
 
 def cmd_coordinator(args: argparse.Namespace) -> int:
@@ -247,6 +276,15 @@ def cmd_bench(args: argparse.Namespace) -> int:
 
         sizes = [int(s) for s in args.sizes.split(",")] if args.sizes else None
         report = run_relay_bench(args.backend, sizes=sizes)
+    elif args.what == "streaming":
+        from omnirail.bench.streaming_bench import run_streaming_bench
+
+        report = run_streaming_bench(
+            chunks=args.chunks,
+            interval_ms=args.interval_ms,
+            runs=args.runs,
+            progress=_progress(args.json),
+        )
     else:
         from omnirail.bench.pipeline_bench import run_pipeline_bench
 
@@ -256,6 +294,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
             requests=args.requests,
             concurrency=args.concurrency,
             throughput_requests=args.throughput_requests,
+            stage_ms=args.stage_ms,
             progress=_progress(args.json),
         )
     print(json.dumps(report, indent=None if args.json else 2))
@@ -298,6 +337,9 @@ def build_parser() -> argparse.ArgumentParser:
         sp.add_argument("--input", default=None, help="JSON object of inputs")
         sp.add_argument("--input-file", default=None, help="file holding the JSON object")
         sp.add_argument("--timeout", type=float, default=None, help="seconds")
+        sp.add_argument(
+            "--stream", action="store_true", help="print stream chunks as JSON lines as they come"
+        )
 
     r = sub.add_parser("run", help="start the mesh, run one request, print the result, stop")
     mesh_flags(r)
@@ -331,7 +373,7 @@ def build_parser() -> argparse.ArgumentParser:
     s.set_defaults(fn=cmd_stage)
 
     b = sub.add_parser("bench", help="benchmarks (JSON output)")
-    b.add_argument("what", choices=["pipeline", "relay"])
+    b.add_argument("what", choices=["pipeline", "relay", "streaming"])
     b.add_argument("--json", action="store_true", help="one line of JSON, no progress")
     b.add_argument("--backend", default="shm")
     b.add_argument("--sizes", default=None, help="relay: comma-separated byte sizes")
@@ -340,6 +382,17 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--requests", type=int, default=300, help="sequential latency requests")
     b.add_argument("--concurrency", type=int, default=64)
     b.add_argument("--throughput-requests", type=int, default=2048)
+    b.add_argument(
+        "--stage-ms",
+        type=float,
+        default=0.0,
+        help="pipeline: each stage sleeps this long per request (GIL released, like a kernel)",
+    )
+    b.add_argument("--chunks", type=int, default=50, help="streaming: chunks per request")
+    b.add_argument(
+        "--interval-ms", type=float, default=10.0, help="streaming: producer time per chunk"
+    )
+    b.add_argument("--runs", type=int, default=5, help="streaming: timed requests")
     b.set_defaults(fn=cmd_bench)
     return p
 

@@ -30,6 +30,8 @@ class ARRequest:
 
     `steps` is the number of steps it has taken before the current one (0 on its first);
     `state` is scratch space for `init_fn` / `step_fn` (KV cache slot, sampled tokens).
+    `emit` sends extra chunks from a step (e.g. text to the client next to the hidden
+    state in the step's `ARStep.chunk`); they go out with the step's other output.
     """
 
     request_id: str
@@ -38,6 +40,13 @@ class ARRequest:
     inputs_done: bool = False
     steps: int = 0
     state: dict[str, Any] = field(default_factory=dict)
+    emitted: list[OutgoingMessage] = field(default_factory=list, repr=False)
+
+    def emit(
+        self, chunk: Any, *, target: str | None = None, metadata: dict[str, Any] | None = None
+    ) -> None:
+        """Queues one more stream chunk from the current step (scheduler thread only)."""
+        self.emitted.append(OutgoingMessage(self.request_id, "stream", chunk, target, metadata))
 
 
 @dataclass(slots=True)
@@ -211,8 +220,10 @@ class ARScheduler(Scheduler):
         for req, step in zip(batch, steps, strict=True):
             req.steps += 1
             rid = req.request_id
+            extra, req.emitted = req.emitted, []
             if rid in self.aborted:  # aborted mid-step: removed before the next one
                 continue
+            out.extend(extra)
             if step.chunk is not None:
                 out.append(OutgoingMessage(rid, "stream", step.chunk, step.target, step.metadata))
             if step.finished:

@@ -43,3 +43,35 @@ def sink(stage_ms: float = 0.0) -> Callable[[Any], Any]:
         return {"i": payload.get("i", 0), "nbytes": 0 if x is None else int(x.numel())}
 
     return fn
+
+
+# ---- `omnirail bench streaming` -------------------------------------------------------
+
+
+def stream_producer(chunks: int = 50, interval_ms: float = 10.0, chunk_floats: int = 512) -> Any:
+    """Emits `chunks` chunks, one per step, each step taking `interval_ms` (like a decode
+    step on a GPU: a sleep releases the GIL as a kernel would)."""
+    import torch
+
+    from stage_service.ar import ARRequest, ARScheduler, ARStep
+
+    def step(batch: list[ARRequest]) -> list[ARStep]:
+        time.sleep(interval_ms / 1000.0)
+        out = []
+        for req in batch:
+            n = int((req.data or {}).get("chunks", chunks))
+            chunk = torch.full((chunk_floats,), float(req.steps))
+            done = req.steps + 1 >= n
+            out.append(ARStep(chunk=chunk, finished=done, result={"chunks": req.steps + 1}))
+        return out
+
+    return ARScheduler(step, name="producer")
+
+
+def stream_forward() -> Any:
+    """Passes every chunk on as it arrives."""
+    from stage_service.streaming import StreamingScheduler
+
+    return StreamingScheduler(
+        lambda state, chunks, final: chunks[0], window=1, metadata={"modality": "audio"}
+    )

@@ -171,6 +171,42 @@ def test_run_quickstart() -> None:
     assert any(re.search(r"request \w+ took [\d.]+ ms", line) for line in progress), proc.stderr
 
 
+def test_run_streaming_example_prints_chunks_as_they_come() -> None:
+    proc = omnirail(
+        "run",
+        "examples/streaming/pipeline.yaml",
+        "--input",
+        '{"text": "stream me"}',
+        "--stream",
+        "--quiet",
+    )
+    assert proc.returncode == 0, explain(proc)
+    lines = proc.stdout.splitlines()
+    chunks = [json.loads(line) for line in lines if line.startswith('{"t_ms"')]
+    result = json.loads("\n".join(lines[len(chunks) :]))
+    text = [c for c in chunks if c["stage"] == "thinker"]
+    audio = [c for c in chunks if c["stage"] == "vocoder"]
+    assert "".join(c["data"] for c in text) == "stream me"
+    assert [c["chunk_id"] for c in text] == list(range(9))
+    assert {c["modality"] for c in text} == {"text"} and {c["modality"] for c in audio} == {"audio"}
+    assert [c["chunk_id"] for c in audio] == list(range(len(audio))) and len(audio) >= 2
+    times = [c["t_ms"] for c in chunks]
+    assert times == sorted(times)
+    assert sum(c["data"]["shape"][0] for c in audio) == result["vocoder"]["samples"] == 9 * 320
+    assert result["thinker"] == {"text": "stream me"} and result["talker"] == {"frames": 9}
+
+
+@pytest.mark.slow
+def test_bench_streaming_json() -> None:
+    proc = omnirail(
+        "bench", "streaming", "--chunks", "10", "--interval-ms", "5", "--runs", "2", "--json"
+    )
+    assert proc.returncode == 0, explain(proc)
+    report = json.loads(proc.stdout)
+    assert report["chunks"] == 10 and len(report["ttfc_ms_runs"]) == 2
+    assert 0 < report["ttfc_ms"] < report["total_ms"]
+
+
 @pytest.mark.parametrize(
     ("args", "message"),
     [
@@ -327,6 +363,8 @@ def test_bench_pipeline_json() -> None:
         "64",
         "--concurrency",
         "8",
+        "--stage-ms",
+        "2",
         "--json",
     )
     assert proc.returncode == 0, explain(proc)
@@ -337,4 +375,5 @@ def test_bench_pipeline_json() -> None:
         assert isinstance(report[key], (int, float)) and report[key] > 0, (key, report)
     assert report["latency_p50_ms"] <= report["latency_p99_ms"]
     assert report["stages"] == 2 and report["requests"] == 20
+    assert report["stage_ms"] == 2 and 0 < report["efficiency"] <= 1.05
     assert "[omnirail]" not in proc.stderr  # --json: no progress

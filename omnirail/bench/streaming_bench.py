@@ -1,0 +1,97 @@
+"""`omnirail bench streaming`: time to first chunk and total time of a streamed request.
+
+A producer emits `chunks` chunks `interval_ms` apart (one decode step each); two more
+stages forward every chunk as it arrives; the last streams them to the client. Each run
+is one request on a warm mesh; the report gives the median run and every run.
+"""
+
+from __future__ import annotations
+
+import statistics
+import tempfile
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+# Chain of three streaming stages: producer -> relay -> sink -> client.
+_STAGES = ("producer", "relay", "sink")
+
+
+def streaming_yaml(chunks: int, interval_ms: float) -> dict[str, Any]:
+    factories = {
+        "producer": (
+            "omnirail.bench.stages:stream_producer",
+            {"chunks": chunks, "interval_ms": interval_ms},
+        ),
+        "relay": ("omnirail.bench.stages:stream_forward", {}),
+        "sink": ("omnirail.bench.stages:stream_forward", {}),
+    }
+    specs = []
+    for i, name in enumerate(_STAGES):
+        factory, args = factories[name]
+        spec: dict[str, Any] = {
+            "name": name,
+            "factory": factory,
+            "factory_args": args,
+            "terminal": True,
+            "torch_threads": 1,
+        }
+        if i + 1 < len(_STAGES):
+            spec["stream_to"] = [_STAGES[i + 1]]
+        specs.append(spec)
+    return {"name": "bench-streaming", "stages": specs}
+
+
+def _one(client: Any, chunks: int) -> tuple[float, float, int]:
+    from omnirail.client import Chunk
+
+    t0 = time.perf_counter()
+    first = None
+    seen = 0
+    for event in client.stream({"chunks": chunks}):
+        if isinstance(event, Chunk):
+            if first is None:
+                first = time.perf_counter()
+            if event.chunk_id != seen:
+                raise RuntimeError(f"chunk {event.chunk_id} arrived when {seen} was due")
+            seen += 1
+    total = time.perf_counter() - t0
+    if first is None or seen != chunks:
+        raise RuntimeError(f"{seen} of {chunks} chunks arrived")
+    return (first - t0) * 1000, total * 1000, seen
+
+
+def run_streaming_bench(
+    *,
+    chunks: int = 50,
+    interval_ms: float = 10.0,
+    runs: int = 5,
+    progress: Callable[[str], None] | None = None,
+) -> dict[str, Any]:
+    from omnirail.client import Client
+    from omnirail.launcher import Mesh
+
+    with tempfile.TemporaryDirectory(prefix="omnirail-bench-") as tmp:
+        path = Path(tmp) / "streaming.yaml"
+        path.write_text(yaml.safe_dump(streaming_yaml(chunks, interval_ms)))
+        with Mesh(path, progress=progress) as mesh:
+            assert mesh.address is not None
+            with Client(mesh.address, timeout=60) as client:
+                _one(client, min(chunks, 5))  # warm channels, pools and code paths
+                samples = [_one(client, chunks) for _ in range(runs)]
+    ttfc = [s[0] for s in samples]
+    total = [s[1] for s in samples]
+    return {
+        "stages": len(_STAGES),
+        "chunks": chunks,
+        "interval_ms": interval_ms,
+        "runs": runs,
+        "ttfc_ms": round(statistics.median(ttfc), 2),
+        "total_ms": round(statistics.median(total), 2),
+        "ttfc_ms_runs": [round(x, 2) for x in ttfc],
+        "total_ms_runs": [round(x, 2) for x in total],
+        "ideal_total_ms": chunks * interval_ms,
+    }
