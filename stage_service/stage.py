@@ -33,6 +33,7 @@ from stage_service.scheduler import (
     OutgoingMessage,
     Scheduler,
 )
+from stage_service.stream_in import InStreams, drain
 from stage_service.stream_out import SentToken, StreamSender
 
 log = logging.getLogger(__name__)
@@ -69,12 +70,7 @@ class _Request:
     arrived: dict[str, Any] = field(default_factory=dict)
     active: frozenset[str] | None = None
     submitted: bool = False
-    # Streams in: next chunk id per source, sources that ended, and what waits for the
-    # request's payload before it can go to the scheduler.
-    next_chunk: dict[str, int] = field(default_factory=dict)
-    done_from: set[str] = field(default_factory=set)
-    early: list[IncomingMessage] = field(default_factory=list)
-    stream_done: bool = False
+    streams: InStreams = field(default_factory=InStreams)
     # Streams out to the client: next chunk id.
     client_chunks: int = 0
 
@@ -209,9 +205,9 @@ class Stage:
         req.submitted = True
         inbox = self.scheduler.inbox
         inbox.put(IncomingMessage(rid, "new_request", data))
-        for msg in req.early:
+        for msg in req.streams.early:
             inbox.put(msg)
-        req.early.clear()
+        req.streams.early.clear()
 
     # ---- stream input ----------------------------------------------------------
     #
@@ -223,7 +219,7 @@ class Stage:
     async def _on_stream_item(self, item: mesh_pb2.DeliverItem, ack: AckFn) -> None:
         rid, source, signal = item.request_id, item.from_stage, item.stream
         if rid in self._aborted or rid in self._ended:
-            await self._drain(item)
+            await drain(item, self._relays)
             ack(None)
             return
         if source not in self._stream_sources:
@@ -232,7 +228,7 @@ class Stage:
                 f"{self.name!r} in stream_to",
                 self.name,
             )
-            await self._drain(item)
+            await drain(item, self._relays)
             ack(err)
             self._fail(rid, err)
             return
@@ -244,29 +240,16 @@ class Stage:
             ack(None)
             self.abort(rid)
             return
-        expected = req.next_chunk.get(source, 0)
-        problem = None
-        if source in req.done_from:
-            problem = f"stream item {signal.chunk_id} from {source!r} after its done"
-        elif signal.done and signal.chunk_id != expected:
-            problem = (
-                f"stream from {source!r} ended after {signal.chunk_id} chunks, "
-                f"but {expected} arrived"
-            )
-        elif not signal.done and signal.chunk_id != expected:
-            problem = (
-                f"stream chunk {signal.chunk_id} from {source!r} is out of order or "
-                f"a duplicate (expected chunk {expected})"
-            )
+        problem = req.streams.problem(source, signal)
         if problem is not None:
-            await self._drain(item)
+            await drain(item, self._relays)
             err = invalid(problem, self.name)
             ack(err)
             self._fail(rid, err)
             return
         if signal.done:
             ack(None)
-            req.done_from.add(source)
+            req.streams.accept(source, signal)
             self._maybe_stream_done(rid, req)
             return
         relayed = item.payload.HasField("relay")
@@ -281,7 +264,7 @@ class Stage:
             received.release()
             ack(None)
             return
-        req.next_chunk[source] = expected + 1
+        req.streams.accept(source, signal)
         msg = IncomingMessage(
             rid, "stream_chunk", received.value, source, signal.chunk_id, lambda: ack(None)
         )
@@ -291,7 +274,7 @@ class Stage:
             self._submit(rid, req, None)  # a stage fed only by streams starts on its first
             self.scheduler.inbox.put(msg)
         elif self._hold_early:
-            req.early.append(msg)
+            req.streams.early.append(msg)
         else:
             ack(None)
             self._fail(
@@ -307,9 +290,9 @@ class Stage:
         sources = self._stream_sources
         if req.meta.terminal_stages:
             sources = sources & self._router.possible_stages(tuple(req.meta.terminal_stages))
-        if req.stream_done or not sources <= req.done_from:
+        if req.streams.ended or not sources <= req.streams.done_from:
             return
-        req.stream_done = True
+        req.streams.ended = True
         msg = IncomingMessage(rid, "stream_done", None)
         if req.submitted:
             self.scheduler.inbox.put(msg)
@@ -317,17 +300,7 @@ class Stage:
             self._submit(rid, req, None)
             self.scheduler.inbox.put(msg)
         else:
-            req.early.append(msg)  # an end signal holds nothing: keep it for the payload
-
-    async def _drain(self, item: mesh_pb2.DeliverItem) -> None:
-        """Releases the relay slot of a stream item that will not be used."""
-        if not item.payload.HasField("relay"):
-            return
-        try:
-            received = await receive_payload(item.payload, self._relays)
-        except (PayloadError, RelayError):
-            return
-        received.release()
+            req.streams.early.append(msg)  # an end signal holds nothing: keep it
 
     def _on_taken(self) -> None:
         for on_taken in self.scheduler.inbox.drain_taken():
