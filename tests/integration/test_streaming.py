@@ -5,10 +5,12 @@ from __future__ import annotations
 import asyncio
 import threading
 import time
+import uuid
 from collections.abc import Iterator
 from typing import Any
 
 import pytest
+import torch
 
 from omnirail.client import AsyncClient, Chunk, Client, GenerateResult
 from omnirail.errors import Code, OmniError
@@ -190,3 +192,63 @@ def test_client_closing_its_stream_aborts_the_request_everywhere(streaming_mesh:
                 break
             assert time.monotonic() < deadline, busy
             time.sleep(0.2)
+
+
+def _stage_address(client: Client, stage: str) -> str:
+    return next(s.replicas[0].address for s in client.describe().stages if s.name == stage)
+
+
+def _deliver(address: str, items: list[Any]) -> None:
+    import grpc
+
+    from omnirail.v1 import mesh_pb2, mesh_pb2_grpc
+
+    with grpc.insecure_channel(address) as channel:
+        call = mesh_pb2_grpc.StageStub(channel).Deliver(
+            iter([mesh_pb2.DeliverBatch(sender="test", items=items)]), timeout=10
+        )
+        try:
+            for _ in call:
+                pass
+        except grpc.RpcError:
+            pass
+
+
+@pytest.mark.parametrize(
+    ("source", "signal", "message"),
+    [
+        ("thinker", {"chunk_id": 10_000}, "out of order"),
+        ("thinker", {"chunk_id": 0}, "out of order or a duplicate"),
+        ("thinker", {"chunk_id": 3, "done": True}, "ended after 3 chunks"),
+        ("vocoder", {"chunk_id": 0}, "does not list 'talker' in stream_to"),
+    ],
+    ids=["gap", "duplicate", "short-done", "not-in-stream_to"],
+)
+def test_bad_stream_items_fail_that_request_only(
+    streaming_mesh: Mesh, source: str, signal: dict[str, Any], message: str
+) -> None:
+    from omnirail.payload import encode_inline
+    from omnirail.v1 import mesh_pb2
+
+    tag = uuid.uuid4().hex[:8]
+    with Client(streaming_mesh.address or "", timeout=60) as client:
+        healthy = client.stream({"n": 150, "step_ms": 10}, request_id=f"ok-{tag}")
+        victim = client.stream({"n": 150, "step_ms": 10}, request_id=f"bad-{tag}")
+        assert isinstance(next(victim), Chunk)  # its stream is running through the talker
+        item = mesh_pb2.DeliverItem(
+            request_id=f"bad-{tag}",
+            from_stage=source,
+            to_stage="talker",
+            stream=mesh_pb2.StreamSignal(**signal),
+        )
+        if not signal.get("done"):
+            item.payload.CopyFrom(encode_inline(torch.zeros(1)))
+        _deliver(_stage_address(client, "talker"), [item])
+        with pytest.raises(OmniError) as info:
+            for _ in victim:
+                pass
+        assert info.value.code == Code.INVALID_ARGUMENT
+        assert info.value.stage == "talker" and message in info.value.message
+        chunks, result = _collect(healthy)
+        assert result.outputs["thinker"]["tokens"] == 150
+        assert len(chunks) == len(_windows(150, 4, 2))
