@@ -276,15 +276,13 @@ class Stage:
         elif self._hold_early:
             req.streams.early.append(msg)
         else:
-            ack(None)
-            self._fail(
-                rid,
-                invalid(
-                    f"stream chunk from {source!r} arrived before the request's payload; "
-                    f"set stream.hold_early_chunks on stage {self.name!r} to hold such chunks",
-                    self.name,
-                ),
+            err = invalid(
+                f"stream chunk from {source!r} arrived before the request's payload; "
+                f"set stream.hold_early_chunks on stage {self.name!r} to hold such chunks",
+                self.name,
             )
+            ack(err)
+            self._fail(rid, err)
 
     def _maybe_stream_done(self, rid: str, req: _Request) -> None:
         sources = self._stream_sources
@@ -489,6 +487,7 @@ class Stage:
             targets = self._stream_targets(None, req.meta)
         for target in targets:
             self._streams.done(rid, target, req.meta, req.traceparent)
+        self._streams.close_request(rid)  # targets left out get no done
 
     def _stream_failed(self, rid: str, exc: BaseException) -> None:
         self._fail(rid, _as_error(exc, self.name))
@@ -605,6 +604,11 @@ class Stage:
             if ack is not None:
                 ack(None)
         req.holds.clear()
+        # Held chunks never reach the scheduler now: return their credit here.
+        for msg in req.streams.early:
+            if msg.on_taken is not None:
+                msg.on_taken()
+        req.streams.early.clear()
 
 
 @dataclass(slots=True)

@@ -202,6 +202,10 @@ class StreamSender:
             for out in queue or ():
                 if out.token is not None:
                     out.token.one_done()
+        self.close_request(request_id)
+
+    def close_request(self, request_id: str) -> None:
+        """Forgets the request's open stream counters (its done signals are queued)."""
         for key in [k for k in self._next_id if k[0] == request_id]:
             del self._next_id[key]
 
