@@ -31,7 +31,9 @@ class ARRequest:
     `steps` is the number of steps it has taken before the current one (0 on its first);
     `state` is scratch space for `init_fn` / `step_fn` (KV cache slot, sampled tokens).
     `emit` sends extra chunks from a step (e.g. text to the client next to the hidden
-    state in the step's `ARStep.chunk`); they go out with the step's other output.
+    state in the step's `ARStep.chunk`); they go out with the step's other output. With
+    `ARScheduler(hold_inputs=True)`, `take_inputs` removes the inputs a step has used and
+    only then returns their credit to the producer.
     """
 
     request_id: str
@@ -41,6 +43,27 @@ class ARRequest:
     steps: int = 0
     state: dict[str, Any] = field(default_factory=dict)
     emitted: list[OutgoingMessage] = field(default_factory=list, repr=False)
+    # With hold_inputs: the messages behind `inputs`, whose credit is still held.
+    held: list[IncomingMessage] = field(default_factory=list, repr=False)
+    release: Callable[[IncomingMessage], None] | None = field(default=None, repr=False)
+
+    def take_inputs(self, n: int | None = None) -> list[Any]:
+        """Removes and returns the first `n` inputs (all when None), returning their
+        credit to the producer when the scheduler holds it (`hold_inputs`)."""
+        n = len(self.inputs) if n is None else min(n, len(self.inputs))
+        taken, self.inputs = self.inputs[:n], self.inputs[n:]
+        msgs, self.held = self.held[:n], self.held[n:]
+        if self.release is not None:
+            for msg in msgs:
+                self.release(msg)
+        return taken
+
+    def release_inputs(self) -> None:
+        """Returns the credit of every input still held (the request is leaving)."""
+        msgs, self.held = self.held, []
+        if self.release is not None:
+            for msg in msgs:
+                self.release(msg)
 
     def emit(
         self, chunk: Any, *, target: str | None = None, metadata: dict[str, Any] | None = None
@@ -77,6 +100,12 @@ class ARScheduler(Scheduler):
     `init_fn(request)` runs once as a request joins the batch (prefill). A request with
     `max_unsent` or more chunks still unsent in the outbox sits out steps until its
     consumer catches up, so one slow client does not stall the batch.
+
+    Stream input: by default a chunk's credit goes back to its producer as soon as it
+    lands in `request.inputs`. With `hold_inputs=True` it is held until `step_fn` removes
+    the chunk with `request.take_inputs()`, so a producer faster than this stage is slowed
+    to its pace (a request may then hold at most the edge's `request_credits` unused
+    inputs: take them as you go).
     """
 
     def __init__(
@@ -86,9 +115,12 @@ class ARScheduler(Scheduler):
         max_batch_size: int = 32,
         max_unsent: int = 16,
         init_fn: InitFn | None = None,
+        hold_inputs: bool = False,
         name: str = "ar",
     ) -> None:
         super().__init__()
+        self.hold_inputs = hold_inputs
+        self.inbox.defer_taken = hold_inputs
         if max_batch_size < 1:
             raise ValueError(f"max_batch_size must be >= 1, got {max_batch_size}")
         if max_unsent < 1:
@@ -171,6 +203,9 @@ class ARScheduler(Scheduler):
 
     def _handle(self, msg: IncomingMessage) -> None:
         rid = msg.request_id
+        req = self._live.get(rid)
+        if self.hold_inputs and (req is None or msg.type != "stream_chunk" or rid in self.aborted):
+            self.inbox.taken(msg)  # only chunks that join `inputs` keep their credit
         if rid in self.aborted:
             return
         if msg.type == "new_request":
@@ -179,14 +214,17 @@ class ARScheduler(Scheduler):
                 self._fail([rid], RuntimeError(f"request {rid!r} is already running here"))
                 return
             req = ARRequest(rid, msg.data)
+            if self.hold_inputs:
+                req.release = self.inbox.taken
             self._live[rid] = req
             self._waiting.append(req)
             return
-        req = self._live.get(rid)
         if req is None:  # finished, failed or aborted: late input is dropped
             return
         if msg.type == "stream_chunk":
             req.inputs.append(msg.data)
+            if self.hold_inputs:
+                req.held.append(msg)
         elif msg.type == "stream_done":
             req.inputs_done = True
         self._parked.discard(rid)
@@ -258,7 +296,9 @@ class ARScheduler(Scheduler):
 
     def _remove(self, rid: str) -> None:
         # Waiting requests stay in the deque until admitted; `_live` says they are gone.
-        self._live.pop(rid, None)
+        req = self._live.pop(rid, None)
+        if req is not None:
+            req.release_inputs()
         self._running.pop(rid, None)
         self._parked.discard(rid)
 

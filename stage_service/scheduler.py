@@ -64,8 +64,12 @@ class Inbox:
     """The scheduler's input queue (the `queue.SimpleQueue` calls schedulers use).
 
     Messages with `on_taken` are reported to the stage's loop when a scheduler takes them,
-    so stream credit goes back to the producer only as fast as this stage consumes.
+    so stream credit goes back to the producer only as fast as this stage consumes. A
+    scheduler that keeps chunks for later sets `defer_taken` and calls `taken(msg)` once it
+    has used each one, so its producer slows down to its pace.
     """
+
+    defer_taken = False
 
     def __init__(self) -> None:
         self._queue: queue.SimpleQueue[IncomingMessage | None] = queue.SimpleQueue()
@@ -83,9 +87,14 @@ class Inbox:
 
     def get(self, block: bool = True, timeout: float | None = None) -> IncomingMessage | None:
         msg = self._queue.get(block, timeout)
-        if msg is not None and msg.on_taken is not None:
+        if msg is not None and msg.on_taken is not None and not self.defer_taken:
             self._note_taken(msg.on_taken)
         return msg
+
+    def taken(self, msg: IncomingMessage) -> None:
+        """Returns `msg`'s credit (with `defer_taken`; any thread, once per message)."""
+        if msg.on_taken is not None:
+            self._note_taken(msg.on_taken)
 
     def get_nowait(self) -> IncomingMessage | None:
         return self.get(False)

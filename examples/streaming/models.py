@@ -69,8 +69,9 @@ def create_talker(codebooks: int = 4, codebook_size: int = 1024) -> ARScheduler:
         out: list[ARStep] = []
         for req in batch:
             used = req.state["used"]
-            if used < len(req.inputs):
-                hidden = req.inputs[used]
+            if req.inputs:
+                # Taking the input returns its credit: a fast thinker waits for the talker.
+                [hidden] = req.take_inputs(1)
                 proj = proj_cache.get(hidden.numel())
                 if proj is None:
                     proj = proj_cache[hidden.numel()] = torch.randn(
@@ -85,7 +86,7 @@ def create_talker(codebooks: int = 4, codebook_size: int = 1024) -> ARScheduler:
                 out.append(ARStep(needs_input=True))
         return out
 
-    return ARScheduler(step, init_fn=init, max_batch_size=32, name="talker")
+    return ARScheduler(step, init_fn=init, max_batch_size=32, hold_inputs=True, name="talker")
 
 
 class Vocoder(StreamingScheduler):

@@ -114,3 +114,29 @@ class Vocoder(StreamingScheduler):
 
 def make_vocoder(window: int = 1, hop: int | None = None, chunk_ms: float = 0.0) -> Vocoder:
     return Vocoder(window, hop, chunk_ms)
+
+
+# ---- a slow autoregressive consumer that holds its inputs' credit ----------------------
+
+
+def make_slow_ar(step_ms: float = 4.0) -> ARScheduler:
+    """Takes one input per step (sleeping `step_ms`), holding the rest's credit."""
+
+    def step(batch: list[ARRequest]) -> list[ARStep]:
+        time.sleep(step_ms / 1000.0)
+        out = []
+        for req in batch:
+            st = req.state
+            st["max_inputs"] = max(st.get("max_inputs", 0), len(req.inputs))
+            if req.inputs:
+                req.take_inputs(1)
+                st["used"] = st.get("used", 0) + 1
+                out.append(ARStep())
+            elif req.inputs_done:
+                result = {"chunks": st.get("used", 0), "max_inputs": st["max_inputs"]}
+                out.append(ARStep(finished=True, result=result))
+            else:
+                out.append(ARStep(needs_input=True))
+        return out
+
+    return ARScheduler(step, hold_inputs=True, name="slow-ar")

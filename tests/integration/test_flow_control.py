@@ -13,7 +13,8 @@ from omnirail.client import Chunk, Client
 from omnirail.launcher import Mesh
 from tests.integration.conftest import shm_names, start_mesh
 
-CREDITS = 8  # stream.credits of the thinker -> vocoder edge in slow_consumer.yaml
+CREDITS = 8  # stream.credits of the thinker's edges in slow_consumer.yaml
+REQUEST_CREDITS = 4  # stream.request_credits there
 CHUNK_MS = 4  # the vocoder's time per chunk
 
 
@@ -45,8 +46,10 @@ def test_slow_consumer_slows_the_producer_with_bounded_queues(
     assert count == n
     vocoder, thinker = result.outputs["vocoder"], result.outputs["thinker"]
     assert vocoder["chunks"] == n
-    # The consumer's queue never held more than the edge's credit.
+    # The consumers never held more than the edge's credit (the AR one: its request's).
     assert vocoder["max_queue"] <= CREDITS
+    assert result.outputs["ar_sink"]["chunks"] == n
+    assert result.outputs["ar_sink"]["max_inputs"] <= REQUEST_CREDITS
     # The producer could not run ahead: it finished no sooner than the consumer allowed,
     # less what the credits and its outbox (16) could hold.
     assert thinker["elapsed_s"] >= (n - CREDITS - 16 - 32) * CHUNK_MS / 1000.0

@@ -336,3 +336,79 @@ def test_stop_joins_thread_with_running_requests() -> None:
     assert thread is not None
     sched.stop()
     assert not thread.is_alive()
+
+
+def test_hold_inputs_returns_credit_only_as_step_fn_takes_inputs() -> None:
+    recorder: Recorder
+    acks: list[tuple[str, int]] = []
+
+    def ack(name: str) -> Callable[[], None]:
+        return lambda: acks.append((name, len(recorder.batches)))  # the step that took it
+
+    def one_per_step(batch: list[ARRequest]) -> list[ARStep]:
+        out = []
+        for r in batch:
+            if r.inputs:
+                [x] = r.take_inputs(1)
+                out.append(ARStep(chunk=x))
+            elif r.inputs_done:
+                out.append(ARStep(finished=True, result="done"))
+            else:
+                out.append(ARStep(needs_input=True))
+        return out
+
+    recorder = Recorder(one_per_step)
+    sched = ARScheduler(recorder, hold_inputs=True)
+    collector = Collector(sched.outbox)
+    # Run the credit callbacks as soon as they are due (the stage does it on its loop).
+    sched.inbox.bind(lambda: [fn() for fn in sched.inbox.drain_taken()])
+    recorder.hold()
+    sched.start()
+    try:
+        sched.inbox.put(new("r"))
+        assert recorder.held.wait(TIMEOUT)  # step 1 is open; queue three chunks and done
+        for i in range(3):
+            sched.inbox.put(IncomingMessage("r", "stream_chunk", i, "up", i, ack(f"c{i}")))
+        sched.inbox.put(IncomingMessage("r", "stream_done", None))
+        recorder.release.set()
+        assert collector.final_for("r").data == "done"
+        assert [d for t, d in collector.of("r") if t == "stream"] == [0, 1, 2]
+        # Each chunk's credit went back in the step that took it, not when it arrived.
+        assert acks == [("c0", 2), ("c1", 3), ("c2", 4)]
+    finally:
+        sched.stop()
+
+
+def test_hold_inputs_releases_held_chunks_on_abort() -> None:
+    released: list[int] = []
+
+    def hoard(batch: list[ARRequest]) -> list[ARStep]:
+        return [ARStep(needs_input=True) for _ in batch]  # never takes its inputs
+
+    sched = ARScheduler(hoard, hold_inputs=True)
+    sched.inbox.bind(lambda: None)
+    sched.start()
+    try:
+        sched.inbox.put(new("r"))
+        for i in range(3):
+            sched.inbox.put(
+                IncomingMessage("r", "stream_chunk", i, "up", i, lambda i=i: released.append(i))
+            )
+        deadline = threading.Event()
+        for _ in range(int(TIMEOUT / 0.01)):  # wait until the chunks are parked in `inputs`
+            if sched.inbox.empty():
+                break
+            deadline.wait(0.01)
+        assert not sched.inbox.drain_taken()  # held: no credit back yet
+        sched.abort("r")
+        sched.inbox.put(new("other"))  # wakes the loop so it handles the abort
+        for _ in range(int(TIMEOUT / 0.01)):
+            taken = sched.inbox.drain_taken()
+            for fn in taken:
+                fn()
+            if len(released) == 3:
+                break
+            deadline.wait(0.01)
+        assert sorted(released) == [0, 1, 2]
+    finally:
+        sched.stop()
