@@ -2,13 +2,15 @@
 
 A producer emits `chunks` chunks `interval_ms` apart (one decode step each); two more
 stages forward every chunk as it arrives; the last streams them to the client. Each run
-is one request on a warm mesh; the report gives the median run and every run.
+is one request on a warm mesh; the report gives the median run and every run, and how
+long an aborted stream takes to end at the client.
 """
 
 from __future__ import annotations
 
 import statistics
 import tempfile
+import threading
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -64,6 +66,34 @@ def _one(client: Any, chunks: int) -> tuple[float, float, int]:
     return (first - t0) * 1000, total * 1000, seen
 
 
+def _abort_latency(client: Any, rid: str) -> float:
+    """Starts a long stream, aborts it after its first chunk; ms until the stream ends."""
+    from omnirail.client import Chunk
+    from omnirail.errors import Code, OmniError
+
+    events = client.stream({"chunks": 100_000}, request_id=rid)
+    if not isinstance(next(events), Chunk):
+        raise RuntimeError("the stream ended before its first chunk")
+    ended: list[float] = []
+
+    def read() -> None:
+        try:
+            for _ in events:
+                pass
+        except OmniError as exc:
+            if exc.code == Code.CANCELLED:
+                ended.append(time.perf_counter())
+
+    reader = threading.Thread(target=read)
+    reader.start()
+    t0 = time.perf_counter()
+    client.abort(rid, "benchmark")
+    reader.join(30)
+    if not ended:
+        raise RuntimeError("the aborted stream did not end with CANCELLED")
+    return (ended[0] - t0) * 1000
+
+
 def run_streaming_bench(
     *,
     chunks: int = 50,
@@ -82,6 +112,7 @@ def run_streaming_bench(
             with Client(mesh.address, timeout=60) as client:
                 _one(client, min(chunks, 5))  # warm channels, pools and code paths
                 samples = [_one(client, chunks) for _ in range(runs)]
+                aborts = [_abort_latency(client, f"bench-abort-{i}") for i in range(runs)]
     ttfc = [s[0] for s in samples]
     total = [s[1] for s in samples]
     return {
@@ -94,4 +125,7 @@ def run_streaming_bench(
         "ttfc_ms_runs": [round(x, 2) for x in ttfc],
         "total_ms_runs": [round(x, 2) for x in total],
         "ideal_total_ms": chunks * interval_ms,
+        # Abort RPC sent mid-stream -> the client's stream ends with CANCELLED.
+        "abort_to_cancelled_ms": round(statistics.median(aborts), 2),
+        "abort_to_cancelled_ms_runs": [round(x, 2) for x in aborts],
     }

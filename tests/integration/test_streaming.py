@@ -252,3 +252,40 @@ def test_bad_stream_items_fail_that_request_only(
         chunks, result = _collect(healthy)
         assert result.outputs["thinker"]["tokens"] == 150
         assert len(chunks) == len(_windows(150, 4, 2))
+
+
+def test_generate_rpc_streams_chunks_then_result_and_cancel_aborts(streaming_mesh: Mesh) -> None:
+    """The plain server-streaming RPC (what grpcurl uses), without the SDK's Session."""
+    import grpc
+
+    from omnirail.client import build_request, parse_chunk
+    from omnirail.payload import decode_inline
+    from omnirail.v1 import client_pb2_grpc
+
+    with grpc.insecure_channel(streaming_mesh.address or "") as channel:
+        stub = client_pb2_grpc.OmnirailStub(channel)
+        request = build_request({"n": 6}, "rpc-stream", 60, None, stream=True)
+        events = list(stub.Generate(request, timeout=60))
+        chunks = [parse_chunk("rpc-stream", e.chunk) for e in events[:-1]]
+        assert all(e.HasField("chunk") for e in events[:-1]) and events[-1].HasField("result")
+        assert [(c.data["ids"], c.data["final"]) for c in chunks] == _windows(6, 4, 2)
+        vocoder = decode_inline(events[-1].result.outputs["vocoder"])
+        assert vocoder["chunks"] == 6
+
+        # Without `stream`, only the result comes back.
+        plain = build_request({"n": 6}, "rpc-plain", 60, None)
+        [only] = list(stub.Generate(plain, timeout=60))
+        assert only.HasField("result")
+
+        # Cancelling the call aborts the request on every stage.
+        call = stub.Generate(
+            build_request({"n": 500, "step_ms": 10}, "rpc-cancel", 60, None, stream=True),
+            timeout=60,
+        )
+        assert next(call).HasField("chunk")
+        call.cancel()
+    with Client(streaming_mesh.address or "", timeout=30) as client:
+        deadline = time.monotonic() + 10
+        while client.status("rpc-cancel").state != "aborted":
+            assert time.monotonic() < deadline, client.status("rpc-cancel")
+            time.sleep(0.02)
