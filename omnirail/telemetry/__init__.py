@@ -1,0 +1,53 @@
+"""Tracing for the mesh: cheap span records, W3C context, OTLP export (see tracer.py).
+
+`setup_tracing` and `Telemetry` load lazily: request-path modules import
+`omnirail.telemetry.tracer`, which should not pull in grpc, protobuf and the OTel SDK.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+from omnirail.telemetry.tracer import (
+    KIND_CLIENT,
+    KIND_INTERNAL,
+    KIND_SERVER,
+    STATUS_ERROR,
+    STATUS_OK,
+    STATUS_UNSET,
+    Span,
+    SpanContext,
+    Tracer,
+    attributes_of,
+    parse_traceparent,
+)
+
+if TYPE_CHECKING:
+    from omnirail.telemetry.setup import SPAN_DIR_ENV, Telemetry, setup_tracing
+
+_LAZY = {"SPAN_DIR_ENV", "Telemetry", "setup_tracing"}
+
+__all__ = [
+    "KIND_CLIENT",
+    "KIND_INTERNAL",
+    "KIND_SERVER",
+    "SPAN_DIR_ENV",
+    "STATUS_ERROR",
+    "STATUS_OK",
+    "STATUS_UNSET",
+    "Span",
+    "SpanContext",
+    "Telemetry",
+    "Tracer",
+    "attributes_of",
+    "parse_traceparent",
+    "setup_tracing",
+]
+
+
+def __getattr__(name: str) -> Any:
+    if name in _LAZY:
+        from omnirail.telemetry import setup
+
+        return getattr(setup, name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
