@@ -9,17 +9,38 @@ import signal
 from coordinator.service import PIPELINE_SERVICE, Coordinator
 from omnirail.config import PipelineConfig
 from omnirail.grpc_server import NOT_SERVING, SERVING, bind, create_server
+from omnirail.telemetry import setup_tracing
+from omnirail.telemetry.metrics import (
+    CoordinatorMetrics,
+    metrics_endpoint,
+    start_metrics_server,
+    stop_metrics_server,
+)
 from omnirail.v1 import client_pb2_grpc, mesh_pb2, mesh_pb2_grpc
 
 log = logging.getLogger(__name__)
 
 
-async def serve(pipeline: PipelineConfig, listen: str, ready_file: str | None = None) -> None:
+async def serve(
+    pipeline: PipelineConfig,
+    listen: str,
+    ready_file: str | None = None,
+    *,
+    metrics_host: str | None = None,
+    metrics_port: int | None = None,
+) -> None:
     server, health = create_server(
         [PIPELINE_SERVICE, mesh_pb2.DESCRIPTOR.services_by_name["Coordinator"].full_name],
         max_message_bytes=pipeline.endpoints.max_message_mb << 20,
     )
-    coordinator = Coordinator(pipeline, health)
+    telemetry = setup_tracing("omnirail-coordinator")
+    metrics = CoordinatorMetrics()
+    coordinator = Coordinator(pipeline, health, telemetry.tracer, metrics)
+    endpoint = metrics_endpoint(pipeline.metrics, stage=False, host=metrics_host, port=metrics_port)
+    if endpoint is not None:
+        # Before the ready file: DescribePipeline reports it from the first call on.
+        coordinator.metrics_address = start_metrics_server(metrics.registry, *endpoint)
+        log.info("coordinator metrics at http://%s/metrics", coordinator.metrics_address)
     client_pb2_grpc.add_OmnirailServicer_to_server(coordinator, server)
     mesh_pb2_grpc.add_CoordinatorServicer_to_server(coordinator, server)
     address = bind(server, listen)
@@ -38,3 +59,6 @@ async def serve(pipeline: PipelineConfig, listen: str, ready_file: str | None = 
     await health.enter_graceful_shutdown()
     await coordinator.close()
     await server.stop(grace=1.0)
+    if coordinator.metrics_address:
+        await asyncio.to_thread(stop_metrics_server, coordinator.metrics_address)
+    await asyncio.to_thread(telemetry.shutdown)

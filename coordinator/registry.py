@@ -17,6 +17,7 @@ class Replica:
     pid: int
     queue_depth: int = 0
     inflight: int = 0
+    metrics_address: str = ""
     # Commands accumulate here and go out in one write.
     pending: mesh_pb2.CoordinatorCommand = field(default_factory=mesh_pb2.CoordinatorCommand)
     wake: asyncio.Event = field(default_factory=asyncio.Event)

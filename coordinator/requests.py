@@ -9,6 +9,8 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from omnirail.errors import OmniError
+from omnirail.telemetry.metrics import CoordinatorMetrics
+from omnirail.telemetry.tracer import STATUS_OK, Span
 from omnirail.v1 import client_pb2, common_pb2
 
 State = common_pb2.RequestState
@@ -32,6 +34,9 @@ class RequestRecord:
     on_done: list[Callable[[RequestRecord], None]] = field(default_factory=list)
     # Called with each client-bound stream chunk (set by streaming calls only).
     on_chunk: list[Callable[[client_pb2.Chunk], None]] = field(default_factory=list)
+    # The request's root span (None when tracing is off or the trace is not sampled).
+    span: Span | None = None
+    chunks: int = 0
 
     @property
     def finished(self) -> bool:
@@ -56,10 +61,13 @@ class RequestRecord:
 
 
 class RequestTable:
-    def __init__(self, keep_finished: int = 10_000) -> None:
+    def __init__(
+        self, keep_finished: int = 10_000, metrics: CoordinatorMetrics | None = None
+    ) -> None:
         self.live: dict[str, RequestRecord] = {}
         self._finished: OrderedDict[str, RequestRecord] = OrderedDict()
         self._keep = keep_finished
+        self._metrics = metrics
 
     def add(self, record: RequestRecord) -> None:
         self.live[record.request_id] = record
@@ -74,6 +82,8 @@ class RequestTable:
         record.state = state
         record.error = error
         record.ended = time.monotonic()
+        if self._metrics is not None:
+            self._metrics.request_ended(state, error, record.ended - record.started)
         if record.timer is not None:
             record.timer.cancel()
         self.live.pop(record.request_id, None)
@@ -81,6 +91,16 @@ class RequestTable:
         while len(self._finished) > self._keep:
             self._finished.popitem(last=False)
         record.done.set()
+        span = record.span
+        if span is not None:
+            span.set("omnirail.state", State.Name(state).lower())
+            if record.chunks:
+                span.set("omnirail.stream.chunks", record.chunks)
+            if error is None:
+                span.status_code = STATUS_OK
+            else:
+                span.error(f"{error.code_name}: {error.message}")
+            span.end()
         for callback in record.on_done:
             callback(record)
         record.on_done.clear()

@@ -23,6 +23,8 @@ from omnirail.deliver import DeliverChannel
 from omnirail.errors import Code, OmniError, internal, invalid, unavailable
 from omnirail.grpc_server import NOT_SERVING, SERVING, write_until_read_ends
 from omnirail.payload import PayloadError, decode_inline
+from omnirail.telemetry.metrics import CoordinatorMetrics
+from omnirail.telemetry.tracer import KIND_SERVER, Tracer, parse_traceparent
 from omnirail.v1 import client_pb2, client_pb2_grpc, mesh_pb2, mesh_pb2_grpc
 
 log = logging.getLogger(__name__)
@@ -33,12 +35,21 @@ _REQUEST_ID = re.compile(r"^[A-Za-z0-9._:@-]{1,128}$")
 
 class Coordinator(client_pb2_grpc.OmnirailServicer, mesh_pb2_grpc.CoordinatorServicer):
     def __init__(
-        self, pipeline: PipelineConfig, health_servicer: health.aio.HealthServicer
+        self,
+        pipeline: PipelineConfig,
+        health_servicer: health.aio.HealthServicer,
+        tracer: Tracer | None = None,
+        metrics: CoordinatorMetrics | None = None,
     ) -> None:
         self.pipeline = pipeline
+        self._tracer = tracer or Tracer()
         self._health = health_servicer
         self.registry = StageRegistry(pipeline.stage_names)
-        self.requests = RequestTable()
+        self.metrics = metrics or CoordinatorMetrics()
+        # host:port of this process's /metrics endpoint, for DescribePipeline ("" when off).
+        self.metrics_address = ""
+        self.requests = RequestTable(metrics=self.metrics)
+        self.metrics.watch_running(lambda: len(self.requests.live))
         self._entry = pipeline.resolved_entry_stage
         self._terminals = tuple(pipeline.terminal_stages)
         self._terminals_fn = (
@@ -101,6 +112,8 @@ class Coordinator(client_pb2_grpc.OmnirailServicer, mesh_pb2_grpc.CoordinatorSer
         events = client_pb2.SessionEvents()
         wake = asyncio.Event()
         mine: set[str] = set()
+        # The call's traceparent parents requests that carry none of their own.
+        caller_traceparent = _traceparent_of(context)
 
         def emit(event: client_pb2.SessionEvent) -> None:
             events.events.append(event)
@@ -125,7 +138,7 @@ class Coordinator(client_pb2_grpc.OmnirailServicer, mesh_pb2_grpc.CoordinatorSer
                         )
                         continue
                     try:
-                        rec = self.start(request, None)
+                        rec = self.start(request, None, caller_traceparent)
                     except OmniError as exc:
                         emit(
                             client_pb2.SessionEvent(
@@ -202,6 +215,7 @@ class Coordinator(client_pb2_grpc.OmnirailServicer, mesh_pb2_grpc.CoordinatorSer
             entry_stage=self._entry,
             terminal_stages=list(self._terminals),
             ready=not self.registry.missing(),
+            metrics_address=self.metrics_address,
         )
         for cfg in self.pipeline.stages:
             stage = info.stages.add(
@@ -217,6 +231,7 @@ class Coordinator(client_pb2_grpc.OmnirailServicer, mesh_pb2_grpc.CoordinatorSer
                     live=True,
                     queue_depth=rep.queue_depth,
                     inflight=rep.inflight,
+                    metrics_address=rep.metrics_address,
                 )
         return info
 
@@ -233,7 +248,7 @@ class Coordinator(client_pb2_grpc.OmnirailServicer, mesh_pb2_grpc.CoordinatorSer
         self, request: client_pb2.GenerateRequest, context: grpc.aio.ServicerContext
     ) -> RequestRecord:
         try:
-            return self.start(request, context.time_remaining())
+            return self.start(request, context.time_remaining(), _traceparent_of(context))
         except OmniError as exc:
             await _abort_call(context, exc)
             raise  # unreachable: abort raises
@@ -241,7 +256,10 @@ class Coordinator(client_pb2_grpc.OmnirailServicer, mesh_pb2_grpc.CoordinatorSer
     # ---- request lifecycle -------------------------------------------------------
 
     def start(
-        self, request: client_pb2.GenerateRequest, time_remaining: float | None
+        self,
+        request: client_pb2.GenerateRequest,
+        time_remaining: float | None,
+        caller_traceparent: str = "",
     ) -> RequestRecord:
         """Validates a request and delivers it to the entry stage; raises OmniError."""
         rid = request.request_id or uuid.uuid4().hex
@@ -283,13 +301,23 @@ class Coordinator(client_pb2_grpc.OmnirailServicer, mesh_pb2_grpc.CoordinatorSer
 
         rec = RequestRecord(rid, terminals, possible, deadline=time.time() + timeout)
         rec.state = State.RUNNING
+        traceparent = request.traceparent or caller_traceparent
+        rec.span = self._tracer.start(
+            "omnirail.request",
+            parse_traceparent(traceparent),
+            {"omnirail.request_id": rid, "omnirail.pipeline": self.pipeline.name or ""},
+            kind=KIND_SERVER,
+            root=True,
+        )
+        if rec.span is not None:
+            traceparent = rec.span.traceparent
         rec.timer = asyncio.get_running_loop().call_later(timeout, self._expire, rec, timeout)
         self.requests.add(rec)
         item = mesh_pb2.DeliverItem(
             request_id=rid,
             to_stage=self._entry,
             payload=request.inputs,
-            traceparent=request.traceparent,
+            traceparent=traceparent,
             meta=mesh_pb2.RequestMeta(terminal_stages=terminals, deadline=rec.deadline),
         )
         self._channel(replica.address).send(item)
@@ -387,6 +415,11 @@ class Coordinator(client_pb2_grpc.OmnirailServicer, mesh_pb2_grpc.CoordinatorSer
             rec = self.requests.live.get(chunk.request_id)
             if rec is None or not rec.on_chunk or replica.stage not in rec.terminals:
                 continue
+            rec.chunks += 1
+            if rec.chunks == 1:
+                self.metrics.first_chunk(time.monotonic() - rec.started)
+            if rec.chunks == 1 and rec.span is not None:
+                rec.span.event("first_chunk", {"omnirail.stage": replica.stage})
             out = client_pb2.Chunk(
                 stage=replica.stage,
                 chunk_id=chunk.chunk_id,
@@ -438,7 +471,9 @@ class Coordinator(client_pb2_grpc.OmnirailServicer, mesh_pb2_grpc.CoordinatorSer
             )
         if not reg.address or not reg.replica_id:
             await _abort_call(context, invalid("register: address and replica_id are required"))
-        replica = Replica(reg.stage, reg.replica_id, reg.address, reg.pid)
+        replica = Replica(
+            reg.stage, reg.replica_id, reg.address, reg.pid, metrics_address=reg.metrics_address
+        )
         old = self.registry.add(replica)
         if old is not None:
             old.push(mesh_pb2.CoordinatorCommand(shutdown=mesh_pb2.Shutdown(reason="replaced")))
@@ -476,6 +511,13 @@ class Coordinator(client_pb2_grpc.OmnirailServicer, mesh_pb2_grpc.CoordinatorSer
     async def close(self) -> None:
         for channel in self._channels.values():
             await channel.close()
+
+
+def _traceparent_of(context: grpc.aio.ServicerContext) -> str:
+    for key, value in context.invocation_metadata() or ():
+        if key == "traceparent":
+            return value if isinstance(value, str) else value.decode()
+    return ""
 
 
 async def _abort_call(context: grpc.aio.ServicerContext, error: OmniError) -> None:

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import logging
 import os
 import signal
 import subprocess
@@ -30,10 +29,9 @@ def _progress(quiet: bool) -> Callable[[str], None]:
 
 
 def _setup_logging(level: str) -> None:
-    logging.basicConfig(
-        level=getattr(logging, level.upper(), logging.INFO),
-        format="%(asctime)s %(levelname)s %(process)d %(name)s: %(message)s",
-    )
+    from omnirail.telemetry.logs import setup_logging
+
+    setup_logging(level)
 
 
 def _read_inputs(args: argparse.Namespace) -> dict:
@@ -83,7 +81,13 @@ def cmd_up(args: argparse.Namespace) -> int:
     try:
         address = mesh.start()
         state = write_state(
-            name, {"pid": os.getpid(), "address": address, "pipeline": mesh.pipeline_path}
+            name,
+            {
+                "pid": os.getpid(),
+                "address": address,
+                "pipeline": mesh.pipeline_path,
+                "run_dir": str(mesh.run_dir),
+            },
         )
         print(address, flush=True)
         while not stop:
@@ -244,7 +248,15 @@ def cmd_coordinator(args: argparse.Namespace) -> int:
 
     _setup_logging(args.log_level)
     cfg = load_pipeline(args.pipeline)
-    aio.run(serve(cfg, args.listen, args.ready_file))
+    aio.run(
+        serve(
+            cfg,
+            args.listen,
+            args.ready_file,
+            metrics_host=args.metrics_host,
+            metrics_port=args.metrics_port,
+        )
+    )
     return 0
 
 
@@ -265,9 +277,33 @@ def cmd_stage(args: argparse.Namespace) -> int:
             listen=listen,
             advertise=args.advertise,
             shm_prefix=args.shm_prefix,
+            metrics_host=args.metrics_host,
+            metrics_port=args.metrics_port,
         )
     )
     return 0
+
+
+def cmd_trace(args: argparse.Namespace) -> int:
+    from omnirail.launcher import read_states
+    from omnirail.telemetry.waterfall import run_trace
+
+    if args.run_dir:
+        dirs = [str(Path(d) / "spans") if (Path(d) / "spans").is_dir() else d for d in args.run_dir]
+    else:
+        states = read_states()
+        if args.name:
+            if args.name not in states:
+                raise ValueError(
+                    f"no running mesh named {args.name!r} (running: {sorted(states) or 'none'})"
+                )
+            states = {args.name: states[args.name]}
+        dirs = [
+            str(Path(str(st["run_dir"])) / "spans") for st in states.values() if "run_dir" in st
+        ]
+        if not dirs:
+            raise ValueError("no running mesh to read spans from; pass --run-dir DIR")
+    return run_trace(args.request_id, dirs, args.json)
 
 
 def cmd_bench(args: argparse.Namespace) -> int:
@@ -295,6 +331,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
             concurrency=args.concurrency,
             throughput_requests=args.throughput_requests,
             stage_ms=args.stage_ms,
+            tracing=args.tracing,
             progress=_progress(args.json),
         )
     print(json.dumps(report, indent=None if args.json else 2))
@@ -358,6 +395,13 @@ def build_parser() -> argparse.ArgumentParser:
     c.add_argument("--listen", default="0.0.0.0:50051")
     c.add_argument("--ready-file", default=None, help="write the bound address here once serving")
     c.add_argument("--log-level", default="INFO")
+    c.add_argument(
+        "--metrics-port",
+        type=int,
+        default=None,
+        help="Prometheus /metrics port (0: any free one, -1: none; default: pipeline metrics)",
+    )
+    c.add_argument("--metrics-host", default=None, help="default: the pipeline's metrics.host")
     c.set_defaults(fn=cmd_coordinator)
 
     s = sub.add_parser("stage", help="run one stage process alone")
@@ -370,7 +414,23 @@ def build_parser() -> argparse.ArgumentParser:
     )
     s.add_argument("--shm-prefix", default="omnirail")
     s.add_argument("--log-level", default="INFO")
+    s.add_argument(
+        "--metrics-port",
+        type=int,
+        default=None,
+        help="Prometheus /metrics port (0: any free one, -1: none; default: pipeline metrics)",
+    )
+    s.add_argument("--metrics-host", default=None, help="default: the pipeline's metrics.host")
     s.set_defaults(fn=cmd_stage)
+
+    t = sub.add_parser("trace", help="print a request's span waterfall from a local mesh")
+    t.add_argument("request_id")
+    t.add_argument("--name", default=None, help="mesh name (default: every running mesh)")
+    t.add_argument(
+        "--run-dir", action="append", default=[], help="read spans from this run directory"
+    )
+    t.add_argument("--json", action="store_true", help="one JSON list of spans")
+    t.set_defaults(fn=cmd_trace)
 
     b = sub.add_parser("bench", help="benchmarks (JSON output)")
     b.add_argument("what", choices=["pipeline", "relay", "streaming"])
@@ -393,6 +453,12 @@ def build_parser() -> argparse.ArgumentParser:
         "--interval-ms", type=float, default=10.0, help="streaming: producer time per chunk"
     )
     b.add_argument("--runs", type=int, default=5, help="streaming: timed requests")
+    b.add_argument(
+        "--tracing",
+        choices=["off", "on", "compare"],
+        default="off",
+        help="pipeline: spans to a local file at sampling 1.0; compare runs both, interleaved",
+    )
     b.set_defaults(fn=cmd_bench)
     return p
 

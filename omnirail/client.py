@@ -20,6 +20,7 @@ from typing import Any
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
+from omnirail.client_span import ClientSpan
 from omnirail.deliver import channel_options
 from omnirail.errors import Code, OmniError, invalid
 from omnirail.payload import PayloadError, decode_inline, encode_inline
@@ -176,7 +177,19 @@ class Client:
     ) -> GenerateResult:
         """Runs one request over the client's Session stream and returns its result."""
         timeout = timeout if timeout is not None else self.timeout
-        request = build_request(inputs, request_id, timeout, traceparent)
+        span = ClientSpan("generate", request_id := request_id or uuid.uuid4().hex, traceparent)
+        try:
+            result = self._generate(inputs, request_id, timeout, span.traceparent)
+        except BaseException as exc:
+            span.end(exc)
+            raise
+        span.end()
+        return result
+
+    def _generate(
+        self, inputs: Mapping[str, Any], request_id: str, timeout: float | None, tp: str | None
+    ) -> GenerateResult:
+        request = build_request(inputs, request_id, timeout, tp)
         session = self._session()
         future = session.send(request)
         try:
@@ -202,13 +215,15 @@ class Client:
         `GenerateResult`. Raises OmniError when the request fails. Closing the iterator
         early (break, exception) aborts the request everywhere."""
         timeout = timeout if timeout is not None else self.timeout
-        request = build_request(inputs, request_id, timeout, traceparent, stream=True)
-        rid = request.request_id
-        session = self._session()
-        events = session.send_stream(request)
-        deadline = None if timeout is None else time.monotonic() + _deadline(timeout)
+        rid = request_id or uuid.uuid4().hex
+        span = ClientSpan("stream", rid, traceparent)
+        error: BaseException | None = None
         ended = False
         try:
+            request = build_request(inputs, rid, timeout, span.traceparent, stream=True)
+            session = self._session()
+            events = session.send_stream(request)
+            deadline = None if timeout is None else time.monotonic() + _deadline(timeout)
             while True:
                 wait = None if deadline is None else max(0.0, deadline - time.monotonic())
                 try:
@@ -222,9 +237,15 @@ class Client:
                 yield item
                 if ended:
                     return
+        except BaseException as exc:
+            error = exc
+            raise
         finally:
+            if isinstance(error, GeneratorExit):
+                error = None  # the caller stopped reading: an abort, not a failure
             if not ended:
-                session.abort(rid, "the client stopped reading the stream")
+                self._session().abort(rid, "the client stopped reading the stream")
+            span.end(error)
 
     def _session(self) -> SyncSession:
         with self._lock:
@@ -328,7 +349,19 @@ class AsyncClient:
     ) -> GenerateResult:
         """Runs one request over the client's Session stream and returns its result."""
         timeout = timeout if timeout is not None else self.timeout
-        request = build_request(inputs, request_id, timeout, traceparent)
+        span = ClientSpan("generate", request_id := request_id or uuid.uuid4().hex, traceparent)
+        try:
+            result = await self._generate(inputs, request_id, timeout, span.traceparent)
+        except BaseException as exc:
+            span.end(exc)
+            raise
+        span.end()
+        return result
+
+    async def _generate(
+        self, inputs: Mapping[str, Any], request_id: str, timeout: float | None, tp: str | None
+    ) -> GenerateResult:
+        request = build_request(inputs, request_id, timeout, tp)
         session = self._session()
         future = session.send(request)
         try:
@@ -351,13 +384,15 @@ class AsyncClient:
     ) -> AsyncIterator[StreamEvent]:
         """`Client.stream`, as an async iterator; cancelling or closing it aborts the request."""
         timeout = timeout if timeout is not None else self.timeout
-        request = build_request(inputs, request_id, timeout, traceparent, stream=True)
-        rid = request.request_id
-        session = self._session()
-        events = session.send_stream(request)
-        deadline = None if timeout is None else time.monotonic() + _deadline(timeout)
+        rid = request_id or uuid.uuid4().hex
+        span = ClientSpan("stream", rid, traceparent)
+        error: BaseException | None = None
         ended = False
         try:
+            request = build_request(inputs, rid, timeout, span.traceparent, stream=True)
+            session = self._session()
+            events = session.send_stream(request)
+            deadline = None if timeout is None else time.monotonic() + _deadline(timeout)
             while True:
                 wait = None if deadline is None else max(0.0, deadline - time.monotonic())
                 try:
@@ -371,9 +406,15 @@ class AsyncClient:
                 yield item
                 if ended:
                     return
+        except BaseException as exc:
+            error = exc
+            raise
         finally:
+            if isinstance(error, GeneratorExit):
+                error = None  # the caller stopped reading: an abort, not a failure
             if not ended:
-                session.abort(rid, "the client stopped reading the stream")
+                self._session().abort(rid, "the client stopped reading the stream")
+            span.end(error)
 
     def _session(self) -> AsyncSession:
         if self._sess is None or self._sess.broken:

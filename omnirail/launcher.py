@@ -19,7 +19,7 @@ import sys
 import tempfile
 import time
 import uuid
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -30,6 +30,8 @@ _PR_SET_PDEATHSIG = 1
 
 
 PARENT_ENV = "OMNIRAIL_DIE_WITH_PARENT"
+# Read by omnirail.telemetry.setup: the folder for span files without an OTLP endpoint.
+SPAN_DIR_ENV = "OMNIRAIL_SPAN_DIR"
 
 
 def die_with_parent() -> None:
@@ -69,7 +71,9 @@ class Mesh:
         port: int = 0,
         run_dir: str | None = None,
         progress: Callable[[str], None] | None = None,
+        env: Mapping[str, str] | None = None,
     ) -> None:
+        self._extra_env = dict(env or {})
         self.pipeline_path = str(Path(pipeline_path).resolve())
         self.pipeline: PipelineConfig = load_pipeline(self.pipeline_path)
         ep = self.pipeline.endpoints
@@ -110,11 +114,25 @@ class Mesh:
                 stdout=out,
                 stderr=subprocess.STDOUT,
                 stdin=subprocess.DEVNULL,
-                env={**os.environ, "PYTHONUNBUFFERED": "1", PARENT_ENV: str(os.getpid())},
+                env=self._child_env(),
             )
         child = _Child(name, proc, log)
         self._children.append(child)
         return child
+
+    @property
+    def span_dir(self) -> Path:
+        """Where processes write spans when no OTLP endpoint is configured."""
+        return self.run_dir / "spans"
+
+    def _child_env(self) -> dict[str, str]:
+        env = {**os.environ, "PYTHONUNBUFFERED": "1", PARENT_ENV: str(os.getpid())}
+        # Each process names itself (omnirail-coordinator, omnirail-stage-<name>); one
+        # inherited name would merge every service into one.
+        env.pop("OTEL_SERVICE_NAME", None)
+        env.setdefault(SPAN_DIR_ENV, str(self.span_dir))
+        env.update(self._extra_env)
+        return env
 
     def start(self, timeout: float = 180.0) -> str:
         try:

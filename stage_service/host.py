@@ -21,6 +21,8 @@ from omnirail.config import PipelineConfig
 from omnirail.deliver import DeliverChannel
 from omnirail.errors import OmniError, invalid, unavailable
 from omnirail.grpc_server import SERVING, bind, create_server, write_until_read_ends
+from omnirail.telemetry.metrics import StageMetrics
+from omnirail.telemetry.tracer import Tracer
 from omnirail.v1 import mesh_pb2, mesh_pb2_grpc
 from relay.base import Relay, RelayHandle, create_relay
 from stage_service.attach import AttachClient
@@ -63,8 +65,15 @@ class StageHost(mesh_pb2_grpc.StageServicer):
         advertise: str | None = None,
         shm_prefix: str = "omnirail",
         replica_id: str | None = None,
+        tracer: Tracer | None = None,
+        metrics: StageMetrics | None = None,
+        metrics_address: str = "",
     ) -> None:
         self.pipeline = pipeline
+        self._tracer = tracer
+        # One registry for every stage hosted here; the address goes out in Register.
+        self._metrics = metrics or StageMetrics()
+        self._metrics_address = metrics_address
         self.stage_names = stage_names
         self._coordinator = coordinator
         self._listen = listen
@@ -106,13 +115,24 @@ class StageHost(mesh_pb2_grpc.StageServicer):
                     address=advertise,
                     pid=os.getpid(),
                     relay_backends=sorted(self._relays),
+                    metrics_address=self._metrics_address,
                 ),
                 lambda cmd, n=name: self._on_command(n, cmd),
                 max_message_bytes=self._max_message,
                 load=lambda n=name: (self.stages[n].scheduler.queue_depth, self.stages[n].inflight),
             )
             relay = self._relays[self.pipeline.relay_for(name).backend]
-            stage = Stage(name, self.pipeline, schedulers[name], relay, self._relays, self, attach)
+            stage = Stage(
+                name,
+                self.pipeline,
+                schedulers[name],
+                relay,
+                self._relays,
+                self,
+                attach,
+                self._tracer,
+                self._metrics,
+            )
             stage.start()
             self.stages[name] = stage
             self._attach[name] = attach
@@ -204,7 +224,7 @@ class StageHost(mesh_pb2_grpc.StageServicer):
             }
             self._address_stage = {a: name for name, addrs in self._topology.items() for a in addrs}
         for abort in cmd.aborts:
-            self.stages[stage_name].abort(abort.request_id)
+            self.stages[stage_name].abort(abort.request_id, abort.reason)
             for relay in self._relays.values():
                 relay.cleanup(abort.request_id)
             for channel in self._channels.values():

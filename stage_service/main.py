@@ -38,10 +38,27 @@ async def serve(
     listen: str,
     advertise: str | None = None,
     shm_prefix: str = "omnirail",
+    metrics_host: str | None = None,
+    metrics_port: int | None = None,
 ) -> None:
+    from omnirail.telemetry import setup_tracing
+    from omnirail.telemetry.metrics import (
+        StageMetrics,
+        dial_address,
+        metrics_endpoint,
+        start_metrics_server,
+        stop_metrics_server,
+    )
     from stage_service.host import StageHost
 
     configure_process(pipeline, stage_names)
+    telemetry = setup_tracing(f"omnirail-stage-{'+'.join(stage_names)}")
+    metrics = StageMetrics()
+    metrics_address = ""
+    endpoint = metrics_endpoint(pipeline.metrics, stage=True, host=metrics_host, port=metrics_port)
+    if endpoint is not None:
+        metrics_address = start_metrics_server(metrics.registry, *endpoint)
+        log.info("stages %s metrics at http://%s/metrics", stage_names, metrics_address)
     host = StageHost(
         pipeline,
         stage_names,
@@ -49,6 +66,9 @@ async def serve(
         listen=listen,
         advertise=advertise,
         shm_prefix=shm_prefix,
+        tracer=telemetry.tracer,
+        metrics=metrics,
+        metrics_address=dial_address(metrics_address, endpoint[0], advertise) if endpoint else "",
     )
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGINT, signal.SIGTERM):
@@ -59,3 +79,7 @@ async def serve(
         await host.shutdown_requested.wait()
     finally:
         await host.stop()
+        if metrics_address:
+            await asyncio.to_thread(stop_metrics_server, metrics_address)
+        # Spans of requests that just ended must not be lost at shutdown.
+        await asyncio.to_thread(telemetry.shutdown)

@@ -41,6 +41,8 @@ class IncomingMessage:
     # Run on the stage's loop once the scheduler has taken the message (returns the
     # sender's stream credit); schedulers never call it themselves.
     on_taken: Callable[[], None] | None = None
+    # When a scheduler took it (unix ns; set by `Inbox.get`): the end of its queue wait.
+    taken_ns: int = 0
 
 
 @dataclass(slots=True)
@@ -58,6 +60,8 @@ class OutgoingMessage:
     data: Any
     target: str | None = None
     metadata: dict[str, Any] | None = None
+    # When the scheduler emitted it (unix ns; set by `Outbox.put_many`).
+    created_ns: int = 0
 
 
 class Inbox:
@@ -87,8 +91,10 @@ class Inbox:
 
     def get(self, block: bool = True, timeout: float | None = None) -> IncomingMessage | None:
         msg = self._queue.get(block, timeout)
-        if msg is not None and msg.on_taken is not None and not self.defer_taken:
-            self._note_taken(msg.on_taken)
+        if msg is not None:
+            msg.taken_ns = time.time_ns()
+            if msg.on_taken is not None and not self.defer_taken:
+                self._note_taken(msg.on_taken)
         return msg
 
     def taken(self, msg: IncomingMessage) -> None:
@@ -160,6 +166,9 @@ class Outbox:
         msgs = list(msgs)
         if not msgs:
             return
+        now = time.time_ns()
+        for m in msgs:
+            m.created_ns = now
         streams = [m.request_id for m in msgs if m.type == "stream"]
         with self._cond:
             if streams:

@@ -21,6 +21,8 @@ from omnirail import dotted
 from omnirail.config import PipelineConfig
 from omnirail.errors import Code, OmniError, internal, invalid
 from omnirail.payload import Packed, PayloadError, encode_inline, pack
+from omnirail.telemetry.metrics import ABORTED, COMPLETED, FAILED, StageMetrics
+from omnirail.telemetry.tracer import STATUS_OK, Span, Tracer, parse_traceparent
 from omnirail.v1 import common_pb2, mesh_pb2
 from relay.base import Relay, RelayError, RelayHandle
 from relay.inline import BACKEND as INLINE_BACKEND
@@ -73,6 +75,14 @@ class _Request:
     streams: InStreams = field(default_factory=InStreams)
     # Streams out to the client: next chunk id.
     client_chunks: int = 0
+    # Tracing and metrics: this stage's span for the request (None when unsampled or
+    # off), when the request went to the scheduler and the message it went in (its
+    # `taken_ns` ends the queue wait), and stream counts.
+    span: Span | None = None
+    submitted_ns: int = 0
+    new_msg: IncomingMessage | None = None
+    chunks_in: int = 0
+    chunks_out: int = 0
 
 
 class Stage:
@@ -85,8 +95,12 @@ class Stage:
         relays: Mapping[str, Relay],
         router: Router,
         reporter: Reporter,
+        tracer: Tracer | None = None,
+        metrics: StageMetrics | None = None,
     ) -> None:
         self.name = name
+        self._tracer = tracer or Tracer()
+        self._span_name = f"stage {name}"
         self.cfg = pipeline.stage(name)
         self.scheduler = scheduler
         self._relay = relay
@@ -113,7 +127,13 @@ class Stage:
         # Client-bound chunks ride the Attach stream, inline: keep them under its limit.
         self._max_client_chunk = (pipeline.endpoints.max_message_mb << 20) - (64 << 10)
         self._streams = StreamSender(
-            name, self.cfg.stream, relay, self._inline_bytes, router.deliver, self._stream_failed
+            name,
+            self.cfg.stream,
+            relay,
+            self._inline_bytes,
+            router.deliver,
+            self._stream_failed,
+            on_put=lambda target, nbytes, s: self._metrics.relay_put(relay.name, target, nbytes, s),
         )
         scheduler.outbox.set_stream_limit(self.cfg.stream.outbox_chunks)
         self._requests: dict[str, _Request] = {}
@@ -122,6 +142,9 @@ class Stage:
         self._ended = AbortSet()
         self._backlog: deque[OutgoingMessage | _Send] = deque()
         self._sender: asyncio.Task[None] | None = None
+        self._metrics = (metrics or StageMetrics()).stage(
+            name, queue_depth=lambda: scheduler.queue_depth, inflight=lambda: self.inflight
+        )
 
     # ---- lifecycle -----------------------------------------------------------
 
@@ -168,6 +191,7 @@ class Stage:
             if error_ack:
                 error_ack(None)
             return
+        get_ns = time.time_ns()
         try:
             received = await receive_payload(item.payload, self._relays)
         except (PayloadError, RelayError) as exc:
@@ -176,15 +200,34 @@ class Stage:
                 error_ack(err)
             self._fail(rid, err)
             return
+        if relayed:
+            desc = item.payload.relay
+            self._metrics.relay_get(
+                desc.backend, source, desc.nbytes, (time.time_ns() - get_ns) / 1e9
+            )
         ack_fn = ack if relayed and self._relays[item.payload.relay.backend].acks_in_band else None
         if rid in self._aborted:  # aborted while the relay read was in flight
             received.release()
             if ack_fn:
                 ack_fn(None)
             return
-        req = self._requests.get(rid)
-        if req is None:
-            req = self._requests[rid] = _Request(item.meta, item.traceparent)
+        req = self._request_for(item, get_ns)
+        if req.span is not None:
+            if self._wait_for:  # fan-in: the span links every producer
+                req.span.link(parse_traceparent(item.traceparent))
+            if relayed:
+                desc = item.payload.relay
+                self._tracer.record(
+                    "relay.get",
+                    req.span,
+                    get_ns,
+                    time.time_ns(),
+                    {
+                        "omnirail.relay.backend": desc.backend,
+                        "omnirail.relay.bytes": desc.nbytes,
+                        "omnirail.edge": f"{source}->{self.name}",
+                    },
+                )
         req.holds.append((received, ack_fn))
         if item.meta.deadline and time.time() > item.meta.deadline:
             self._fail(rid, OmniError(Code.DEADLINE_EXCEEDED, "deadline passed", self.name))
@@ -200,11 +243,31 @@ class Stage:
         if ready is not _PENDING and not req.submitted:
             self._submit(rid, req, ready)
 
+    def _request_for(self, item: mesh_pb2.DeliverItem, start_ns: int | None = None) -> _Request:
+        """The request's state here, made (with its span) by its first item."""
+        req = self._requests.get(item.request_id)
+        if req is not None:
+            return req
+        req = self._requests[item.request_id] = _Request(item.meta, item.traceparent)
+        span = self._tracer.start(
+            self._span_name,
+            parse_traceparent(item.traceparent),
+            {"omnirail.request_id": item.request_id, "omnirail.stage": self.name},
+            start_ns=start_ns,
+        )
+        if span is not None:
+            req.span = span
+            req.traceparent = span.traceparent  # downstream spans are children of ours
+        return req
+
     def _submit(self, rid: str, req: _Request, data: Any) -> None:
         """Hands the request to the scheduler, then whatever stream input waited for it."""
         req.submitted = True
         inbox = self.scheduler.inbox
-        inbox.put(IncomingMessage(rid, "new_request", data))
+        msg = IncomingMessage(rid, "new_request", data)
+        req.submitted_ns = time.time_ns()
+        req.new_msg = msg
+        inbox.put(msg)
         for msg in req.streams.early:
             inbox.put(msg)
         req.streams.early.clear()
@@ -232,9 +295,7 @@ class Stage:
             ack(err)
             self._fail(rid, err)
             return
-        req = self._requests.get(rid)
-        if req is None:
-            req = self._requests[rid] = _Request(item.meta, item.traceparent)
+        req = self._request_for(item)
         if signal.HasField("error"):
             # The producer already reported the failure; just stop work on it here.
             ack(None)
@@ -253,6 +314,7 @@ class Stage:
             self._maybe_stream_done(rid, req)
             return
         relayed = item.payload.HasField("relay")
+        get_ns = time.time_ns()
         try:
             received = await receive_payload(item.payload, self._relays, copy=relayed)
         except (PayloadError, RelayError) as exc:
@@ -260,11 +322,19 @@ class Stage:
             ack(err)
             self._fail(rid, err)
             return
+        if relayed:
+            desc = item.payload.relay
+            self._metrics.relay_get(
+                desc.backend, source, desc.nbytes, (time.time_ns() - get_ns) / 1e9
+            )
         if rid in self._aborted:  # aborted while the relay read was in flight
             received.release()
             ack(None)
             return
         req.streams.accept(source, signal)
+        req.chunks_in += 1
+        if req.chunks_in == 1 and req.span is not None:
+            req.span.event("first_chunk_in", {"omnirail.source": source})
         msg = IncomingMessage(
             rid, "stream_chunk", received.value, source, signal.chunk_id, lambda: ack(None)
         )
@@ -387,10 +457,17 @@ class Stage:
         if msg.type == "error":
             self._fail(rid, _as_error(msg.data, self.name))
             return None
+        new = req.new_msg
+        if new is not None and new.taken_ns:
+            self._metrics.computed(req.submitted_ns, new.taken_ns, msg.created_ns or time.time_ns())
+        if req.span is not None:
+            self._record_compute(req, msg)
+        send_ns = time.time_ns()
         try:
             self._end_streams(rid, req, msg.data)
             if self.cfg.terminal:
                 self._reporter.complete(rid, encode_inline(msg.data), req.traceparent)
+                self._tracer.record("send", req.span, send_ns, time.time_ns())
                 self._finish(rid)
                 return None
             send = _Send(rid, req, [])
@@ -407,8 +484,17 @@ class Stage:
         except Exception as exc:
             self._fail(rid, _as_error(exc, self.name))
             return None
+        self._tracer.record("send", req.span, send_ns, time.time_ns())
         self._finish(rid)
         return None
+
+    def _record_compute(self, req: _Request, msg: OutgoingMessage) -> None:
+        """Queue wait and compute as child spans, from the scheduler's timestamps."""
+        new = req.new_msg
+        if new is None or not new.taken_ns:
+            return
+        self._tracer.record("queue", req.span, req.submitted_ns, new.taken_ns)
+        self._tracer.record("compute", req.span, new.taken_ns, msg.created_ns or time.time_ns())
 
     # ---- stream output -----------------------------------------------------------
 
@@ -440,6 +526,9 @@ class Stage:
             outbox.sent(rid)
             self._fail(rid, _as_error(exc, self.name))
             return
+        req.chunks_out += 1
+        if req.chunks_out == 1 and req.span is not None:
+            req.span.event("first_chunk_out")
         if not targets:
             outbox.sent(rid)
             return
@@ -498,10 +587,12 @@ class Stage:
             for target, packed in send.parts:
                 if self._send_part_now(req, rid, target, packed):
                     continue
+                put_ns = time.time_ns()
                 handle = await self._relay.put(packed, rid, f"{self.name}->{target}")
                 if rid in self._aborted:  # aborted while waiting for relay credit
                     handle.release()
                     return
+                self._record_put(req, target, packed, put_ns)
                 self._deliver_relayed(req, rid, target, packed, handle)
         except Exception as exc:
             self._fail(rid, _as_error(exc, self.name))
@@ -515,11 +606,24 @@ class Stage:
             return True
         if self._relay.name == INLINE_BACKEND:
             raise oversize_error(packed.nbytes, self._inline_bytes)
+        put_ns = time.time_ns()
         handle = self._relay.put_nowait(packed, rid, f"{self.name}->{target}")
         if handle is None:
             return False
+        self._record_put(req, target, packed, put_ns)
         self._deliver_relayed(req, rid, target, packed, handle)
         return True
+
+    def _record_put(self, req: _Request, target: str, packed: Packed, put_ns: int) -> None:
+        seconds = (time.time_ns() - put_ns) / 1e9
+        self._metrics.relay_put(self._relay.name, target, packed.nbytes, seconds)
+        if req.span is not None:
+            attrs = {
+                "omnirail.relay.backend": self._relay.name,
+                "omnirail.relay.bytes": packed.nbytes,
+                "omnirail.edge": f"{self.name}->{target}",
+            }
+            self._tracer.record("relay.put", req.span, put_ns, time.time_ns(), attrs)
 
     def _deliver_relayed(
         self, req: _Request, rid: str, target: str, packed: Packed, handle: RelayHandle
@@ -565,11 +669,21 @@ class Stage:
 
     # ---- endings -------------------------------------------------------------
 
-    def _finish(self, rid: str) -> None:
+    def _finish(self, rid: str, outcome: str = COMPLETED) -> None:
         req = self._requests.pop(rid, None)
         if req is not None:
+            self._metrics.ended(outcome)
             self._ended.add(rid)
             self._release(req)
+            span = req.span
+            if span is not None:
+                if req.chunks_in:
+                    span.set("omnirail.stream.chunks_in", req.chunks_in)
+                if req.chunks_out:
+                    span.set("omnirail.stream.chunks_out", req.chunks_out)
+                if not span.status_code:
+                    span.status_code = STATUS_OK
+                span.end()
 
     def _fail(self, rid: str, error: OmniError) -> None:
         if rid in self._aborted:
@@ -577,17 +691,22 @@ class Stage:
         self._reporter.fail(rid, error)
         req = self._requests.get(rid)
         if req is not None:
+            if req.span is not None:
+                req.span.error(f"{error.code_name}: {error.message}")
             # Consumers stop at once instead of waiting for the coordinator's abort.
             self._streams.error(rid, error, req.meta, req.traceparent)
         # The coordinator broadcasts an abort next; stop work on it here already.
-        self.abort(rid)
+        self.abort(rid, outcome=FAILED)
 
-    def abort(self, rid: str) -> None:
+    def abort(self, rid: str, reason: str = "", *, outcome: str = ABORTED) -> None:
+        req = self._requests.get(rid)
+        if req is not None and req.span is not None and not req.span.status_code:
+            req.span.error(f"aborted: {reason}" if reason else "aborted")
         self._aborted.add(rid)
         self.scheduler.abort(rid)
         self._streams.forget(rid)
         self._drop_backlog(rid)
-        self._finish(rid)
+        self._finish(rid, outcome)
 
     def _drop_backlog(self, rid: str) -> None:
         if not any(_request_of(m) == rid for m in self._backlog):

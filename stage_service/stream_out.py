@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import time
 from collections import OrderedDict, deque
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -142,8 +143,11 @@ class StreamSender:
         inline_bytes: int,
         deliver: DeliverFn,
         on_failed: Callable[[str, BaseException], None],
+        on_put: Callable[[str, int, float], None] | None = None,
     ) -> None:
         self._stage = stage
+        # (target, bytes, seconds) of each chunk put into the relay, for metrics.
+        self._on_put = on_put
         self._cfg = cfg
         self._relay = relay
         self._inline_bytes = inline_bytes
@@ -282,6 +286,7 @@ class StreamSender:
                 return _Result.SENT
             if self._relay.name == INLINE_BACKEND:
                 raise oversize_error(packed.nbytes, self._inline_bytes)
+            put_ns = time.time_ns()
             handle = self._relay.put_nowait(packed, out.request_id, self._edge_name(edge))
         except Exception as exc:
             credit.release()
@@ -294,12 +299,14 @@ class StreamSender:
             task.add_done_callback(self._tasks.discard)
             return _Result.ASYNC
         credit.attach(handle)
+        self._put_done(edge, packed, put_ns)
         self._send(out, edge.target, credit, _relayed(packed, handle))
         return _Result.SENT
 
     async def _put_later(self, edge: _Edge, out: _Out, credit: ChunkCredit) -> None:
         rid = out.request_id
         assert out.packed is not None
+        put_ns = time.time_ns()
         try:
             handle = await self._relay.put(out.packed, rid, self._edge_name(edge))
         except Exception as exc:
@@ -315,8 +322,13 @@ class StreamSender:
                 out.token.one_done()
             return
         credit.attach(handle)
+        self._put_done(edge, out.packed, put_ns)
         self._send(out, edge.target, credit, _relayed(out.packed, handle))
         self._pump(edge)
+
+    def _put_done(self, edge: _Edge, packed: Packed, put_ns: int) -> None:
+        if self._on_put is not None:
+            self._on_put(edge.target, packed.nbytes, (time.time_ns() - put_ns) / 1e9)
 
     def _drop(self, out: _Out, exc: BaseException) -> None:
         if out.token is not None:

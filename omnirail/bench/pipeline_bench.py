@@ -65,6 +65,30 @@ async def _throughput(address: str, total: int, concurrency: int) -> float:
         return total / (time.perf_counter() - start)
 
 
+# Environment for the mesh processes: tracing off, or on at sampling 1.0 (spans to the
+# run directory's files unless OTEL_EXPORTER_OTLP_ENDPOINT points elsewhere).
+TRACING_ENV = {
+    "off": {"OTEL_SDK_DISABLED": "true"},
+    "on": {"OTEL_SDK_DISABLED": "false", "OTEL_TRACES_SAMPLER": "always_on"},
+}
+
+
+def _latencies(address: str, requests: int, payload_bytes: int) -> list[float]:
+    from omnirail.client import Client
+
+    with Client(address, timeout=60) as client:
+        for i in range(50):  # warm pools, channels and code paths
+            client.generate({"i": i})
+        latencies = []
+        for i in range(requests):
+            t0 = time.perf_counter()
+            out = client.generate({"i": i}).output
+            latencies.append((time.perf_counter() - t0) * 1000)
+            if out["nbytes"] != payload_bytes:
+                raise RuntimeError(f"sink saw {out['nbytes']} bytes, sent {payload_bytes}")
+    return latencies
+
+
 def run_pipeline_bench(
     *,
     stages: int = 3,
@@ -73,26 +97,23 @@ def run_pipeline_bench(
     concurrency: int = 64,
     throughput_requests: int = 2048,
     stage_ms: float = 0.0,
+    tracing: str = "off",
     progress: Callable[[str], None] | None = None,
 ) -> dict[str, Any]:
-    from omnirail.client import Client
     from omnirail.launcher import Mesh
 
+    if tracing == "compare":
+        return _compare_tracing(
+            stages, payload_bytes, requests, concurrency, throughput_requests, stage_ms, progress
+        )
+    if tracing not in TRACING_ENV:
+        raise ValueError(f"tracing must be off, on or compare, not {tracing!r}")
     with tempfile.TemporaryDirectory(prefix="omnirail-bench-") as tmp:
         path = Path(tmp) / "bench.yaml"
         path.write_text(yaml.safe_dump(pipeline_yaml(stages, payload_bytes, stage_ms)))
-        with Mesh(path, progress=progress) as mesh:
+        with Mesh(path, progress=progress, env=TRACING_ENV[tracing]) as mesh:
             assert mesh.address is not None
-            with Client(mesh.address, timeout=60) as client:
-                for i in range(50):  # warm pools, channels and code paths
-                    client.generate({"i": i})
-                latencies = []
-                for i in range(requests):
-                    t0 = time.perf_counter()
-                    out = client.generate({"i": i}).output
-                    latencies.append((time.perf_counter() - t0) * 1000)
-                    if out["nbytes"] != payload_bytes:
-                        raise RuntimeError(f"sink saw {out['nbytes']} bytes, sent {payload_bytes}")
+            latencies = _latencies(mesh.address, requests, payload_bytes)
             rps = asyncio.run(_throughput(mesh.address, throughput_requests, concurrency))
     report: dict[str, Any] = {
         "stages": stages,
@@ -107,4 +128,56 @@ def run_pipeline_bench(
     if stage_ms:
         report["stage_ms"] = stage_ms
         report["efficiency"] = round(rps * stage_ms / 1000.0, 3)
+    report["tracing"] = tracing
     return report
+
+
+def _compare_tracing(
+    stages: int,
+    payload_bytes: int,
+    requests: int,
+    concurrency: int,
+    throughput_requests: int,
+    stage_ms: float,
+    progress: Callable[[str], None] | None,
+    rounds: int = 3,
+) -> dict[str, Any]:
+    """Throughput with tracing off and on, measured in alternating rounds on two meshes
+    so both see the same machine load; reports the median of each and their ratio."""
+    from omnirail.launcher import Mesh
+
+    with tempfile.TemporaryDirectory(prefix="omnirail-bench-") as tmp:
+        path = Path(tmp) / "bench.yaml"
+        path.write_text(yaml.safe_dump(pipeline_yaml(stages, payload_bytes, stage_ms)))
+        with (
+            Mesh(path, progress=progress, env=TRACING_ENV["off"]) as off,
+            Mesh(path, progress=progress, env=TRACING_ENV["on"]) as on,
+        ):
+            assert off.address is not None and on.address is not None
+            p50 = {}
+            for name, mesh in (("off", off), ("on", on)):
+                assert mesh.address is not None
+                p50[name] = statistics.median(_latencies(mesh.address, requests, payload_bytes))
+            rps: dict[str, list[float]] = {"off": [], "on": []}
+            for _ in range(rounds):
+                for name, mesh in (("off", off), ("on", on)):
+                    assert mesh.address is not None
+                    rps[name].append(
+                        asyncio.run(_throughput(mesh.address, throughput_requests, concurrency))
+                    )
+            spans = sum(1 for _ in on.span_dir.glob("*.otlp"))
+    off_rps, on_rps = statistics.median(rps["off"]), statistics.median(rps["on"])
+    return {
+        "stages": stages,
+        "payload_bytes": payload_bytes,
+        "concurrency": concurrency,
+        "throughput_requests": throughput_requests,
+        "rounds": rounds,
+        "latency_p50_ms_tracing_off": round(p50["off"], 3),
+        "latency_p50_ms_tracing_on": round(p50["on"], 3),
+        "throughput_rps_tracing_off": round(off_rps, 1),
+        "throughput_rps_tracing_on": round(on_rps, 1),
+        "throughput_rps_runs": {k: [round(x, 1) for x in v] for k, v in rps.items()},
+        "tracing_throughput_ratio": round(on_rps / off_rps, 3),
+        "span_files": spans,
+    }

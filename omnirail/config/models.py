@@ -98,6 +98,17 @@ class EndpointsConfig(_Model):
     max_message_mb: int = Field(64, gt=0)
 
 
+class MetricsConfig(_Model):
+    """Prometheus `/metrics` endpoints, one per process (DescribePipeline lists them)."""
+
+    enabled: bool = True
+    host: str = Field("127.0.0.1", min_length=1)
+    # 0 picks a free port. Every stage process uses `stage_port`, so a fixed one only
+    # suits one stage process per host (or set `omnirail stage --metrics-port` each).
+    port: int = Field(0, ge=0, le=65535)
+    stage_port: int = Field(0, ge=0, le=65535)
+
+
 class StreamConfig(_Model):
     """Flow control of the stream edges out of a stage, and how it takes early chunks."""
 
@@ -183,6 +194,7 @@ class PipelineConfig(_Model):
     runtime_overrides: dict[str, dict[str, Any]] = {}
     env_defaults: dict[str, str] = {}
     endpoints: EndpointsConfig = Field(default_factory=EndpointsConfig)
+    metrics: MetricsConfig = Field(default_factory=MetricsConfig)
     terminal_stages_fn: str | None = None
     default_timeout_s: float = Field(60.0, gt=0)
     max_input_mb: int = Field(32, gt=0)

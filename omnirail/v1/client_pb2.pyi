@@ -143,29 +143,33 @@ class StageInfo(_message.Message):
     def __init__(self, name: _Optional[str] = ..., next: _Optional[_Iterable[str]] = ..., terminal: _Optional[bool] = ..., wait_for: _Optional[_Iterable[str]] = ..., replicas: _Optional[_Iterable[_Union[Replica, _Mapping]]] = ...) -> None: ...
 
 class Replica(_message.Message):
-    __slots__ = ("replica_id", "address", "live", "queue_depth", "inflight")
+    __slots__ = ("replica_id", "address", "live", "queue_depth", "inflight", "metrics_address")
     REPLICA_ID_FIELD_NUMBER: _ClassVar[int]
     ADDRESS_FIELD_NUMBER: _ClassVar[int]
     LIVE_FIELD_NUMBER: _ClassVar[int]
     QUEUE_DEPTH_FIELD_NUMBER: _ClassVar[int]
     INFLIGHT_FIELD_NUMBER: _ClassVar[int]
+    METRICS_ADDRESS_FIELD_NUMBER: _ClassVar[int]
     replica_id: str
     address: str
     live: bool
     queue_depth: int
     inflight: int
-    def __init__(self, replica_id: _Optional[str] = ..., address: _Optional[str] = ..., live: _Optional[bool] = ..., queue_depth: _Optional[int] = ..., inflight: _Optional[int] = ...) -> None: ...
+    metrics_address: str
+    def __init__(self, replica_id: _Optional[str] = ..., address: _Optional[str] = ..., live: _Optional[bool] = ..., queue_depth: _Optional[int] = ..., inflight: _Optional[int] = ..., metrics_address: _Optional[str] = ...) -> None: ...
 
 class PipelineInfo(_message.Message):
-    __slots__ = ("name", "entry_stage", "terminal_stages", "stages", "ready")
+    __slots__ = ("name", "entry_stage", "terminal_stages", "stages", "ready", "metrics_address")
     NAME_FIELD_NUMBER: _ClassVar[int]
     ENTRY_STAGE_FIELD_NUMBER: _ClassVar[int]
     TERMINAL_STAGES_FIELD_NUMBER: _ClassVar[int]
     STAGES_FIELD_NUMBER: _ClassVar[int]
     READY_FIELD_NUMBER: _ClassVar[int]
+    METRICS_ADDRESS_FIELD_NUMBER: _ClassVar[int]
     name: str
     entry_stage: str
     terminal_stages: _containers.RepeatedScalarFieldContainer[str]
     stages: _containers.RepeatedCompositeFieldContainer[StageInfo]
     ready: bool
-    def __init__(self, name: _Optional[str] = ..., entry_stage: _Optional[str] = ..., terminal_stages: _Optional[_Iterable[str]] = ..., stages: _Optional[_Iterable[_Union[StageInfo, _Mapping]]] = ..., ready: _Optional[bool] = ...) -> None: ...
+    metrics_address: str
+    def __init__(self, name: _Optional[str] = ..., entry_stage: _Optional[str] = ..., terminal_stages: _Optional[_Iterable[str]] = ..., stages: _Optional[_Iterable[_Union[StageInfo, _Mapping]]] = ..., ready: _Optional[bool] = ..., metrics_address: _Optional[str] = ...) -> None: ...

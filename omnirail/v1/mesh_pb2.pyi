@@ -8,18 +8,20 @@ from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 DESCRIPTOR: _descriptor.FileDescriptor
 
 class Register(_message.Message):
-    __slots__ = ("stage", "replica_id", "address", "pid", "relay_backends")
+    __slots__ = ("stage", "replica_id", "address", "pid", "relay_backends", "metrics_address")
     STAGE_FIELD_NUMBER: _ClassVar[int]
     REPLICA_ID_FIELD_NUMBER: _ClassVar[int]
     ADDRESS_FIELD_NUMBER: _ClassVar[int]
     PID_FIELD_NUMBER: _ClassVar[int]
     RELAY_BACKENDS_FIELD_NUMBER: _ClassVar[int]
+    METRICS_ADDRESS_FIELD_NUMBER: _ClassVar[int]
     stage: str
     replica_id: str
     address: str
     pid: int
     relay_backends: _containers.RepeatedScalarFieldContainer[str]
-    def __init__(self, stage: _Optional[str] = ..., replica_id: _Optional[str] = ..., address: _Optional[str] = ..., pid: _Optional[int] = ..., relay_backends: _Optional[_Iterable[str]] = ...) -> None: ...
+    metrics_address: str
+    def __init__(self, stage: _Optional[str] = ..., replica_id: _Optional[str] = ..., address: _Optional[str] = ..., pid: _Optional[int] = ..., relay_backends: _Optional[_Iterable[str]] = ..., metrics_address: _Optional[str] = ...) -> None: ...
 
 class Completion(_message.Message):
     __slots__ = ("request_id", "output", "traceparent")

@@ -256,14 +256,44 @@ def test_up_detached_generate_down() -> None:
         found.prefixes = prefixes
         (prefix,) = prefixes
 
+        rid = f"traced-{uuid.uuid4().hex[:8]}"
+        parent_trace = uuid.uuid4().hex
         gen = omnirail(
-            "generate", "--address", address, "--input", '{"text": "hi"}', timeout=QUICK_TIMEOUT
+            "generate",
+            "--address",
+            address,
+            "--input",
+            '{"text": "hi"}',
+            "--request-id",
+            rid,
+            "--traceparent",
+            f"00-{parent_trace}-{'ab' * 8}-01",
+            timeout=QUICK_TIMEOUT,
         )
         assert gen.returncode == 0, explain(gen)
         check_quickstart_outputs(json.loads(gen.stdout))
         # The 196 KiB image went through the relay, so this mesh made shared memory.
         ours = {n for n in omnirail_shm() - shm_before if n.startswith(prefix + "-")}
         assert ours, "expected the mesh to hold shared memory after a relayed request"
+
+        # Spans of the live mesh, from the run directory's files (exported every 0.2 s).
+        deadline = time.monotonic() + 30
+        while True:
+            trace = omnirail("trace", rid, "--name", name, "--json", timeout=QUICK_TIMEOUT)
+            spans = json.loads(trace.stdout) if trace.returncode == 0 else []
+            if len([sp for sp in spans if sp["name"].startswith("stage ")]) == len(STAGES):
+                break
+            assert time.monotonic() < deadline, explain(trace)
+            time.sleep(0.3)
+        assert {sp["service"] for sp in spans} == {"omnirail-coordinator"} | {
+            f"omnirail-stage-{st}" for st in STAGES
+        }
+        assert [sp["name"] for sp in spans if sp["depth"] == 0] == ["omnirail.request"]
+        text = omnirail("trace", rid, "--name", name, timeout=QUICK_TIMEOUT)
+        assert text.returncode == 0, explain(text)
+        assert f"trace {parent_trace}" in text.stdout and "stage fuse" in text.stdout
+        missing = omnirail("trace", "no-such-request", "--name", name, timeout=QUICK_TIMEOUT)
+        assert missing.returncode == 1 and "no-such-request" in missing.stderr
 
         down = omnirail("down", "--name", name, timeout=QUICK_TIMEOUT)
         assert down.returncode == 0, explain(down)

@@ -1,0 +1,354 @@
+"""Prometheus metrics: one registry and one `/metrics` endpoint per service process.
+
+Names carry the `omnirail_` prefix and base units (seconds, bytes). Each service gets its
+own `CollectorRegistry`, not prometheus_client's process-global one, so services that
+share a process (tests, in-process meshes) never collide. Label children are bound once,
+so an observation on the request path costs one prometheus_client call (~1-2 µs) and at
+most a dict lookup. Observations happen on the service's event loop thread; the HTTP
+server reads them from its own thread (prometheus_client values are locked).
+
+Queue depth, in-flight and running counts are read at scrape time from callables rather
+than kept up to date on the request path.
+"""
+
+from __future__ import annotations
+
+import math
+import threading
+from collections.abc import Callable
+from typing import TYPE_CHECKING
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+
+from omnirail.v1.common_pb2 import ErrorCode, RequestState
+
+if TYPE_CHECKING:
+    from wsgiref.simple_server import WSGIServer
+
+    from omnirail.config import MetricsConfig
+    from omnirail.errors import OmniError
+
+# Seconds: sub-millisecond stage hops up to requests that run for a minute.
+LATENCY_BUCKETS = (
+    0.0001,
+    0.00025,
+    0.0005,
+    0.001,
+    0.0025,
+    0.005,
+    0.01,
+    0.025,
+    0.05,
+    0.1,
+    0.25,
+    0.5,
+    1.0,
+    2.5,
+    5.0,
+    10.0,
+    30.0,
+    60.0,
+)
+# A relay put or get of small tensors takes microseconds; a put that waits for edge
+# credit, up to seconds.
+RELAY_BUCKETS = (
+    0.00001,
+    0.000025,
+    0.00005,
+    0.0001,
+    0.00025,
+    0.0005,
+    0.001,
+    0.0025,
+    0.005,
+    0.01,
+    0.025,
+    0.05,
+    0.1,
+    0.25,
+    0.5,
+    1.0,
+    2.5,
+    10.0,
+)
+
+COMPLETED = "completed"
+FAILED = "failed"
+ABORTED = "aborted"
+OUTCOMES = (COMPLETED, FAILED, ABORTED)
+
+OP_PUT = "put"  # observed by the sender
+OP_GET = "get"  # observed by the receiver
+
+# Plain ints: attribute lookups on protobuf enum wrappers cost microseconds.
+_COMPLETED = int(RequestState.COMPLETED)
+_STATE_NAMES = {
+    _COMPLETED: COMPLETED,
+    int(RequestState.FAILED): FAILED,
+    int(RequestState.ABORTED): ABORTED,
+}
+_ABORT_REASONS = {
+    int(ErrorCode.CANCELLED): "client",
+    int(ErrorCode.DEADLINE_EXCEEDED): "deadline",
+    int(ErrorCode.UNAVAILABLE): "unavailable",
+}
+ABORT_REASONS = ("client", "deadline", "unavailable", "stage_error")
+
+
+def abort_reason(error: OmniError | None) -> str:
+    """The `reason` label of a request that ended without completing."""
+    if error is None:
+        return "stage_error"
+    return _ABORT_REASONS.get(error.code, "stage_error")
+
+
+def _scrape_safe(fn: Callable[[], float]) -> Callable[[], float]:
+    # A scrape racing a stage's shutdown must not turn the whole endpoint into a 500.
+    def read() -> float:
+        try:
+            return float(fn())
+        except Exception:
+            return math.nan
+
+    return read
+
+
+class CoordinatorMetrics:
+    """Request outcomes, latency, time to first chunk and aborts, seen by the coordinator."""
+
+    def __init__(self, registry: CollectorRegistry | None = None) -> None:
+        self.registry = registry if registry is not None else CollectorRegistry()
+        r = self.registry
+        requests = Counter(
+            "omnirail_requests_total",
+            "Requests that ended, by final state (completed, failed, aborted).",
+            ["state"],
+            registry=r,
+        )
+        duration = Histogram(
+            "omnirail_request_duration_seconds",
+            "End-to-end request latency at the coordinator, by final state.",
+            ["state"],
+            registry=r,
+            buckets=LATENCY_BUCKETS,
+        )
+        self._running = Gauge(
+            "omnirail_requests_running", "Requests in flight in the mesh.", registry=r
+        )
+        self._first_chunk = Histogram(
+            "omnirail_time_to_first_chunk_seconds",
+            "From a streaming request's start to its first client-bound chunk.",
+            registry=r,
+            buckets=LATENCY_BUCKETS,
+        )
+        aborts = Counter(
+            "omnirail_aborts_total",
+            "Requests the coordinator aborted across the mesh (every request that ended "
+            "without completing), by cause: client, deadline, unavailable, stage_error.",
+            ["reason"],
+            registry=r,
+        )
+        self._ended = {
+            state: (requests.labels(name), duration.labels(name))
+            for state, name in _STATE_NAMES.items()
+        }
+        self._aborts = {reason: aborts.labels(reason) for reason in ABORT_REASONS}
+
+    def watch_running(self, count: Callable[[], int]) -> None:
+        """`count()` is read at each scrape for `omnirail_requests_running`."""
+        self._running.set_function(_scrape_safe(count))
+
+    def request_ended(self, state: int, error: OmniError | None, seconds: float) -> None:
+        counter, duration = self._ended[state]
+        counter.inc()
+        duration.observe(seconds)
+        if state != _COMPLETED:
+            self._aborts[abort_reason(error)].inc()
+
+    def first_chunk(self, seconds: float) -> None:
+        self._first_chunk.observe(seconds)
+
+
+class StageMetrics:
+    """The metrics of one stage process; `stage(name)` binds those of a hosted stage."""
+
+    def __init__(self, registry: CollectorRegistry | None = None) -> None:
+        self.registry = registry if registry is not None else CollectorRegistry()
+        r = self.registry
+        self.queue_depth = Gauge(
+            "omnirail_stage_queue_depth",
+            "Messages waiting in the stage scheduler's inbox.",
+            ["stage"],
+            registry=r,
+        )
+        self.inflight = Gauge(
+            "omnirail_stage_inflight",
+            "Requests the stage holds (waiting for inputs, queued, computing or sending).",
+            ["stage"],
+            registry=r,
+        )
+        self.queue_seconds = Histogram(
+            "omnirail_stage_queue_seconds",
+            "From handing a request to the scheduler to the scheduler taking it.",
+            ["stage"],
+            registry=r,
+            buckets=LATENCY_BUCKETS,
+        )
+        self.compute_seconds = Histogram(
+            "omnirail_stage_compute_seconds",
+            "From the scheduler taking a request to it emitting the result.",
+            ["stage"],
+            registry=r,
+            buckets=LATENCY_BUCKETS,
+        )
+        self.requests = Counter(
+            "omnirail_stage_requests_total",
+            "Requests that ended at the stage, by outcome (completed, failed, aborted).",
+            ["stage", "outcome"],
+            registry=r,
+        )
+        self.relay_bytes = Counter(
+            "omnirail_relay_bytes_total",
+            "Payload bytes moved through a relay backend on an edge (op: put on the "
+            "sender, get on the receiver).",
+            ["backend", "edge", "op"],
+            registry=r,
+        )
+        self.relay_seconds = Histogram(
+            "omnirail_relay_seconds",
+            "Relay put (including any wait for relay credit) and get time per payload or chunk.",
+            ["backend", "edge", "op"],
+            registry=r,
+            buckets=RELAY_BUCKETS,
+        )
+
+    def stage(
+        self,
+        name: str,
+        *,
+        queue_depth: Callable[[], int] | None = None,
+        inflight: Callable[[], int] | None = None,
+    ) -> StageRecorder:
+        """Binds the stage's series; the callables are read at each scrape."""
+        if queue_depth is not None:
+            self.queue_depth.labels(name).set_function(_scrape_safe(queue_depth))
+        if inflight is not None:
+            self.inflight.labels(name).set_function(_scrape_safe(inflight))
+        return StageRecorder(self, name)
+
+
+class StageRecorder:
+    """One stage's bound series: what the stage calls on its request path."""
+
+    __slots__ = ("_compute", "_metrics", "_outcomes", "_queue", "_relay", "stage")
+
+    def __init__(self, metrics: StageMetrics, stage: str) -> None:
+        self._metrics = metrics
+        self.stage = stage
+        self._queue = metrics.queue_seconds.labels(stage)
+        self._compute = metrics.compute_seconds.labels(stage)
+        self._outcomes = {o: metrics.requests.labels(stage, o) for o in OUTCOMES}
+        # (op, backend, peer stage) -> (bytes counter, seconds histogram)
+        self._relay: dict[tuple[str, str, str], tuple[Counter, Histogram]] = {}
+
+    def computed(self, submitted_ns: int, taken_ns: int, created_ns: int) -> None:
+        """Queue wait and compute of one result, from unix-ns timestamps."""
+        # Wall-clock stamps can step backwards; a negative time would corrupt the sums.
+        self._queue.observe(max(0, taken_ns - submitted_ns) / 1e9)
+        self._compute.observe(max(0, created_ns - taken_ns) / 1e9)
+
+    def ended(self, outcome: str) -> None:
+        self._outcomes[outcome].inc()
+
+    def relay_put(self, backend: str, target: str, nbytes: int, seconds: float) -> None:
+        self._relay_op(OP_PUT, backend, target, nbytes, seconds)
+
+    def relay_get(self, backend: str, source: str, nbytes: int, seconds: float) -> None:
+        self._relay_op(OP_GET, backend, source, nbytes, seconds)
+
+    def _relay_op(self, op: str, backend: str, peer: str, nbytes: int, seconds: float) -> None:
+        key = (op, backend, peer)
+        pair = self._relay.get(key)
+        if pair is None:
+            edge = f"{self.stage}->{peer}" if op == OP_PUT else f"{peer}->{self.stage}"
+            m = self._metrics
+            pair = self._relay[key] = (
+                m.relay_bytes.labels(backend, edge, op),
+                m.relay_seconds.labels(backend, edge, op),
+            )
+        pair[0].inc(nbytes)
+        pair[1].observe(seconds)
+
+
+# ---- HTTP endpoint ------------------------------------------------------------------
+
+_WILDCARDS = ("", "0.0.0.0", "::")
+_servers: dict[str, tuple[WSGIServer, threading.Thread]] = {}
+_servers_lock = threading.Lock()
+
+
+def metrics_endpoint(
+    cfg: MetricsConfig, *, stage: bool, host: str | None = None, port: int | None = None
+) -> tuple[str, int] | None:
+    """Where a process serves /metrics: the `--metrics-host`/`--metrics-port` flags win
+    over the pipeline's `metrics` config; a port of -1 (or `enabled: false` without a
+    port flag) means no endpoint."""
+    if port is None:
+        if not cfg.enabled:
+            return None
+        port = cfg.stage_port if stage else cfg.port
+    if port == -1:
+        return None
+    if not 0 <= port <= 65535:
+        raise ValueError(f"metrics port {port} is out of range (0-65535, or -1 for none)")
+    return (cfg.host if host is None else host), port
+
+
+def start_metrics_server(registry: CollectorRegistry, host: str, port: int) -> str:
+    """Serves `registry` at http://ADDRESS/metrics on a daemon thread; returns ADDRESS
+    (host:port, the port actually bound: `port` 0 picks a free one).
+
+    A wildcard host comes back as loopback, like `omnirail.grpc_server.bind`, since the
+    address is meant to be dialed. Stop it with `stop_metrics_server(ADDRESS)`.
+
+    Turns off prometheus_client's `*_created` series for the whole process: one more
+    unitless series per counter and histogram child that nothing here reads.
+    """
+    from prometheus_client import disable_created_metrics, start_http_server
+
+    disable_created_metrics()
+    host = host.strip("[]")
+    server, thread = start_http_server(port, addr=host or "0.0.0.0", registry=registry)
+    if host in _WILDCARDS:
+        host = "::1" if host == "::" else "127.0.0.1"
+    address = _join(host, server.server_port)
+    with _servers_lock:
+        _servers[address] = (server, thread)
+    return address
+
+
+def stop_metrics_server(address: str) -> None:
+    """Stops the endpoint `start_metrics_server` returned `address` for (blocks for up to
+    the server's 0.5 s poll interval)."""
+    with _servers_lock:
+        found = _servers.pop(address, None)
+    if found is None:
+        return
+    server, thread = found
+    server.shutdown()
+    server.server_close()
+    thread.join(timeout=5)
+
+
+def dial_address(address: str, host: str, advertise: str | None) -> str:
+    """The address to publish for discovery: an endpoint bound to every interface (`host`
+    a wildcard) is dialed at the host its stage advertises for Deliver, not loopback."""
+    if host.strip("[]") not in _WILDCARDS or not advertise or advertise.startswith("unix:"):
+        return address
+    if ":" not in advertise:
+        return address
+    return _join(advertise.rsplit(":", 1)[0].strip("[]"), int(address.rsplit(":", 1)[1]))
+
+
+def _join(host: str, port: int) -> str:
+    return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"

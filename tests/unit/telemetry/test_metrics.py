@@ -1,0 +1,319 @@
+"""Prometheus metrics: names and units, label sets, abort reasons, the Stage's
+observations (with tracing off), endpoint resolution, and the HTTP endpoint."""
+
+from __future__ import annotations
+
+import math
+import urllib.error
+import urllib.request
+
+import pytest
+from prometheus_client import CollectorRegistry
+from prometheus_client.parser import text_string_to_metric_families
+
+from omnirail.config import ConfigError, MetricsConfig, PipelineConfig
+from omnirail.errors import Code, OmniError
+from omnirail.telemetry.metrics import (
+    CoordinatorMetrics,
+    StageMetrics,
+    abort_reason,
+    dial_address,
+    metrics_endpoint,
+    start_metrics_server,
+    stop_metrics_server,
+)
+from omnirail.v1 import common_pb2
+from relay.base import RelaySettings, create_relay
+from stage_service.scheduler import SimpleScheduler
+from stage_service.stage import Stage
+from tests.unit.stage_fakes import (
+    FakeReporter,
+    FakeRouter,
+    RecordingScheduler,
+    payload,
+    pipeline,
+    until,
+)
+
+State = common_pb2.RequestState
+
+LABELS = {
+    "omnirail_requests": {"state"},
+    "omnirail_requests_running": set(),
+    "omnirail_request_duration_seconds": {"state"},
+    "omnirail_time_to_first_chunk_seconds": set(),
+    "omnirail_aborts": {"reason"},
+    "omnirail_stage_queue_depth": {"stage"},
+    "omnirail_stage_inflight": {"stage"},
+    "omnirail_stage_queue_seconds": {"stage"},
+    "omnirail_stage_compute_seconds": {"stage"},
+    "omnirail_stage_requests": {"stage", "outcome"},
+    "omnirail_relay_bytes": {"backend", "edge", "op"},
+    "omnirail_relay_seconds": {"backend", "edge", "op"},
+}
+
+COORDINATOR_FAMILIES = {
+    "omnirail_requests",
+    "omnirail_requests_running",
+    "omnirail_request_duration_seconds",
+    "omnirail_time_to_first_chunk_seconds",
+    "omnirail_aborts",
+}
+
+
+def _filled() -> tuple[CoordinatorMetrics, StageMetrics]:
+    coord = CoordinatorMetrics()
+    coord.watch_running(lambda: 2)
+    coord.request_ended(State.COMPLETED, None, 0.25)
+    coord.request_ended(State.ABORTED, OmniError(Code.CANCELLED, "gone"), 0.5)
+    coord.first_chunk(0.01)
+    stage = StageMetrics()
+    rec = stage.stage("a", queue_depth=lambda: 3, inflight=lambda: 4)
+    rec.computed(1_000, 2_000, 5_000)
+    rec.ended("completed")
+    rec.relay_put("shm", "b", 1 << 20, 0.001)
+    rec.relay_get("shm", "src", 1 << 10, 0.0001)
+    return coord, stage
+
+
+def _families(registry: CollectorRegistry) -> dict[str, object]:
+    return {f.name: f for f in registry.collect()}
+
+
+def test_names_have_the_prefix_base_units_and_no_colons() -> None:
+    coord, stage = _filled()
+    families = {**_families(coord.registry), **_families(stage.registry)}
+    assert set(families) == set(LABELS)
+    for name, family in families.items():
+        assert name.startswith("omnirail_"), name
+        assert ":" not in name, name
+        for sample in family.samples:  # type: ignore[attr-defined]
+            assert ":" not in sample.name and sample.name.startswith("omnirail_")
+        if family.type == "histogram":  # type: ignore[attr-defined]
+            assert name.endswith("_seconds"), f"{name}: durations are in seconds"
+        assert not any(u in name for u in ("_ms", "milli", "micro", "_kb", "_mb")), name
+    assert families["omnirail_relay_bytes"].type == "counter"  # type: ignore[attr-defined]
+
+
+def test_label_sets() -> None:
+    coord, stage = _filled()
+    for registry in (coord.registry, stage.registry):
+        for family in registry.collect():
+            for sample in family.samples:
+                keys = set(sample.labels) - {"le"}
+                assert keys == LABELS[family.name], (family.name, sample.labels)
+
+
+@pytest.mark.parametrize(
+    ("code", "reason"),
+    [
+        (Code.CANCELLED, "client"),
+        (Code.DEADLINE_EXCEEDED, "deadline"),
+        (Code.UNAVAILABLE, "unavailable"),
+        (Code.INTERNAL, "stage_error"),
+        (Code.INVALID_ARGUMENT, "stage_error"),
+        (Code.RESOURCE_EXHAUSTED, "stage_error"),
+    ],
+)
+def test_abort_reason(code: int, reason: str) -> None:
+    assert abort_reason(OmniError(code, "x")) == reason
+
+
+def test_abort_reason_without_an_error() -> None:
+    assert abort_reason(None) == "stage_error"
+
+
+def test_coordinator_counts_states_and_aborts() -> None:
+    m = CoordinatorMetrics()
+    m.request_ended(State.COMPLETED, None, 0.1)
+    m.request_ended(State.FAILED, OmniError(Code.DEADLINE_EXCEEDED, "late"), 2.0)
+    m.request_ended(State.FAILED, OmniError(Code.INTERNAL, "boom", "s"), 0.2)
+    m.request_ended(State.ABORTED, OmniError(Code.CANCELLED, "bye"), 0.3)
+    value = m.registry.get_sample_value
+    assert value("omnirail_requests_total", {"state": "completed"}) == 1
+    assert value("omnirail_requests_total", {"state": "failed"}) == 2
+    assert value("omnirail_requests_total", {"state": "aborted"}) == 1
+    assert value("omnirail_request_duration_seconds_count", {"state": "failed"}) == 2
+    assert value("omnirail_request_duration_seconds_sum", {"state": "failed"}) == 2.2
+    # A completed request is no abort; every other ending is one.
+    assert {r: value("omnirail_aborts_total", {"reason": r}) for r in _REASONS} == {
+        "client": 1,
+        "deadline": 1,
+        "unavailable": 0,
+        "stage_error": 1,
+    }
+    m.watch_running(lambda: 7)
+    assert value("omnirail_requests_running") == 7
+
+
+_REASONS = ("client", "deadline", "unavailable", "stage_error")
+
+
+def test_stage_recorder_units_edges_and_scrape_time_gauges() -> None:
+    m = StageMetrics()
+    depth = [5]
+    rec = m.stage("mid", queue_depth=lambda: depth[0], inflight=lambda: 1 // 0)
+    rec.computed(1_000_000, 3_000_000, 10_000_000)
+    rec.computed(5_000, 1_000, 500)  # a wall clock that stepped back counts as zero
+    rec.relay_put("shm", "down", 100, 0.5)
+    rec.relay_put("shm", "down", 50, 0.25)
+    rec.relay_get("shm", "up", 7, 0.125)
+    value = m.registry.get_sample_value
+    assert value("omnirail_stage_queue_seconds_sum", {"stage": "mid"}) == pytest.approx(0.002)
+    assert value("omnirail_stage_compute_seconds_sum", {"stage": "mid"}) == pytest.approx(0.007)
+    assert value("omnirail_stage_queue_seconds_count", {"stage": "mid"}) == 2
+    put = {"backend": "shm", "edge": "mid->down", "op": "put"}
+    get = {"backend": "shm", "edge": "up->mid", "op": "get"}
+    assert value("omnirail_relay_bytes_total", put) == 150
+    assert value("omnirail_relay_seconds_sum", put) == 0.75
+    assert value("omnirail_relay_bytes_total", get) == 7
+    assert value("omnirail_stage_queue_depth", {"stage": "mid"}) == 5
+    depth[0] = 0
+    assert value("omnirail_stage_queue_depth", {"stage": "mid"}) == 0
+    # A callable that fails (a stage shutting down) reads NaN; the scrape still works.
+    assert math.isnan(value("omnirail_stage_inflight", {"stage": "mid"}))
+
+
+def _fail_on_request(value: dict[str, object]) -> dict[str, object]:
+    if value.get("fail"):
+        raise ValueError("asked to")
+    return value
+
+
+async def test_stage_observes_without_tracing() -> None:
+    """Queue, compute and outcomes are observed for every request, not only sampled ones."""
+    cfg = pipeline({"name": "s", "terminal": True})
+    relay = create_relay("inline", RelaySettings(name_prefix="metricstest"))
+    metrics = StageMetrics()
+    reporter = FakeReporter()
+    stage = Stage(
+        "s",
+        cfg,
+        SimpleScheduler(_fail_on_request),
+        relay,
+        {relay.name: relay},
+        FakeRouter(cfg),
+        reporter,
+        None,
+        metrics,
+    )
+    stage.start()
+    value = metrics.registry.get_sample_value
+    try:
+        await stage.on_item(payload("ok", {"x": 1}, to="s"), lambda _: None)
+        await until(lambda: reporter.done("ok"), "the result")
+        await stage.on_item(payload("bad", {"fail": True}, to="s"), lambda _: None)
+        await until(lambda: reporter.failures("bad"), "the failure")
+    finally:
+        await stage.stop()
+        relay.close()
+    assert value("omnirail_stage_queue_seconds_count", {"stage": "s"}) == 1
+    assert value("omnirail_stage_compute_seconds_count", {"stage": "s"}) == 1
+    outcomes = {
+        o: value("omnirail_stage_requests_total", {"stage": "s", "outcome": o})
+        for o in ("completed", "failed", "aborted")
+    }
+    assert outcomes == {"completed": 1, "failed": 1, "aborted": 0}
+
+
+async def test_stage_counts_aborts_and_reads_queue_depth_at_scrape() -> None:
+    cfg = pipeline({"name": "s", "terminal": True})
+    relay = create_relay("inline", RelaySettings(name_prefix="metricstest"))
+    metrics = StageMetrics()
+    scheduler = RecordingScheduler(gated=True)  # takes nothing until admitted
+    stage = Stage(
+        "s",
+        cfg,
+        scheduler,
+        relay,
+        {relay.name: relay},
+        FakeRouter(cfg),
+        FakeReporter(),
+        metrics=metrics,
+    )
+    stage.start()
+    value = metrics.registry.get_sample_value
+    try:
+        await stage.on_item(payload("r1", {"x": 1}, to="s"), lambda _: None)
+        assert value("omnirail_stage_queue_depth", {"stage": "s"}) == 1
+        assert value("omnirail_stage_inflight", {"stage": "s"}) == 1
+        stage.abort("r1", "client went away")
+        assert value("omnirail_stage_inflight", {"stage": "s"}) == 0
+        assert value("omnirail_stage_requests_total", {"stage": "s", "outcome": "aborted"}) == 1
+        stage.abort("r1")  # a second abort of the same request counts nothing
+        stage.abort("never-seen")  # nor does one for a request this stage never had
+        assert value("omnirail_stage_requests_total", {"stage": "s", "outcome": "aborted"}) == 1
+    finally:
+        await stage.stop()
+        relay.close()
+
+
+def test_metrics_endpoint_flags_win_over_config() -> None:
+    cfg = MetricsConfig(host="0.0.0.0", port=9100, stage_port=9200)
+    assert metrics_endpoint(cfg, stage=False) == ("0.0.0.0", 9100)
+    assert metrics_endpoint(cfg, stage=True) == ("0.0.0.0", 9200)
+    assert metrics_endpoint(cfg, stage=True, port=0, host="127.0.0.2") == ("127.0.0.2", 0)
+    assert metrics_endpoint(cfg, stage=False, port=-1) is None
+    off = MetricsConfig(enabled=False)
+    assert metrics_endpoint(off, stage=False) is None
+    assert metrics_endpoint(off, stage=False, port=9300) == ("127.0.0.1", 9300)
+    with pytest.raises(ValueError, match="out of range"):
+        metrics_endpoint(cfg, stage=False, port=70000)
+    with pytest.raises(ValueError, match="out of range"):
+        metrics_endpoint(cfg, stage=False, port=-2)
+
+
+def test_metrics_config_defaults_and_ranges() -> None:
+    stages = [{"name": "a", "factory": "tests.unit.stage_fakes:make_plain", "terminal": True}]
+    cfg = PipelineConfig.from_dict({"stages": stages})
+    assert (cfg.metrics.enabled, cfg.metrics.host, cfg.metrics.port) == (True, "127.0.0.1", 0)
+    assert cfg.metrics.stage_port == 0
+    for bad in ({"port": 70000}, {"stage_port": -1}, {"host": ""}, {"colour": 1}):
+        with pytest.raises(ConfigError, match="metrics"):
+            PipelineConfig.from_dict({"stages": stages, "metrics": bad})
+
+
+def test_dial_address_uses_the_advertised_host_for_a_wildcard_bind() -> None:
+    assert dial_address("127.0.0.1:9100", "0.0.0.0", "10.0.0.5:7000") == "10.0.0.5:9100"
+    assert dial_address("[::1]:9100", "::", "[fd00::5]:7000") == "[fd00::5]:9100"
+    assert dial_address("127.0.0.1:9100", "127.0.0.1", "10.0.0.5:7000") == "127.0.0.1:9100"
+    assert dial_address("127.0.0.1:9100", "0.0.0.0", None) == "127.0.0.1:9100"
+    assert dial_address("127.0.0.1:9100", "0.0.0.0", "unix:///tmp/s.sock") == "127.0.0.1:9100"
+
+
+def _scrape(address: str) -> dict[str, object]:
+    with urllib.request.urlopen(f"http://{address}/metrics", timeout=10) as resp:
+        return {f.name: f for f in text_string_to_metric_families(resp.read().decode())}
+
+
+def test_http_server_serves_the_registry_on_a_free_port() -> None:
+    coord, stage = _filled()
+    coord_address = start_metrics_server(coord.registry, "127.0.0.1", 0)
+    stage_address = start_metrics_server(stage.registry, "127.0.0.1", 0)
+    try:
+        assert coord_address.startswith("127.0.0.1:") and not coord_address.endswith(":0")
+        assert coord_address != stage_address
+        coord_families = _scrape(coord_address)
+        assert set(coord_families) == COORDINATOR_FAMILIES
+        running = coord_families["omnirail_requests_running"]
+        assert [s.value for s in running.samples] == [2]  # type: ignore[attr-defined]
+        stage_families = _scrape(stage_address)
+        assert set(stage_families) == set(LABELS) - COORDINATOR_FAMILIES
+        relay = stage_families["omnirail_relay_bytes"].samples  # type: ignore[attr-defined]
+        by_edge = {s.labels["edge"]: s.value for s in relay if s.name.endswith("_total")}
+        assert by_edge == {"a->b": 1 << 20, "src->a": 1 << 10}
+    finally:
+        stop_metrics_server(coord_address)
+        stop_metrics_server(stage_address)
+    with pytest.raises(urllib.error.URLError):
+        _scrape(coord_address)
+
+
+def test_wildcard_host_reports_a_dialable_address() -> None:
+    registry = CollectorRegistry()
+    address = start_metrics_server(registry, "0.0.0.0", 0)
+    try:
+        assert address.startswith("127.0.0.1:")
+        _scrape(address)
+    finally:
+        stop_metrics_server(address)
