@@ -23,6 +23,7 @@ from omnirail.deliver import DeliverChannel
 from omnirail.errors import Code, OmniError, internal, invalid, unavailable
 from omnirail.grpc_server import NOT_SERVING, SERVING, write_until_read_ends
 from omnirail.payload import PayloadError, decode_inline
+from omnirail.telemetry.logs import ids
 from omnirail.telemetry.metrics import CoordinatorMetrics
 from omnirail.telemetry.tracer import KIND_SERVER, Tracer, parse_traceparent
 from omnirail.v1 import client_pb2, client_pb2_grpc, mesh_pb2, mesh_pb2_grpc
@@ -365,6 +366,8 @@ class Coordinator(client_pb2_grpc.OmnirailServicer, mesh_pb2_grpc.CoordinatorSer
                 self._fail(rec, unavailable(f"could not deliver to the entry stage: {why}"))
 
     def _expire(self, rec: RequestRecord, timeout: float) -> None:
+        tp = rec.span.traceparent if rec.span is not None else None
+        log.info("request exceeded its %gs deadline", timeout, extra=ids(rec.request_id, tp))
         self._fail(
             rec, OmniError(Code.DEADLINE_EXCEEDED, f"request exceeded its {timeout:g}s deadline")
         )

@@ -17,6 +17,8 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from typing import Any, Literal
 
+from omnirail.telemetry.logs import request_context
+
 log = logging.getLogger(__name__)
 
 # OutgoingMessage.target for chunks meant for the client (not a valid stage name).
@@ -43,6 +45,8 @@ class IncomingMessage:
     on_taken: Callable[[], None] | None = None
     # When a scheduler took it (unix ns; set by `Inbox.get`): the end of its queue wait.
     taken_ns: int = 0
+    # The request's W3C traceparent: schedulers tag the logs of its compute with it.
+    traceparent: str = ""
 
 
 @dataclass(slots=True)
@@ -351,7 +355,8 @@ class SimpleScheduler(Scheduler):
     def _compute_one(self, msg: IncomingMessage) -> None:
         assert self._fn is not None
         try:
-            result = self._fn(msg.data)
+            with request_context(msg.request_id, msg.traceparent):
+                result = self._fn(msg.data)
         except Exception as exc:  # a failing request must not stop the scheduler
             if msg.request_id not in self.aborted:
                 self.outbox.put(OutgoingMessage(msg.request_id, "error", exc))

@@ -21,6 +21,7 @@ from omnirail import dotted
 from omnirail.config import PipelineConfig
 from omnirail.errors import Code, OmniError, internal, invalid
 from omnirail.payload import Packed, PayloadError, encode_inline, pack
+from omnirail.telemetry.logs import ids
 from omnirail.telemetry.metrics import ABORTED, COMPLETED, FAILED, StageMetrics
 from omnirail.telemetry.tracer import STATUS_OK, Span, Tracer, parse_traceparent
 from omnirail.v1 import common_pb2, mesh_pb2
@@ -264,7 +265,7 @@ class Stage:
         """Hands the request to the scheduler, then whatever stream input waited for it."""
         req.submitted = True
         inbox = self.scheduler.inbox
-        msg = IncomingMessage(rid, "new_request", data)
+        msg = IncomingMessage(rid, "new_request", data, traceparent=req.traceparent)
         req.submitted_ns = time.time_ns()
         req.new_msg = msg
         inbox.put(msg)
@@ -336,7 +337,13 @@ class Stage:
         if req.chunks_in == 1 and req.span is not None:
             req.span.event("first_chunk_in", {"omnirail.source": source})
         msg = IncomingMessage(
-            rid, "stream_chunk", received.value, source, signal.chunk_id, lambda: ack(None)
+            rid,
+            "stream_chunk",
+            received.value,
+            source,
+            signal.chunk_id,
+            lambda: ack(None),
+            traceparent=req.traceparent,
         )
         if req.submitted:
             self.scheduler.inbox.put(msg)
@@ -361,7 +368,7 @@ class Stage:
         if req.streams.ended or not sources <= req.streams.done_from:
             return
         req.streams.ended = True
-        msg = IncomingMessage(rid, "stream_done", None)
+        msg = IncomingMessage(rid, "stream_done", None, traceparent=req.traceparent)
         if req.submitted:
             self.scheduler.inbox.put(msg)
         elif not self._takes_payload:
@@ -690,6 +697,13 @@ class Stage:
             return  # already failed or aborted here: report once
         self._reporter.fail(rid, error)
         req = self._requests.get(rid)
+        log.warning(
+            "stage %s: request failed: %s: %s",
+            self.name,
+            error.code_name,
+            error.message,
+            extra=ids(rid, req.traceparent if req is not None else None),
+        )
         if req is not None:
             if req.span is not None:
                 req.span.error(f"{error.code_name}: {error.message}")

@@ -14,6 +14,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
+from omnirail.telemetry.logs import request_context
 from stage_service.scheduler import IncomingMessage, OutgoingMessage, Scheduler
 
 
@@ -152,7 +153,8 @@ class StreamingScheduler(Scheduler):
                 self._states.pop(self._abort_queue.popleft(), None)
             self._out = []
             try:
-                self._handle(msg)
+                with request_context(msg.request_id, msg.traceparent):
+                    self._handle(msg)
             except Exception as exc:  # a failing request must not stop the scheduler
                 self._states.pop(msg.request_id, None)
                 self._out = [OutgoingMessage(msg.request_id, "error", exc)]

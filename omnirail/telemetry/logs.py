@@ -28,8 +28,16 @@ FORMAT = (
 
 
 def trace_id_of(traceparent: str | None) -> str:
+    """The trace id (hex) in a traceparent, or "-"."""
+    if traceparent and len(traceparent) == 55 and traceparent[2] == "-":
+        return traceparent[3:35]  # our own, well-formed: no need to parse it again
     ctx = parse_traceparent(traceparent)
     return f"{ctx.trace_id:032x}" if ctx is not None else "-"
+
+
+def ids(request_id: str, traceparent: str | None) -> dict[str, str]:
+    """`extra=` for a record about one request logged outside its context."""
+    return {"request_id": request_id or "-", "trace_id": trace_id_of(traceparent)}
 
 
 @contextmanager

@@ -123,9 +123,14 @@ def test_failing_stage_sets_error_status(receiver: OtlpReceiver) -> None:
             with pytest.raises(OmniError):
                 client.generate({"n": 3, "fail": "boom"}, request_id="traced-fail")
             client.generate({"n": 3}, request_id="traced-ok")
+        log_text = "".join(p.read_text() for p in (mesh.run_dir / "logs").glob("*.log"))
     finally:
         mesh.stop()
     spans = _of_request(receiver.spans(), "traced-fail")
+    # The stage's log line about the failure names the request and its trace.
+    [line] = [ln for ln in log_text.splitlines() if "request failed" in ln]
+    assert f"[request=traced-fail trace={spans[0]['trace_id']}]" in line, line
+    assert "stage double" in line and "asked to fail: boom" in line
     double = _one(spans, "stage double")
     assert double["status"] == "error" and "asked to fail: boom" in double["status_message"]
     root = _one(spans, "omnirail.request")
