@@ -169,3 +169,56 @@ def test_streaming_trace(receiver: OtlpReceiver) -> None:
     assert "first_chunk_out" in [e["name"] for e in thinker["events"]]
     assert {"first_chunk_in", "first_chunk_out"} <= {e["name"] for e in vocoder["events"]}
     assert len([s for s in spans if s["name"].startswith("stage ")]) == 3
+
+
+_APP = """
+import json, sys
+from opentelemetry import trace
+from opentelemetry.sdk.trace import TracerProvider
+from opentelemetry.sdk.trace.export import SimpleSpanProcessor
+from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
+from omnirail.client import Client
+
+exporter = InMemorySpanExporter()
+provider = TracerProvider()
+provider.add_span_processor(SimpleSpanProcessor(exporter))
+trace.set_tracer_provider(provider)
+with trace.get_tracer("app").start_as_current_span("app request"):
+    with Client(sys.argv[1], timeout=60) as client:
+        client.generate({"n": 3}, request_id="sdk-traced")
+spans = {s.name: s for s in exporter.get_finished_spans()}
+client_span, app = spans["omnirail generate"], spans["app request"]
+print(json.dumps({
+    "trace_id": f"{client_span.context.trace_id:032x}",
+    "client_span": f"{client_span.context.span_id:016x}",
+    "client_parent": f"{client_span.parent.span_id:016x}",
+    "app_span": f"{app.context.span_id:016x}",
+    "kind": client_span.kind.name,
+}))
+"""
+
+
+def test_sdk_client_span_parents_the_request(receiver: OtlpReceiver) -> None:
+    """An application with OpenTelemetry configured gets a client span, and the mesh's
+    trace continues under it."""
+    import json
+    import subprocess
+    import sys
+
+    mesh = start_mesh("linear", env=_env(receiver))
+    try:
+        proc = subprocess.run(
+            [sys.executable, "-c", _APP, mesh.address or ""],
+            capture_output=True,
+            text=True,
+            timeout=120,
+        )
+    finally:
+        mesh.stop()
+    assert proc.returncode == 0, proc.stderr
+    app = json.loads(proc.stdout)
+    assert app["kind"] == "CLIENT" and app["client_parent"] == app["app_span"]
+    spans = _of_request(receiver.spans(), "sdk-traced")
+    root = _one(spans, "omnirail.request")
+    assert root["trace_id"] == app["trace_id"]
+    assert root["parent_span_id"] == app["client_span"]
