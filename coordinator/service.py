@@ -303,15 +303,16 @@ class Coordinator(client_pb2_grpc.OmnirailServicer, mesh_pb2_grpc.CoordinatorSer
         rec = RequestRecord(rid, terminals, possible, deadline=time.time() + timeout)
         rec.state = State.RUNNING
         traceparent = request.traceparent or caller_traceparent
-        rec.span = self._tracer.start(
-            "omnirail.request",
-            parse_traceparent(traceparent),
-            {"omnirail.request_id": rid, "omnirail.pipeline": self.pipeline.name or ""},
-            kind=KIND_SERVER,
-            root=True,
-        )
-        if rec.span is not None:
-            traceparent = rec.span.traceparent
+        if self._tracer.enabled:
+            rec.span = self._tracer.start(
+                "omnirail.request",
+                parse_traceparent(traceparent),
+                {"omnirail.request_id": rid, "omnirail.pipeline": self.pipeline.name or ""},
+                kind=KIND_SERVER,
+                root=True,
+            )
+            if rec.span is not None:
+                traceparent = rec.span.traceparent
         rec.timer = asyncio.get_running_loop().call_later(timeout, self._expire, rec, timeout)
         self.requests.add(rec)
         item = mesh_pb2.DeliverItem(

@@ -250,6 +250,8 @@ class Stage:
         if req is not None:
             return req
         req = self._requests[item.request_id] = _Request(item.meta, item.traceparent)
+        if not self._tracer.enabled:
+            return req
         span = self._tracer.start(
             self._span_name,
             parse_traceparent(item.traceparent),
