@@ -12,10 +12,12 @@ import random
 from collections.abc import Iterator
 from typing import Any
 
+import grpc
 import pytest
 
-from omnirail.client import Chunk, Client
+from omnirail.client import Chunk, Client, build_request
 from omnirail.errors import OmniError
+from omnirail.v1 import client_pb2_grpc
 from tests.integration.conftest import start_mesh
 from tests.otlp_receiver import OtlpReceiver
 
@@ -118,11 +120,17 @@ def test_fan_out_fan_in_trace(receiver: OtlpReceiver) -> None:
 
 def test_failing_stage_sets_error_status(receiver: OtlpReceiver) -> None:
     mesh = start_mesh("linear", env=_env(receiver))
+    meta_parent, meta_trace, meta_span = _client_parent()
     try:
         with Client(mesh.address or "", timeout=60) as client:
             with pytest.raises(OmniError):
                 client.generate({"n": 3, "fail": "boom"}, request_id="traced-fail")
             client.generate({"n": 3}, request_id="traced-ok")
+        # A plain gRPC caller may pass its context as metadata instead.
+        with grpc.insecure_channel(mesh.address or "") as channel:
+            stub = client_pb2_grpc.OmnirailStub(channel)
+            request = build_request({"n": 3}, "traced-meta", 60, None)
+            list(stub.Generate(request, metadata=[("traceparent", meta_parent)], timeout=60))
         log_text = "".join(p.read_text() for p in (mesh.run_dir / "logs").glob("*.log"))
     finally:
         mesh.stop()
@@ -136,6 +144,8 @@ def test_failing_stage_sets_error_status(receiver: OtlpReceiver) -> None:
     root = _one(spans, "omnirail.request")
     assert root["status"] == "error" and "boom" in root["status_message"]
     assert not [s for s in spans if s["name"] == "stage summarize"]  # it never ran
+    meta_root = _one(_of_request(receiver.spans(), "traced-meta"), "omnirail.request")
+    assert (meta_root["trace_id"], meta_root["parent_span_id"]) == (meta_trace, meta_span)
     ok = _of_request(receiver.spans(), "traced-ok")
     assert {s["status"] for s in ok if s["name"].startswith("stage ")} == {"ok"}
 
@@ -146,9 +156,18 @@ def test_streaming_trace(receiver: OtlpReceiver) -> None:
     try:
         with Client(mesh.address or "", timeout=60) as client:
             events = list(client.stream({"n": 9}, request_id="traced-stream", traceparent=parent))
+            long = client.stream({"n": 500, "step_ms": 10}, request_id="traced-abort")
+            assert isinstance(next(long), Chunk)
+            client.abort("traced-abort", "test")
+            with pytest.raises(OmniError):
+                list(long)
         assert sum(isinstance(e, Chunk) for e in events) == 4
     finally:
         mesh.stop()
+    aborted = _of_request(receiver.spans(), "traced-abort")
+    for span in aborted:
+        if span["name"] == "omnirail.request" or span["name"].startswith("stage "):
+            assert span["status"] == "error" and "test" in span["status_message"], span
     spans = _of_request(receiver.spans(), "traced-stream")
     assert {s["trace_id"] for s in spans} == {trace_id}
     root = _one(spans, "omnirail.request")
