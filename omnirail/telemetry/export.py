@@ -24,6 +24,8 @@ from opentelemetry.proto.collector.trace.v1 import trace_service_pb2_grpc
 from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import ExportTraceServiceRequest
 
 from omnirail.telemetry.otlp import decode_request, encode
+from omnirail.telemetry.spanfile import MARKER as SPANFILE_MARKER
+from omnirail.telemetry.spanfile import pack_spans, unpack_spans
 from omnirail.telemetry.tracer import Span
 
 __all__ = [
@@ -65,6 +67,12 @@ class SpanSink(Protocol):
     def close(self) -> None: ...
 
 
+class SpanBatchSink(SpanSink, Protocol):
+    """A sink that takes span records as they are (no OTLP message built for it)."""
+
+    def export_spans(self, spans: list[Span], resource: Mapping[str, Any], scope: str) -> bool: ...
+
+
 class SpanExporter:
     """Queues finished spans and exports them in batches from a daemon thread."""
 
@@ -96,6 +104,7 @@ class SpanExporter:
         self._stop = False
         self._done = False  # the thread has taken its last flush waiters
         self._warning = _Throttled()
+        self._raw = getattr(sink, "export_spans", None)
         self._thread = threading.Thread(
             target=self._run, name="omnirail-span-exporter", daemon=True
         )
@@ -180,7 +189,10 @@ class SpanExporter:
             count -= n
             batch = [popleft() for _ in range(n)]
             try:
-                ok = self.sink.export(encode(batch, self.resource, self.scope))
+                if self._raw is not None:
+                    ok = self._raw(batch, self.resource, self.scope)
+                else:
+                    ok = self.sink.export(encode(batch, self.resource, self.scope))
             except Exception:
                 # Never let a sink or an odd attribute end the thread: tracing stays up.
                 self.failed += n
@@ -285,7 +297,11 @@ class OtlpGrpcSink:
 
 
 class FileSink:
-    """Appends each batch as a length-prefixed OTLP request to one file per process."""
+    """Appends each batch as a length-prefixed record to one file per process.
+
+    The exporter writes compact span records (`spanfile`); `export` of an OTLP request
+    writes the request itself. `read_span_files` reads both.
+    """
 
     def __init__(self, path: str | Path) -> None:
         self.path = Path(path)
@@ -294,7 +310,13 @@ class FileSink:
         self._lock = threading.Lock()
 
     def export(self, request: ExportTraceServiceRequest) -> bool:
-        data = request.SerializeToString()
+        return self._write(request.SerializeToString())
+
+    def export_spans(self, spans: list[Span], resource: Mapping[str, Any], scope: str) -> bool:
+        """The exporter's path: compact records (see `omnirail.telemetry.spanfile`)."""
+        return self._write(pack_spans(spans, resource, scope))
+
+    def _write(self, data: bytes) -> bool:
         with self._lock:
             # One write per record keeps a torn record at the very end of the file only.
             self._file.write(_LEN.pack(len(data)) + data)
@@ -330,13 +352,17 @@ def read_span_files(paths: Iterable[str | Path]) -> Iterator[dict[str, Any]]:
                 if size > end - f.tell():
                     break
                 data = f.read(size)
-                request = ExportTraceServiceRequest()
                 try:
-                    request.ParseFromString(data)
-                except DecodeError:
+                    if data[:1] == bytes((SPANFILE_MARKER,)):
+                        spans = list(unpack_spans(data))
+                    else:
+                        request = ExportTraceServiceRequest()
+                        request.ParseFromString(data)
+                        spans = list(decode_request(request))
+                except (DecodeError, ValueError):
                     log.warning("%s: corrupt span record; skipping the rest of the file", path)
                     break
-                yield from decode_request(request)
+                yield from spans
 
 
 def _env(environ: Mapping[str, str], name: str) -> str:

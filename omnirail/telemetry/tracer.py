@@ -101,13 +101,14 @@ class Span:
         self.start_ns = start_ns
         self.end_ns = 0
         self.attributes = attributes
-        self.events: list[tuple[str, int, dict[str, Any]]] = []
-        self.links: list[SpanContext] = []
+        # Empty tuples until first used: most spans never get an event or a link.
+        self.events: list[tuple[str, int, dict[str, Any]]] | tuple[()] = ()
+        self.links: list[SpanContext] | tuple[()] = ()
         self.status_code = STATUS_UNSET
         self.status_message = ""
         # Finished children recorded with `Tracer.record`, exported with this span:
         # (name, span_id, start_ns, end_ns, attributes).
-        self.children: list[tuple[str, int, int, int, dict[str, Any] | None]] = []
+        self.children: list[tuple[str, int, int, int, dict[str, Any] | None]] | tuple[()] = ()
 
     @property
     def traceparent(self) -> str:
@@ -117,11 +118,15 @@ class Span:
         self.attributes[key] = value
 
     def event(self, name: str, attributes: dict[str, Any] | None = None) -> None:
-        self.events.append((name, time.time_ns(), attributes or {}))
+        if not self.events:
+            self.events = []
+        self.events.append((name, time.time_ns(), attributes or {}))  # type: ignore[union-attr]
 
     def link(self, context: SpanContext | None) -> None:
         if context is not None:
-            self.links.append(context)
+            if not self.links:
+                self.links = []
+            self.links.append(context)  # type: ignore[union-attr]
 
     def error(self, message: str) -> None:
         self.status_code = STATUS_ERROR
@@ -202,7 +207,9 @@ class Tracer:
         span_id = _rand.getrandbits(64) or 1
         end_ns = max(end_ns, start_ns)  # clocks step; a span never ends before it starts
         if not parent.end_ns:
-            parent.children.append((name, span_id, start_ns, end_ns, attributes))
+            if not parent.children:
+                parent.children = []
+            parent.children.append((name, span_id, start_ns, end_ns, attributes))  # type: ignore[union-attr]
             return span_id
         late = Span(  # the parent has gone to the exporter already: send this one alone
             self._sink,

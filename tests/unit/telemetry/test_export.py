@@ -360,3 +360,37 @@ def test_shutdown_cuts_short_an_export_to_a_hung_collector() -> None:
     assert time.monotonic() - started < TIMEOUT
     assert exporter.failed == 1
     rx.stop()
+
+
+def test_span_file_records_decode_like_otlp(tmp_path) -> None:
+    """The exporter's compact file records read back as the same dicts as OTLP requests."""
+    from omnirail.telemetry.export import FileSink, read_span_files
+    from omnirail.telemetry.tracer import SpanContext
+
+    tracer = Tracer(lambda s: None)
+    root = tracer.start("stage a", SpanContext(5, 6, True), {"omnirail.stage": "a", "n": 3})
+    assert root is not None
+    root.event("first_chunk_in", {"omnirail.source": "b"})
+    root.link(SpanContext(7, 8, True))
+    tracer.record("queue", root, root.start_ns, root.start_ns + 5)
+    tracer.record("relay.get", root, root.start_ns, root.start_ns + 2, {"bytes": 9})
+    root.error("INTERNAL: x")
+    root.end(root.start_ns + 10)
+    other = tracer.start("omnirail.request", None)
+    assert other is not None
+    other.end()
+    resource = {"service.name": "svc"}
+    compact, otlp = FileSink(tmp_path / "a.otlp"), FileSink(tmp_path / "b.otlp")
+    compact.export_spans([root, other], resource, "omnirail")
+    otlp.export(encode([root, other], resource))
+    compact.close()
+    otlp.close()
+    from_compact = list(read_span_files([tmp_path / "a.otlp"]))
+    from_otlp = list(read_span_files([tmp_path / "b.otlp"]))
+    assert from_compact == from_otlp
+    assert [d["name"] for d in from_compact] == [
+        "stage a",
+        "queue",
+        "relay.get",
+        "omnirail.request",
+    ]
