@@ -13,22 +13,31 @@ import asyncio
 import logging
 import time
 from collections import deque
-from collections.abc import Callable, Mapping
-from dataclasses import dataclass, field
+from collections.abc import Mapping
 from typing import Any, Protocol
 
-from omnirail import dotted
 from omnirail.config import PipelineConfig
 from omnirail.errors import Code, OmniError, internal, invalid
 from omnirail.payload import Packed, PayloadError, encode_inline, pack
 from omnirail.telemetry.logs import ids
 from omnirail.telemetry.metrics import ABORTED, COMPLETED, FAILED, StageMetrics
-from omnirail.telemetry.tracer import STATUS_OK, Span, Tracer, parse_traceparent
+from omnirail.telemetry.tracer import Tracer
 from omnirail.v1 import common_pb2, mesh_pb2
 from relay.base import Relay, RelayError, RelayHandle
 from relay.inline import BACKEND as INLINE_BACKEND
 from relay.inline import oversize_error
-from relay.io import ReceivedPayload, inline_payload, receive_payload
+from relay.io import inline_payload, receive_payload
+from stage_service.fanin import FanIn
+from stage_service.observe import StageObserver
+from stage_service.request_state import (
+    PENDING,
+    AckFn,
+    PendingSend,
+    RequestState,
+    as_error,
+    request_of,
+)
+from stage_service.routing import Router, Routes
 from stage_service.scheduler import (
     CLIENT,
     AbortSet,
@@ -36,12 +45,10 @@ from stage_service.scheduler import (
     OutgoingMessage,
     Scheduler,
 )
-from stage_service.stream_in import InStreams, drain
+from stage_service.stream_in import drain
 from stage_service.stream_out import SentToken, StreamSender
 
 log = logging.getLogger(__name__)
-
-AckFn = Callable[[OmniError | None], None]
 
 
 class Reporter(Protocol):
@@ -54,36 +61,6 @@ class Reporter(Protocol):
     ) -> None: ...
 
     def fail(self, request_id: str, error: OmniError) -> None: ...
-
-
-class Router(Protocol):
-    """Process-level delivery: picks a replica of `to_stage` and queues the item."""
-
-    def deliver(self, item: mesh_pb2.DeliverItem, handle: RelayHandle | None) -> None: ...
-
-    def possible_stages(self, terminals: tuple[str, ...]) -> frozenset[str]: ...
-
-
-@dataclass(slots=True)
-class _Request:
-    meta: mesh_pb2.RequestMeta
-    traceparent: str
-    # Received payloads and their acks; released once the result has been sent on.
-    holds: list[tuple[ReceivedPayload, AckFn | None]] = field(default_factory=list)
-    arrived: dict[str, Any] = field(default_factory=dict)
-    active: frozenset[str] | None = None
-    submitted: bool = False
-    streams: InStreams = field(default_factory=InStreams)
-    # Streams out to the client: next chunk id.
-    client_chunks: int = 0
-    # Tracing and metrics: this stage's span for the request (None when unsampled or
-    # off), when the request went to the scheduler and the message it went in (its
-    # `taken_ns` ends the queue wait), and stream counts.
-    span: Span | None = None
-    submitted_ns: int = 0
-    new_msg: IncomingMessage | None = None
-    chunks_in: int = 0
-    chunks_out: int = 0
 
 
 class Stage:
@@ -100,8 +77,6 @@ class Stage:
         metrics: StageMetrics | None = None,
     ) -> None:
         self.name = name
-        self._tracer = tracer or Tracer()
-        self._span_name = f"stage {name}"
         self.cfg = pipeline.stage(name)
         self.scheduler = scheduler
         self._relay = relay
@@ -110,17 +85,18 @@ class Stage:
         self._reporter = reporter
         self._inline_bytes = pipeline.relay_for(name).inline_bytes
         base = pipeline.source_dir
-        self._wait_for = frozenset(self.cfg.wait_for or ())
-        self._wait_for_fn = (
-            dotted.resolve(self.cfg.wait_for_fn, base) if self.cfg.wait_for_fn else None
-        )
-        self._merge_fn = dotted.resolve(self.cfg.merge_fn, base) if self.cfg.merge_fn else None
-        self._route_fn = dotted.resolve(self.cfg.route_fn, base) if self.cfg.route_fn else None
-        self._next = tuple(self.cfg.next_stages)
-        self._project = {t: dotted.resolve(p, base) for t, p in self.cfg.project_payload.items()}
-        self._stream_to = tuple(self.cfg.stream_to)
-        self._stream_done_to_fn = (
-            dotted.resolve(self.cfg.stream_done_to_fn, base) if self.cfg.stream_done_to_fn else None
+        self._fan_in = FanIn(name, self.cfg, base)
+        self._routes = Routes(name, self.cfg, base, router)
+        self._project = self._routes.project
+        self._stream_to = self._routes.stream_to
+        self._observe = StageObserver(
+            name,
+            relay.name,
+            tracer,
+            metrics,
+            queue_depth=lambda: scheduler.queue_depth,
+            inflight=lambda: self.inflight,
+            fan_in=bool(self._fan_in.wait_for),
         )
         self._stream_sources = frozenset(pipeline.stream_sources_of(name))
         self._takes_payload = pipeline.takes_payload(name)
@@ -134,18 +110,15 @@ class Stage:
             self._inline_bytes,
             router.deliver,
             self._stream_failed,
-            on_put=lambda target, nbytes, s: self._metrics.relay_put(relay.name, target, nbytes, s),
+            on_put=self._observe.chunk_put,
         )
         scheduler.outbox.set_stream_limit(self.cfg.stream.outbox_chunks)
-        self._requests: dict[str, _Request] = {}
+        self._requests: dict[str, RequestState] = {}
         self._aborted = AbortSet()
         # Requests that ended here; late stream items for them are drained, not errors.
         self._ended = AbortSet()
-        self._backlog: deque[OutgoingMessage | _Send] = deque()
+        self._backlog: deque[OutgoingMessage | PendingSend] = deque()
         self._sender: asyncio.Task[None] | None = None
-        self._metrics = (metrics or StageMetrics()).stage(
-            name, queue_depth=lambda: scheduler.queue_depth, inflight=lambda: self.inflight
-        )
 
     # ---- lifecycle -----------------------------------------------------------
 
@@ -167,7 +140,7 @@ class Stage:
         self.scheduler.outbox.close()
         await asyncio.to_thread(self.scheduler.stop)
         for rid in list(self._requests):
-            self._release(self._requests.pop(rid))
+            self._requests.pop(rid).release()
 
     @property
     def inflight(self) -> int:
@@ -202,10 +175,7 @@ class Stage:
             self._fail(rid, err)
             return
         if relayed:
-            desc = item.payload.relay
-            self._metrics.relay_get(
-                desc.backend, source, desc.nbytes, (time.time_ns() - get_ns) / 1e9
-            )
+            self._observe.relay_get(item.payload.relay, source, get_ns)
         ack_fn = ack if relayed and self._relays[item.payload.relay.backend].acks_in_band else None
         if rid in self._aborted:  # aborted while the relay read was in flight
             received.release()
@@ -213,57 +183,33 @@ class Stage:
                 ack_fn(None)
             return
         req = self._request_for(item, get_ns)
-        if req.span is not None:
-            if self._wait_for:  # fan-in: the span links every producer
-                req.span.link(parse_traceparent(item.traceparent))
-            if relayed:
-                desc = item.payload.relay
-                self._tracer.record(
-                    "relay.get",
-                    req.span,
-                    get_ns,
-                    time.time_ns(),
-                    {
-                        "omnirail.relay.backend": desc.backend,
-                        "omnirail.relay.bytes": desc.nbytes,
-                        "omnirail.edge": f"{source}->{self.name}",
-                    },
-                )
+        self._observe.received(req, item, source, relayed, get_ns)
         req.holds.append((received, ack_fn))
         if item.meta.deadline and time.time() > item.meta.deadline:
             self._fail(rid, OmniError(Code.DEADLINE_EXCEEDED, "deadline passed", self.name))
             return
         try:
-            ready = self._fan_in(rid, req, item.from_stage, received.value)
+            ready = self._fan_in.add(rid, req, item.from_stage, received.value)
         except OmniError as exc:
             self._fail(rid, exc)
             return
         except Exception as exc:  # user hook (wait_for_fn / merge_fn) raised
-            self._fail(rid, _as_error(exc, self.name))
+            self._fail(rid, as_error(exc, self.name))
             return
-        if ready is not _PENDING and not req.submitted:
+        if ready is not PENDING and not req.submitted:
             self._submit(rid, req, ready)
 
-    def _request_for(self, item: mesh_pb2.DeliverItem, start_ns: int | None = None) -> _Request:
+    def _request_for(self, item: mesh_pb2.DeliverItem, start_ns: int | None = None) -> RequestState:
         """The request's state here, made (with its span) by its first item."""
         req = self._requests.get(item.request_id)
         if req is not None:
             return req
-        req = self._requests[item.request_id] = _Request(item.meta, item.traceparent)
-        if not self._tracer.enabled:
-            return req
-        span = self._tracer.start(
-            self._span_name,
-            parse_traceparent(item.traceparent),
-            {"omnirail.request_id": item.request_id, "omnirail.stage": self.name},
-            start_ns=start_ns,
-        )
-        if span is not None:
-            req.span = span
-            req.traceparent = span.traceparent  # downstream spans are children of ours
+        req = self._requests[item.request_id] = RequestState(item.meta, item.traceparent)
+        if self._observe.tracing:
+            self._observe.open_span(req, item, start_ns)
         return req
 
-    def _submit(self, rid: str, req: _Request, data: Any) -> None:
+    def _submit(self, rid: str, req: RequestState, data: Any) -> None:
         """Hands the request to the scheduler, then whatever stream input waited for it."""
         req.submitted = True
         inbox = self.scheduler.inbox
@@ -326,18 +272,13 @@ class Stage:
             self._fail(rid, err)
             return
         if relayed:
-            desc = item.payload.relay
-            self._metrics.relay_get(
-                desc.backend, source, desc.nbytes, (time.time_ns() - get_ns) / 1e9
-            )
+            self._observe.relay_get(item.payload.relay, source, get_ns)
         if rid in self._aborted:  # aborted while the relay read was in flight
             received.release()
             ack(None)
             return
         req.streams.accept(source, signal)
-        req.chunks_in += 1
-        if req.chunks_in == 1 and req.span is not None:
-            req.span.event("first_chunk_in", {"omnirail.source": source})
+        self._observe.chunk_in(req, source)
         msg = IncomingMessage(
             rid,
             "stream_chunk",
@@ -363,7 +304,7 @@ class Stage:
             ack(err)
             self._fail(rid, err)
 
-    def _maybe_stream_done(self, rid: str, req: _Request) -> None:
+    def _maybe_stream_done(self, rid: str, req: RequestState) -> None:
         sources = self._stream_sources
         if req.meta.terminal_stages:
             sources = sources & self._router.possible_stages(tuple(req.meta.terminal_stages))
@@ -382,51 +323,6 @@ class Stage:
     def _on_taken(self) -> None:
         for on_taken in self.scheduler.inbox.drain_taken():
             on_taken()
-
-    def _fan_in(self, rid: str, req: _Request, source: str, value: Any) -> Any:
-        if not self._wait_for:
-            if req.submitted or len(req.holds) > 1:
-                raise invalid(f"duplicate delivery from {source or 'coordinator'}", self.name)
-            return value
-        if source not in self._wait_for:
-            raise invalid(
-                f"received from {source or 'coordinator'!r}, which is not in wait_for "
-                f"{sorted(self._wait_for)}",
-                self.name,
-            )
-        if source in req.arrived:
-            raise invalid(f"duplicate delivery from {source!r}", self.name)
-        req.arrived[source] = value
-        if req.active is None:
-            if self._wait_for_fn is None:
-                req.active = self._wait_for
-            else:
-                chosen = self._wait_for_fn(rid, source, value)
-                if chosen is not None:
-                    req.active = self._check_subset(
-                        chosen, self._wait_for, "wait_for_fn", "wait_for"
-                    )
-        if req.active is None or not req.active <= req.arrived.keys():
-            return _PENDING
-        assert self._merge_fn is not None  # config validation guarantees it
-        return self._merge_fn({s: req.arrived[s] for s in sorted(req.active)})
-
-    def _check_subset(
-        self, chosen: Any, allowed: frozenset[str] | tuple[str, ...], hook: str, field_: str
-    ) -> frozenset[str]:
-        names = [chosen] if isinstance(chosen, str) else chosen
-        if not isinstance(names, (list, tuple, set, frozenset)) or not names:
-            raise internal(
-                f"{hook} returned {chosen!r}; expected a non-empty list of stage names", self.name
-            )
-        result = frozenset(names)
-        extra = result - frozenset(allowed)
-        if extra:
-            raise internal(
-                f"{hook} returned {sorted(extra)}, which is not in {field_} {sorted(allowed)}",
-                self.name,
-            )
-        return result
 
     # ---- output path ---------------------------------------------------------
     #
@@ -457,30 +353,26 @@ class Stage:
                 await self._send_relayed(send)
             self._backlog.popleft()
 
-    def _handle_now(self, msg: OutgoingMessage) -> _Send | None:
+    def _handle_now(self, msg: OutgoingMessage) -> PendingSend | None:
         """Sends what of `msg` needs no waiting; returns the rest, if any, for the backlog."""
         rid = msg.request_id
         req = self._requests.get(rid)
         if req is None or rid in self._aborted:
             return None
         if msg.type == "error":
-            self._fail(rid, _as_error(msg.data, self.name))
+            self._fail(rid, as_error(msg.data, self.name))
             return None
-        new = req.new_msg
-        if new is not None and new.taken_ns:
-            self._metrics.computed(req.submitted_ns, new.taken_ns, msg.created_ns or time.time_ns())
-        if req.span is not None:
-            self._record_compute(req, msg)
+        self._observe.computed(req, msg)
         send_ns = time.time_ns()
         try:
             self._end_streams(rid, req, msg.data)
             if self.cfg.terminal:
                 self._reporter.complete(rid, encode_inline(msg.data), req.traceparent)
-                self._tracer.record("send", req.span, send_ns, time.time_ns())
+                self._observe.sent(req, send_ns)
                 self._finish(rid)
                 return None
-            send = _Send(rid, req, [])
-            for target in self._targets(rid, msg.data, req.meta):
+            send = PendingSend(rid, req, [])
+            for target in self._routes.targets(rid, msg.data, req.meta):
                 project = self._project.get(target)
                 packed = pack(project(msg.data) if project is not None else msg.data)
                 send.parts.append((target, packed))
@@ -491,19 +383,11 @@ class Stage:
                     return send
                 send.parts.pop(0)
         except Exception as exc:
-            self._fail(rid, _as_error(exc, self.name))
+            self._fail(rid, as_error(exc, self.name))
             return None
-        self._tracer.record("send", req.span, send_ns, time.time_ns())
+        self._observe.sent(req, send_ns)
         self._finish(rid)
         return None
-
-    def _record_compute(self, req: _Request, msg: OutgoingMessage) -> None:
-        """Queue wait and compute as child spans, from the scheduler's timestamps."""
-        new = req.new_msg
-        if new is None or not new.taken_ns:
-            return
-        self._tracer.record("queue", req.span, req.submitted_ns, new.taken_ns)
-        self._tracer.record("compute", req.span, new.taken_ns, msg.created_ns or time.time_ns())
 
     # ---- stream output -----------------------------------------------------------
 
@@ -526,18 +410,16 @@ class Stage:
                     "and is not terminal",
                     self.name,
                 )
-            targets = [] if to_client else self._stream_targets(msg.target, req.meta)
+            targets = [] if to_client else self._routes.stream_targets(msg.target, req.meta)
             modality = str((msg.metadata or {}).get("modality", ""))
             packed = pack(msg.data)
             if to_client:
                 self._client_chunk(rid, req, packed, modality)
         except Exception as exc:
             outbox.sent(rid)
-            self._fail(rid, _as_error(exc, self.name))
+            self._fail(rid, as_error(exc, self.name))
             return
-        req.chunks_out += 1
-        if req.chunks_out == 1 and req.span is not None:
-            req.span.event("first_chunk_out")
+        self._observe.chunk_out(req)
         if not targets:
             outbox.sent(rid)
             return
@@ -545,20 +427,7 @@ class Stage:
         for target in targets:
             self._streams.chunk(rid, target, packed, modality, req.meta, req.traceparent, token)
 
-    def _stream_targets(self, target: str | None, meta: mesh_pb2.RequestMeta) -> list[str]:
-        if target is not None and target not in self._stream_to:
-            raise internal(
-                f"the scheduler streamed to {target!r}, which is not in stream_to "
-                f"{list(self._stream_to)}",
-                self.name,
-            )
-        targets = list(self._stream_to) if target is None else [target]
-        if meta.terminal_stages:
-            possible = self._router.possible_stages(tuple(meta.terminal_stages))
-            targets = [t for t in targets if t in possible]
-        return targets
-
-    def _client_chunk(self, rid: str, req: _Request, packed: Packed, modality: str) -> None:
+    def _client_chunk(self, rid: str, req: RequestState, packed: Packed, modality: str) -> None:
         if packed.nbytes > self._max_client_chunk:
             raise OmniError(
                 Code.RESOURCE_EXHAUSTED,
@@ -569,28 +438,18 @@ class Stage:
         self._reporter.chunk(rid, req.client_chunks, modality, inline_payload(packed))
         req.client_chunks += 1
 
-    def _end_streams(self, rid: str, req: _Request, output: Any) -> None:
+    def _end_streams(self, rid: str, req: RequestState, output: Any) -> None:
         """Sends done on this request's stream edges, after the chunks already queued."""
         if not self._stream_to:
             return
-        if self._stream_done_to_fn is not None:
-            chosen = self._check_subset(
-                self._stream_done_to_fn(rid, output),
-                self._stream_to,
-                "stream_done_to_fn",
-                "stream_to",
-            )
-            targets = [t for t in self._stream_to if t in chosen]
-        else:
-            targets = self._stream_targets(None, req.meta)
-        for target in targets:
+        for target in self._routes.stream_done_targets(rid, output, req.meta):
             self._streams.done(rid, target, req.meta, req.traceparent)
         self._streams.close_request(rid)  # targets left out get no done
 
     def _stream_failed(self, rid: str, exc: BaseException) -> None:
-        self._fail(rid, _as_error(exc, self.name))
+        self._fail(rid, as_error(exc, self.name))
 
-    async def _send_relayed(self, send: _Send) -> None:
+    async def _send_relayed(self, send: PendingSend) -> None:
         rid, req = send.request_id, send.request
         try:
             for target, packed in send.parts:
@@ -601,14 +460,14 @@ class Stage:
                 if rid in self._aborted:  # aborted while waiting for relay credit
                     handle.release()
                     return
-                self._record_put(req, target, packed, put_ns)
+                self._observe.relay_put(req, target, packed, put_ns)
                 self._deliver_relayed(req, rid, target, packed, handle)
         except Exception as exc:
-            self._fail(rid, _as_error(exc, self.name))
+            self._fail(rid, as_error(exc, self.name))
             return
         self._finish(rid)
 
-    def _send_part_now(self, req: _Request, rid: str, target: str, packed: Packed) -> bool:
+    def _send_part_now(self, req: RequestState, rid: str, target: str, packed: Packed) -> bool:
         """Sends one payload if that needs no waiting; False when it must wait for credit."""
         if packed.nbytes <= self._inline_bytes or packed.num_tensors == 0:
             self._deliver(req, rid, target, inline_payload(packed), None)
@@ -619,30 +478,19 @@ class Stage:
         handle = self._relay.put_nowait(packed, rid, f"{self.name}->{target}")
         if handle is None:
             return False
-        self._record_put(req, target, packed, put_ns)
+        self._observe.relay_put(req, target, packed, put_ns)
         self._deliver_relayed(req, rid, target, packed, handle)
         return True
 
-    def _record_put(self, req: _Request, target: str, packed: Packed, put_ns: int) -> None:
-        seconds = (time.time_ns() - put_ns) / 1e9
-        self._metrics.relay_put(self._relay.name, target, packed.nbytes, seconds)
-        if req.span is not None:
-            attrs = {
-                "omnirail.relay.backend": self._relay.name,
-                "omnirail.relay.bytes": packed.nbytes,
-                "omnirail.edge": f"{self.name}->{target}",
-            }
-            self._tracer.record("relay.put", req.span, put_ns, time.time_ns(), attrs)
-
     def _deliver_relayed(
-        self, req: _Request, rid: str, target: str, packed: Packed, handle: RelayHandle
+        self, req: RequestState, rid: str, target: str, packed: Packed, handle: RelayHandle
     ) -> None:
         payload = common_pb2.Payload(header=packed.header, relay=handle.descriptor)
         self._deliver(req, rid, target, payload, handle)
 
     def _deliver(
         self,
-        req: _Request,
+        req: RequestState,
         rid: str,
         target: str,
         payload: common_pb2.Payload,
@@ -658,41 +506,14 @@ class Stage:
         )
         self._router.deliver(item, handle)
 
-    def _targets(self, rid: str, output: Any, meta: mesh_pb2.RequestMeta) -> list[str]:
-        if self._route_fn is not None:
-            chosen = self._check_subset(self._route_fn(rid, output), self._next, "route_fn", "next")
-            targets = [t for t in self._next if t in chosen]
-        else:
-            targets = list(self._next)
-        if meta.terminal_stages:
-            # Skip branches that cannot reach a terminal this request waits for.
-            possible = self._router.possible_stages(tuple(meta.terminal_stages))
-            targets = [t for t in targets if t in possible]
-            if not targets:
-                raise internal(
-                    f"no route from {self.name!r} to the request's terminal stages "
-                    f"{list(meta.terminal_stages)}",
-                    self.name,
-                )
-        return targets
-
     # ---- endings -------------------------------------------------------------
 
     def _finish(self, rid: str, outcome: str = COMPLETED) -> None:
         req = self._requests.pop(rid, None)
         if req is not None:
-            self._metrics.ended(outcome)
             self._ended.add(rid)
-            self._release(req)
-            span = req.span
-            if span is not None:
-                if req.chunks_in:
-                    span.set("omnirail.stream.chunks_in", req.chunks_in)
-                if req.chunks_out:
-                    span.set("omnirail.stream.chunks_out", req.chunks_out)
-                if not span.status_code:
-                    span.status_code = STATUS_OK
-                span.end()
+            req.release()
+            self._observe.ended(req, outcome)
 
     def _fail(self, rid: str, error: OmniError) -> None:
         if rid in self._aborted:
@@ -707,8 +528,7 @@ class Stage:
             extra=ids(rid, req.traceparent if req is not None else None),
         )
         if req is not None:
-            if req.span is not None:
-                req.span.error(f"{error.code_name}: {error.message}")
+            self._observe.failed(req, error)
             # Consumers stop at once instead of waiting for the coordinator's abort.
             self._streams.error(rid, error, req.meta, req.traceparent)
         # The coordinator broadcasts an abort next; stop work on it here already.
@@ -716,8 +536,8 @@ class Stage:
 
     def abort(self, rid: str, reason: str = "", *, outcome: str = ABORTED) -> None:
         req = self._requests.get(rid)
-        if req is not None and req.span is not None and not req.span.status_code:
-            req.span.error(f"aborted: {reason}" if reason else "aborted")
+        if req is not None:
+            self._observe.aborted(req, reason)
         self._aborted.add(rid)
         self.scheduler.abort(rid)
         self._streams.forget(rid)
@@ -725,50 +545,9 @@ class Stage:
         self._finish(rid, outcome)
 
     def _drop_backlog(self, rid: str) -> None:
-        if not any(_request_of(m) == rid for m in self._backlog):
+        if not any(request_of(m) == rid for m in self._backlog):
             return
         # The head may be mid-send in the drain task; it notices the abort itself.
         head = self._backlog[0] if self._sender is not None and not self._sender.done() else None
-        kept = deque(m for m in self._backlog if m is head or _request_of(m) != rid)
+        kept = deque(m for m in self._backlog if m is head or request_of(m) != rid)
         self._backlog = kept
-
-    @staticmethod
-    def _release(req: _Request) -> None:
-        for received, ack in req.holds:
-            received.release()
-            if ack is not None:
-                ack(None)
-        req.holds.clear()
-        # Held chunks never reach the scheduler now: return their credit here.
-        for msg in req.streams.early:
-            if msg.on_taken is not None:
-                msg.on_taken()
-        req.streams.early.clear()
-
-
-@dataclass(slots=True)
-class _Send:
-    """A result whose payloads are packed and wait for a relay put."""
-
-    request_id: str
-    request: _Request
-    parts: list[tuple[str, Packed]]
-
-
-def _request_of(entry: OutgoingMessage | _Send) -> str:
-    return entry.request_id
-
-
-class _Pending:
-    __slots__ = ()
-
-
-_PENDING = _Pending()
-
-
-def _as_error(exc: BaseException, stage: str) -> OmniError:
-    if isinstance(exc, OmniError):
-        if not exc.stage:
-            exc.stage = stage
-        return exc
-    return OmniError(Code.INTERNAL, f"{type(exc).__name__}: {exc}", stage)

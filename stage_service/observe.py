@@ -1,0 +1,161 @@
+"""A stage's tracing and metrics: what `Stage` records at each point of a request.
+
+`StageObserver` owns the stage's `Tracer`, its span name and its bound `StageRecorder`.
+The stage calls one small method wherever a request's span, a child span, an event, a
+link or a metric is recorded. Timestamps the stage takes around its IO are passed in;
+span methods do nothing (and make no clock calls) for requests without a span.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+
+from omnirail.errors import OmniError
+from omnirail.payload import Packed
+from omnirail.telemetry.metrics import StageMetrics
+from omnirail.telemetry.tracer import STATUS_OK, Tracer, parse_traceparent
+from omnirail.v1 import common_pb2, mesh_pb2
+from stage_service.request_state import RequestState
+from stage_service.scheduler import OutgoingMessage
+
+
+class StageObserver:
+    __slots__ = ("_fan_in", "_metrics", "_name", "_relay_name", "_span_name", "_tracer", "tracing")
+
+    def __init__(
+        self,
+        name: str,
+        relay_name: str,
+        tracer: Tracer | None,
+        metrics: StageMetrics | None,
+        *,
+        queue_depth: Callable[[], int],
+        inflight: Callable[[], int],
+        fan_in: bool,
+    ) -> None:
+        self._name = name
+        self._relay_name = relay_name  # the backend of this stage's outgoing edges
+        self._fan_in = fan_in  # the stage waits for several producers: link them all
+        self._tracer = tracer or Tracer()
+        self._span_name = f"stage {name}"
+        # Whether requests get spans at all; checked before `open_span`.
+        self.tracing = self._tracer.enabled
+        self._metrics = (metrics or StageMetrics()).stage(
+            name, queue_depth=queue_depth, inflight=inflight
+        )
+
+    def open_span(
+        self, req: RequestState, item: mesh_pb2.DeliverItem, start_ns: int | None
+    ) -> None:
+        """Starts the stage's span for a request from its first item (when sampled)."""
+        span = self._tracer.start(
+            self._span_name,
+            parse_traceparent(item.traceparent),
+            {"omnirail.request_id": item.request_id, "omnirail.stage": self._name},
+            start_ns=start_ns,
+        )
+        if span is not None:
+            req.span = span
+            req.traceparent = span.traceparent  # downstream spans are children of ours
+
+    # ---- input ---------------------------------------------------------------
+
+    def relay_get(self, desc: common_pb2.RelayDescriptor, source: str, get_ns: int) -> None:
+        """Metrics of a relay read that started at `get_ns`."""
+        self._metrics.relay_get(desc.backend, source, desc.nbytes, (time.time_ns() - get_ns) / 1e9)
+
+    def received(
+        self,
+        req: RequestState,
+        item: mesh_pb2.DeliverItem,
+        source: str,
+        relayed: bool,
+        get_ns: int,
+    ) -> None:
+        """An input payload arrived: the fan-in link and the `relay.get` child."""
+        span = req.span
+        if span is None:
+            return
+        if self._fan_in:  # fan-in: the span links every producer
+            span.link(parse_traceparent(item.traceparent))
+        if relayed:
+            desc = item.payload.relay
+            self._tracer.record(
+                "relay.get",
+                span,
+                get_ns,
+                time.time_ns(),
+                {
+                    "omnirail.relay.backend": desc.backend,
+                    "omnirail.relay.bytes": desc.nbytes,
+                    "omnirail.edge": f"{source}->{self._name}",
+                },
+            )
+
+    def chunk_in(self, req: RequestState, source: str) -> None:
+        req.chunks_in += 1
+        if req.chunks_in == 1 and req.span is not None:
+            req.span.event("first_chunk_in", {"omnirail.source": source})
+
+    # ---- output --------------------------------------------------------------
+
+    def computed(self, req: RequestState, msg: OutgoingMessage) -> None:
+        """Queue wait and compute of the result `msg` (metrics, and child spans)."""
+        new = req.new_msg
+        if new is None or not new.taken_ns:
+            return
+        self._metrics.computed(req.submitted_ns, new.taken_ns, msg.created_ns or time.time_ns())
+        span = req.span
+        if span is not None:
+            self._tracer.record("queue", span, req.submitted_ns, new.taken_ns)
+            self._tracer.record("compute", span, new.taken_ns, msg.created_ns or time.time_ns())
+
+    def sent(self, req: RequestState, send_ns: int) -> None:
+        """The `send` child: handing the result on, from `send_ns` until now."""
+        if req.span is not None:
+            self._tracer.record("send", req.span, send_ns, time.time_ns())
+
+    def relay_put(self, req: RequestState, target: str, packed: Packed, put_ns: int) -> None:
+        """A result payload was put into the relay for `target`, starting at `put_ns`."""
+        seconds = (time.time_ns() - put_ns) / 1e9
+        self._metrics.relay_put(self._relay_name, target, packed.nbytes, seconds)
+        if req.span is not None:
+            attrs = {
+                "omnirail.relay.backend": self._relay_name,
+                "omnirail.relay.bytes": packed.nbytes,
+                "omnirail.edge": f"{self._name}->{target}",
+            }
+            self._tracer.record("relay.put", req.span, put_ns, time.time_ns(), attrs)
+
+    def chunk_put(self, target: str, nbytes: int, seconds: float) -> None:
+        """A stream chunk was put into the relay (`StreamSender`'s `on_put`)."""
+        self._metrics.relay_put(self._relay_name, target, nbytes, seconds)
+
+    def chunk_out(self, req: RequestState) -> None:
+        req.chunks_out += 1
+        if req.chunks_out == 1 and req.span is not None:
+            req.span.event("first_chunk_out")
+
+    # ---- endings -------------------------------------------------------------
+
+    def ended(self, req: RequestState, outcome: str) -> None:
+        """The request ended here: its outcome, and the span finishes."""
+        self._metrics.ended(outcome)
+        span = req.span
+        if span is not None:
+            if req.chunks_in:
+                span.set("omnirail.stream.chunks_in", req.chunks_in)
+            if req.chunks_out:
+                span.set("omnirail.stream.chunks_out", req.chunks_out)
+            if not span.status_code:
+                span.status_code = STATUS_OK
+            span.end()
+
+    def failed(self, req: RequestState, error: OmniError) -> None:
+        if req.span is not None:
+            req.span.error(f"{error.code_name}: {error.message}")
+
+    def aborted(self, req: RequestState, reason: str) -> None:
+        if req.span is not None and not req.span.status_code:
+            req.span.error(f"aborted: {reason}" if reason else "aborted")
