@@ -365,6 +365,10 @@ class ShmRelay(Relay):
         name = descriptor.region
         if len(name) > 255 or not NAME_RE.match(name) or name in (".", ".."):
             raise RelayError(f"bad shm segment name {name!r}")
+        if marks_name(name) == name:
+            # The marks segment is never a data region: mapping it here would cache it
+            # read-only (later releases could not write their marks) or expose it.
+            raise RelayError(f"shm segment {name!r} is a release-marks segment, not data")
         mapping = self._map(name)
         end = descriptor.offset + descriptor.nbytes
         if end > mapping.size:

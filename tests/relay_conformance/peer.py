@@ -1,0 +1,154 @@
+"""Receiver process of the relay conformance suite.
+
+Run as `python -m tests.relay_conformance.peer --fd N --backend NAME --settings JSON`. It
+creates the same backend as the sender, then serves frames (see `wire`) on the inherited
+socket, one at a time and in arrival order:
+
+- get: decode a `common_pb2.Payload`, `relay.get` its descriptor, answer the CRC-32 of the
+  bytes read (and, with echo, the value unpacked from the view re-encoded inline), then
+  release (or hold the view until a release frame names it).
+- release: re-checksum held views (so a sender that reused their extents is caught), then
+  release them.
+- probe: `relay.get` a bare descriptor (garbage tests) and report what it raised.
+- stop: close the relay and exit 0.
+
+The reply to a get is sent only after the view is released, so a sender that sees the reply
+may rely on the release having happened (acks in band or release marks alike).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import socket
+import time
+import zlib
+from typing import Any
+
+from omnirail.payload import encode_inline, unpack
+from omnirail.v1 import common_pb2
+from relay.base import Received, Relay, RelayError, RelaySettings, create_relay
+from tests.relay_conformance import wire
+
+
+def _failure(seq: int, exc: BaseException, started: float) -> dict[str, Any]:
+    return {
+        "seq": seq,
+        "ok": False,
+        "error": type(exc).__name__,
+        "relay_error": isinstance(exc, RelayError),
+        "message": str(exc),
+        "elapsed": time.monotonic() - started,
+    }
+
+
+class _Server:
+    def __init__(self, relay: Relay, writer: asyncio.StreamWriter) -> None:
+        self.relay = relay
+        self.writer = writer
+        self.held: dict[int, Received] = {}
+
+    async def reply(self, msg: dict[str, Any]) -> None:
+        self.writer.write(wire.encode(msg))
+        await self.writer.drain()
+
+    async def get(self, msg: dict[str, Any]) -> dict[str, Any]:
+        seq, started = msg["seq"], time.monotonic()
+        pb = common_pb2.Payload.FromString(msg["payload"])
+        try:
+            received = await self.relay.get(pb.relay)
+        except Exception as e:  # reported to the sender, which decides what it expected
+            return _failure(seq, e, started)
+        out: dict[str, Any] = {
+            "seq": seq,
+            "ok": True,
+            "transfer_id": pb.relay.transfer_id,
+            "nbytes": pb.relay.nbytes,
+            "length": len(received.buffer),
+            "readonly": received.buffer.readonly,
+            "crc": zlib.crc32(received.buffer),
+            "echo": None,
+        }
+        try:
+            if msg.get("echo"):
+                value = unpack(pb.header, received.buffer)
+                out["echo"] = encode_inline(value).SerializeToString()
+                del value  # its views must not outlive the release below
+        except Exception as e:
+            received.release()
+            return _failure(seq, e, started)
+        if msg.get("hold"):
+            self.held[seq] = received
+        else:
+            received.release()
+        return out
+
+    def release(self, msg: dict[str, Any]) -> dict[str, Any]:
+        crcs = {}
+        for seq in msg["seqs"]:
+            received = self.held.pop(seq)
+            crcs[seq] = zlib.crc32(received.buffer)
+            received.release()
+        return {"seq": msg["seq"], "ok": True, "crcs": crcs}
+
+    async def probe(self, msg: dict[str, Any]) -> dict[str, Any]:
+        seq, started = msg["seq"], time.monotonic()
+        desc = common_pb2.RelayDescriptor.FromString(msg["descriptor"])
+        try:
+            received = await self.relay.get(desc)
+        except Exception as e:
+            return _failure(seq, e, started)
+        crc = zlib.crc32(received.buffer)
+        received.release()
+        return {"seq": seq, "ok": True, "crc": crc, "elapsed": time.monotonic() - started}
+
+
+async def _serve(fd: int, backend: str, settings: RelaySettings) -> None:
+    sock = socket.socket(fileno=fd)
+    reader, writer = await asyncio.open_connection(sock=sock)
+    try:
+        relay = create_relay(backend, settings)
+    except Exception as e:
+        writer.write(wire.encode(_failure(0, e, time.monotonic())))
+        await writer.drain()
+        raise
+    server = _Server(relay, writer)
+    try:
+        await server.reply({"seq": 0, "ok": True, "pid": os.getpid()})
+        while True:
+            try:
+                msg = await wire.read(reader)
+            except asyncio.IncompleteReadError:
+                return  # the sender went away
+            op = msg["op"]
+            if op == "stop":
+                return
+            if op == "get":
+                await server.reply(await server.get(msg))
+            elif op == "release":
+                await server.reply(server.release(msg))
+            elif op == "probe":
+                await server.reply(await server.probe(msg))
+            else:
+                raise ValueError(f"unknown op {op!r}")
+    finally:
+        for received in server.held.values():
+            received.release()
+        relay.close()
+        writer.close()
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__)
+    parser.add_argument("--fd", type=int, required=True)
+    parser.add_argument("--backend", required=True)
+    parser.add_argument("--settings", required=True, help="RelaySettings fields as JSON")
+    args = parser.parse_args()
+    settings = RelaySettings(**json.loads(args.settings))
+    asyncio.run(_serve(args.fd, args.backend, settings))
+
+
+if __name__ == "__main__":
+    main()
