@@ -60,6 +60,7 @@ class Coordinator(client_pb2_grpc.OmnirailServicer, mesh_pb2_grpc.CoordinatorSer
         )
         self._possible: dict[tuple[str, ...], frozenset[str]] = {}
         self._max_input = pipeline.max_input_mb << 20
+        self._client_buffer = pipeline.client_stream_buffer
         self._max_message = pipeline.endpoints.max_message_mb << 20
         self._channels: dict[str, DeliverChannel] = {}
         # request id -> replicas that still owe an abort ack, and who acked.
@@ -85,8 +86,7 @@ class Coordinator(client_pb2_grpc.OmnirailServicer, mesh_pb2_grpc.CoordinatorSer
             return
         await _abort_call(context, rec.error or internal("request ended without a result"))
 
-    @staticmethod
-    async def _stream_chunks(rec: RequestRecord, context: grpc.aio.ServicerContext) -> None:
+    async def _stream_chunks(self, rec: RequestRecord, context: grpc.aio.ServicerContext) -> None:
         """Writes the request's chunks as they come, until it ends."""
         chunks: deque[client_pb2.Chunk] = deque()
         wake = asyncio.Event()
@@ -94,11 +94,14 @@ class Coordinator(client_pb2_grpc.OmnirailServicer, mesh_pb2_grpc.CoordinatorSer
         def on_chunk(chunk: client_pb2.Chunk) -> None:
             chunks.append(chunk)
             wake.set()
+            if len(chunks) > self._client_buffer:
+                self._client_too_slow(rec, len(chunks))
 
         rec.on_chunk.append(on_chunk)
         rec.on_done.append(lambda _: wake.set())
         while True:
-            while chunks:
+            # A failed request's chunks are moot: its error goes out next.
+            while chunks and (not rec.finished or rec.state == State.COMPLETED):
                 await context.write(client_pb2.GenerateEvent(chunk=chunks.popleft()))
             if rec.finished:
                 return
@@ -113,6 +116,16 @@ class Coordinator(client_pb2_grpc.OmnirailServicer, mesh_pb2_grpc.CoordinatorSer
         events = client_pb2.SessionEvents()
         wake = asyncio.Event()
         mine: set[str] = set()
+        # Chunks per request waiting for the client to read the stream (since the last write).
+        unread: dict[str, int] = {}
+
+        def emit_chunk(rec: RequestRecord, chunk: client_pb2.Chunk) -> None:
+            rid = rec.request_id
+            emit(client_pb2.SessionEvent(request_id=rid, chunk=chunk))
+            unread[rid] = n = unread.get(rid, 0) + 1
+            if n > self._client_buffer:
+                self._client_too_slow(rec, n)
+
         # The call's traceparent parents requests that carry none of their own.
         caller_traceparent = _traceparent_of(context)
 
@@ -150,11 +163,7 @@ class Coordinator(client_pb2_grpc.OmnirailServicer, mesh_pb2_grpc.CoordinatorSer
                     mine.add(rec.request_id)
                     rec.on_done.append(on_done)
                     if request.stream:
-                        rec.on_chunk.append(
-                            lambda chunk, rid=rec.request_id: emit(
-                                client_pb2.SessionEvent(request_id=rid, chunk=chunk)
-                            )
-                        )
+                        rec.on_chunk.append(lambda chunk, r=rec: emit_chunk(r, chunk))
                 for abort in msg.abort:
                     rec = self.requests.live.get(abort.request_id)
                     if rec is not None:
@@ -166,6 +175,7 @@ class Coordinator(client_pb2_grpc.OmnirailServicer, mesh_pb2_grpc.CoordinatorSer
             if not events.events:
                 return None
             batch, events = events, client_pb2.SessionEvents()
+            unread.clear()
             return batch
 
         try:
@@ -365,6 +375,16 @@ class Coordinator(client_pb2_grpc.OmnirailServicer, mesh_pb2_grpc.CoordinatorSer
             rec = self.requests.live.get(rid)
             if rec is not None:
                 self._fail(rec, unavailable(f"could not deliver to the entry stage: {why}"))
+
+    def _client_too_slow(self, rec: RequestRecord, waiting: int) -> None:
+        self._fail(
+            rec,
+            OmniError(
+                Code.RESOURCE_EXHAUSTED,
+                f"the client is not reading its stream: {waiting} chunks waiting "
+                f"(client_stream_buffer is {self._client_buffer})",
+            ),
+        )
 
     def _expire(self, rec: RequestRecord, timeout: float) -> None:
         tp = rec.span.traceparent if rec.span is not None else None

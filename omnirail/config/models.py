@@ -199,6 +199,9 @@ class PipelineConfig(_Model):
     default_timeout_s: float = Field(60.0, gt=0)
     max_input_mb: int = Field(32, gt=0)
     abort_ack_timeout_s: float = Field(5.0, gt=0)
+    # Chunks of one streaming request the coordinator holds for a client that does not read
+    # them; past this the request fails with RESOURCE_EXHAUSTED instead of growing memory.
+    client_stream_buffer: int = Field(4096, gt=0)
 
     _source_dir: str | None = PrivateAttr(default=None)
 

@@ -1,0 +1,60 @@
+"""A streaming client that stops reading: its request fails, the coordinator stays bounded."""
+
+from __future__ import annotations
+
+import asyncio
+from typing import Any
+
+from grpc_health.v1 import health
+
+from coordinator.requests import RequestRecord, State
+from coordinator.service import Coordinator
+from omnirail.config import PipelineConfig
+from omnirail.errors import Code
+from omnirail.v1 import client_pb2
+
+HERE = "tests.unit.coordinator.test_slow_client"
+
+
+def make_stage() -> Any:
+    return lambda payload: payload
+
+
+class StalledContext:
+    """A servicer context whose client never reads: every write waits forever."""
+
+    def __init__(self) -> None:
+        self.writes = 0
+
+    async def write(self, message: Any) -> None:
+        self.writes += 1
+        await asyncio.Event().wait()
+
+
+async def test_generate_stream_fails_a_request_whose_client_stops_reading() -> None:
+    pipeline = PipelineConfig.from_dict(
+        {
+            "name": "slow-client",
+            "client_stream_buffer": 8,
+            "stages": [{"name": "a", "factory": f"{HERE}:make_stage", "terminal": True}],
+        }
+    )
+    coordinator = Coordinator(pipeline, health.aio.HealthServicer())
+    rec = RequestRecord("r", ("a",), frozenset({"a"}), deadline=0.0)
+    rec.state = State.RUNNING
+    coordinator.requests.add(rec)
+    context = StalledContext()
+    writer = asyncio.get_running_loop().create_task(coordinator._stream_chunks(rec, context))
+    await asyncio.sleep(0)  # the writer subscribes to the request's chunks
+    for i in range(20):
+        for on_chunk in list(rec.on_chunk):
+            on_chunk(client_pb2.Chunk(stage="a", chunk_id=i))
+        for _ in range(3):  # let the writer run: it blocks on its first write
+            await asyncio.sleep(0)
+    assert rec.state == State.FAILED
+    assert rec.error is not None and rec.error.code == Code.RESOURCE_EXHAUSTED
+    assert "not reading its stream" in rec.error.message
+    # Once failed, nothing more is queued for it (chunks stop reaching the call).
+    assert rec.on_chunk == []
+    assert context.writes == 1  # stuck on the first write; the rest was never attempted
+    writer.cancel()
