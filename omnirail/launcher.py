@@ -25,13 +25,12 @@ from pathlib import Path
 
 from omnirail.config import PipelineConfig, load_pipeline
 from omnirail.errors import Code, OmniError
+from omnirail.telemetry import SPAN_DIR_ENV
 
 _PR_SET_PDEATHSIG = 1
 
 
 PARENT_ENV = "OMNIRAIL_DIE_WITH_PARENT"
-# Read by omnirail.telemetry.setup: the folder for span files without an OTLP endpoint.
-SPAN_DIR_ENV = "OMNIRAIL_SPAN_DIR"
 
 
 def die_with_parent() -> None:

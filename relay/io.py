@@ -22,8 +22,10 @@ __all__ = [
     "RelayError",
     "decode_inline",
     "encode_inline",
+    "inline_if_small",
     "inline_payload",
     "receive_payload",
+    "relayed_payload",
     "send_payload",
 ]
 
@@ -31,6 +33,23 @@ __all__ = [
 def inline_payload(packed: Packed) -> common_pb2.Payload:
     """`packed` with its tensor bytes inside the message."""
     return common_pb2.Payload(header=packed.header, inline_data=packed.to_bytes())
+
+
+def inline_if_small(packed: Packed, relay: Relay, inline_bytes: int) -> common_pb2.Payload | None:
+    """The inline payload when `packed` travels in the message; None when it must go
+    through `relay`. Raises when it is too large and the relay cannot carry it."""
+    if packed.nbytes <= inline_bytes or packed.num_tensors == 0:
+        return inline_payload(packed)
+    if relay.name == INLINE:
+        raise oversize_error(packed.nbytes, inline_bytes)
+    return None
+
+
+def relayed_payload(packed: Packed, handle: RelayHandle) -> common_pb2.Payload:
+    """`packed`'s header with the descriptor of where `relay.put` left its bytes."""
+    pb = common_pb2.Payload(header=packed.header)
+    pb.relay.CopyFrom(handle.descriptor)  # cheaper than passing relay= to the constructor
+    return pb
 
 
 async def send_payload(
@@ -42,14 +61,11 @@ async def send_payload(
     `relay.cleanup(request_id)` on abort).
     """
     packed = pack(value)
-    if packed.nbytes <= inline_bytes or packed.num_tensors == 0:
-        return inline_payload(packed), None
-    if relay.name == INLINE:
-        raise oversize_error(packed.nbytes, inline_bytes)
+    inline = inline_if_small(packed, relay, inline_bytes)
+    if inline is not None:
+        return inline, None
     handle = await relay.put(packed, request_id, edge)
-    pb = common_pb2.Payload(header=packed.header)
-    pb.relay.CopyFrom(handle.descriptor)  # cheaper than passing relay= to the constructor
-    return pb, handle
+    return relayed_payload(packed, handle), handle
 
 
 class ReceivedPayload:

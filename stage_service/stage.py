@@ -24,9 +24,7 @@ from omnirail.telemetry.metrics import ABORTED, COMPLETED, FAILED, StageMetrics
 from omnirail.telemetry.tracer import Tracer
 from omnirail.v1 import common_pb2, mesh_pb2
 from relay.base import Relay, RelayError, RelayHandle
-from relay.inline import BACKEND as INLINE_BACKEND
-from relay.inline import oversize_error
-from relay.io import inline_payload, receive_payload
+from relay.io import inline_if_small, inline_payload, receive_payload, relayed_payload
 from stage_service.fanin import FanIn
 from stage_service.observe import StageObserver
 from stage_service.request_state import (
@@ -469,11 +467,10 @@ class Stage:
 
     def _send_part_now(self, req: RequestState, rid: str, target: str, packed: Packed) -> bool:
         """Sends one payload if that needs no waiting; False when it must wait for credit."""
-        if packed.nbytes <= self._inline_bytes or packed.num_tensors == 0:
-            self._deliver(req, rid, target, inline_payload(packed), None)
+        inline = inline_if_small(packed, self._relay, self._inline_bytes)
+        if inline is not None:
+            self._deliver(req, rid, target, inline, None)
             return True
-        if self._relay.name == INLINE_BACKEND:
-            raise oversize_error(packed.nbytes, self._inline_bytes)
         put_ns = time.time_ns()
         handle = self._relay.put_nowait(packed, rid, f"{self.name}->{target}")
         if handle is None:
@@ -485,8 +482,7 @@ class Stage:
     def _deliver_relayed(
         self, req: RequestState, rid: str, target: str, packed: Packed, handle: RelayHandle
     ) -> None:
-        payload = common_pb2.Payload(header=packed.header, relay=handle.descriptor)
-        self._deliver(req, rid, target, payload, handle)
+        self._deliver(req, rid, target, relayed_payload(packed, handle), handle)
 
     def _deliver(
         self,

@@ -23,9 +23,7 @@ from omnirail.errors import OmniError
 from omnirail.payload import Packed
 from omnirail.v1 import common_pb2, mesh_pb2
 from relay.base import Relay, RelayHandle
-from relay.inline import BACKEND as INLINE_BACKEND
-from relay.inline import oversize_error
-from relay.io import inline_payload
+from relay.io import inline_if_small, relayed_payload
 
 log = logging.getLogger(__name__)
 
@@ -154,8 +152,9 @@ class StreamSender:
         self._deliver_fn = deliver
         self._on_failed = on_failed
         self._edges: dict[str, _Edge] = {}
-        # (request, target) -> next chunk id; present while the stream is open.
-        self._next_id: dict[tuple[str, str], int] = {}
+        # request -> target -> next chunk id, while the stream is open (keyed by request
+        # first: a request's end drops its streams without scanning everyone else's).
+        self._next_id: dict[str, dict[str, int]] = {}
         self._forgotten: set[str] = set()
         self._tasks: set[asyncio.Task[None]] = set()
 
@@ -171,9 +170,11 @@ class StreamSender:
         traceparent: str,
         token: SentToken | None,
     ) -> None:
-        key = (request_id, target)
-        chunk_id = self._next_id.get(key, 0)
-        self._next_id[key] = chunk_id + 1
+        streams = self._next_id.get(request_id)
+        if streams is None:
+            streams = self._next_id[request_id] = {}
+        chunk_id = streams.get(target, 0)
+        streams[target] = chunk_id + 1
         signal = mesh_pb2.StreamSignal(chunk_id=chunk_id, modality=modality)
         self._submit(self._edge(target), _Out(request_id, packed, signal, meta, traceparent, token))
 
@@ -181,7 +182,7 @@ class StreamSender:
         self, request_id: str, target: str, meta: mesh_pb2.RequestMeta, traceparent: str
     ) -> None:
         """Ends the (request, target) stream after the chunks queued so far."""
-        count = self._next_id.pop((request_id, target), 0)
+        count = self._next_id.get(request_id, {}).pop(target, 0)
         signal = mesh_pb2.StreamSignal(chunk_id=count, done=True)
         self._submit(self._edge(target), _Out(request_id, None, signal, meta, traceparent, None))
 
@@ -189,7 +190,7 @@ class StreamSender:
         self, request_id: str, error: OmniError, meta: mesh_pb2.RequestMeta, traceparent: str
     ) -> None:
         """Tells every target this request streamed to that the stream failed, at once."""
-        targets = [t for (rid, t) in self._next_id if rid == request_id]
+        targets = self.streamed_to(request_id)
         self.forget(request_id)
         for target in targets:
             signal = mesh_pb2.StreamSignal(error=error.to_proto())
@@ -210,11 +211,11 @@ class StreamSender:
 
     def close_request(self, request_id: str) -> None:
         """Forgets the request's open stream counters (its done signals are queued)."""
-        for key in [k for k in self._next_id if k[0] == request_id]:
-            del self._next_id[key]
+        self._next_id.pop(request_id, None)
 
     def streamed_to(self, request_id: str) -> list[str]:
-        return [t for (rid, t) in self._next_id if rid == request_id]
+        """Targets with an open (not yet done) stream of `request_id`."""
+        return list(self._next_id.get(request_id, ()))
 
     async def close(self) -> None:
         for task in list(self._tasks):
@@ -281,11 +282,10 @@ class StreamSender:
         if credit is None:
             return _Result.WAIT
         try:
-            if packed.nbytes <= self._inline_bytes or packed.num_tensors == 0:
-                self._send(out, edge.target, credit, inline_payload(packed))
+            inline = inline_if_small(packed, self._relay, self._inline_bytes)
+            if inline is not None:
+                self._send(out, edge.target, credit, inline)
                 return _Result.SENT
-            if self._relay.name == INLINE_BACKEND:
-                raise oversize_error(packed.nbytes, self._inline_bytes)
             put_ns = time.time_ns()
             handle = self._relay.put_nowait(packed, out.request_id, self._edge_name(edge))
         except Exception as exc:
@@ -300,7 +300,7 @@ class StreamSender:
             return _Result.ASYNC
         credit.attach(handle)
         self._put_done(edge, packed, put_ns)
-        self._send(out, edge.target, credit, _relayed(packed, handle))
+        self._send(out, edge.target, credit, relayed_payload(packed, handle))
         return _Result.SENT
 
     async def _put_later(self, edge: _Edge, out: _Out, credit: ChunkCredit) -> None:
@@ -323,7 +323,7 @@ class StreamSender:
             return
         credit.attach(handle)
         self._put_done(edge, out.packed, put_ns)
-        self._send(out, edge.target, credit, _relayed(out.packed, handle))
+        self._send(out, edge.target, credit, relayed_payload(out.packed, handle))
         self._pump(edge)
 
     def _put_done(self, edge: _Edge, packed: Packed, put_ns: int) -> None:
@@ -358,7 +358,3 @@ class StreamSender:
 
     def _edge_name(self, edge: _Edge) -> str:
         return f"{self._stage}->{edge.target}"
-
-
-def _relayed(packed: Packed, handle: RelayHandle) -> common_pb2.Payload:
-    return common_pb2.Payload(header=packed.header, relay=handle.descriptor)

@@ -23,9 +23,13 @@ from omnirail.telemetry.tracer import (
 )
 
 if TYPE_CHECKING:
-    from omnirail.telemetry.setup import SPAN_DIR_ENV, Telemetry, setup_tracing
+    from omnirail.telemetry.setup import Telemetry, setup_tracing
 
-_LAZY = {"SPAN_DIR_ENV", "Telemetry", "setup_tracing"}
+# Set by the launcher for its processes: the folder for span files when no OTLP endpoint
+# is configured. Here, not in setup, so the launcher can name it without loading grpc.
+SPAN_DIR_ENV = "OMNIRAIL_SPAN_DIR"
+
+_LAZY = {"Telemetry", "setup_tracing"}
 
 __all__ = [
     "KIND_CLIENT",

@@ -9,10 +9,10 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
+from omnirail.telemetry import SPAN_DIR_ENV
 from omnirail.telemetry.export import SpanExporter, sink_from_env
 from omnirail.telemetry.tracer import Tracer, sdk_root_sampler
 
-SPAN_DIR_ENV = "OMNIRAIL_SPAN_DIR"
 _UNSAFE_FILENAME = re.compile(r"[^A-Za-z0-9._-]+")
 
 
