@@ -8,13 +8,12 @@ to end (the point of continuous batching over the fixed batches of `SimpleSchedu
 from __future__ import annotations
 
 import queue
-import threading
 from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from stage_service.scheduler import IncomingMessage, OutgoingMessage, Scheduler
+from stage_service.scheduler import IncomingMessage, OutgoingMessage, ThreadScheduler
 
 # How long the loop waits for news when every running request is held back by its
 # consumer: short, since the outbox has no signal for "chunks drained" to wait on.
@@ -94,7 +93,7 @@ StepFn = Callable[[list[ARRequest]], list[ARStep]]
 InitFn = Callable[[ARRequest], None]
 
 
-class ARScheduler(Scheduler):
+class ARScheduler(ThreadScheduler):
     """Steps up to `max_batch_size` requests together; the rest wait in arrival order.
 
     `init_fn(request)` runs once as a request joins the batch (prefill). A request with
@@ -118,7 +117,7 @@ class ARScheduler(Scheduler):
         hold_inputs: bool = False,
         name: str = "ar",
     ) -> None:
-        super().__init__()
+        super().__init__(name)
         self.hold_inputs = hold_inputs
         self.inbox.defer_taken = hold_inputs
         if max_batch_size < 1:
@@ -129,27 +128,12 @@ class ARScheduler(Scheduler):
         self._init_fn = init_fn
         self.max_batch_size = max_batch_size
         self.max_unsent = max_unsent
-        self._name = name
         # Every known request, running or waiting, so input reaches waiting ones too.
         self._live: dict[str, ARRequest] = {}
         self._running: dict[str, ARRequest] = {}  # insertion order = batch order
         self._waiting: deque[ARRequest] = deque()
         self._parked: set[str] = set()  # running, but waiting for input
         self._abort_queue: deque[str] = deque()
-        self._thread: threading.Thread | None = None
-
-    def start(self) -> None:
-        if self._thread is None:
-            self._thread = threading.Thread(
-                target=self._run, name=f"scheduler-{self._name}", daemon=True
-            )
-            self._thread.start()
-
-    def stop(self) -> None:
-        if self._thread is not None:
-            self.inbox.put(None)
-            self._thread.join(timeout=5)
-            self._thread = None
 
     def abort(self, request_id: str) -> None:
         super().abort(request_id)

@@ -264,7 +264,32 @@ class Scheduler(abc.ABC):
         return self.inbox.qsize()
 
 
-class SimpleScheduler(Scheduler):
+class ThreadScheduler(Scheduler):
+    """A scheduler whose compute runs on one thread: `_run` until it takes `None`."""
+
+    def __init__(self, name: str) -> None:
+        super().__init__()
+        self._name = name
+        self._thread: threading.Thread | None = None
+
+    def start(self) -> None:
+        if self._thread is None:
+            self._thread = threading.Thread(
+                target=self._run, name=f"scheduler-{self._name}", daemon=True
+            )
+            self._thread.start()
+
+    def stop(self) -> None:
+        if self._thread is not None:
+            self.inbox.put(None)
+            self._thread.join(timeout=5)
+            self._thread = None
+
+    @abc.abstractmethod
+    def _run(self) -> None: ...
+
+
+class SimpleScheduler(ThreadScheduler):
     """`fn(payload) -> result` per request, or `batch_fn(payloads) -> results`.
 
     With `batch_fn`, up to `max_batch_size` waiting requests are computed together; the
@@ -282,7 +307,7 @@ class SimpleScheduler(Scheduler):
         max_wait_ms: float = 0.0,
         name: str = "simple",
     ) -> None:
-        super().__init__()
+        super().__init__(name)
         if (fn is None) == (batch_fn is None):
             raise ValueError("SimpleScheduler needs exactly one of fn or batch_fn")
         if max_batch_size < 1 or max_wait_ms < 0:
@@ -291,21 +316,6 @@ class SimpleScheduler(Scheduler):
         self._batch_fn = batch_fn
         self._max_batch = max_batch_size if batch_fn else 1
         self._max_wait_s = max_wait_ms / 1000.0
-        self._name = name
-        self._thread: threading.Thread | None = None
-
-    def start(self) -> None:
-        if self._thread is None:
-            self._thread = threading.Thread(
-                target=self._run, name=f"scheduler-{self._name}", daemon=True
-            )
-            self._thread.start()
-
-    def stop(self) -> None:
-        if self._thread is not None:
-            self.inbox.put(None)
-            self._thread.join(timeout=5)
-            self._thread = None
 
     def _next_batch(self) -> list[IncomingMessage] | None:
         first = self.inbox.get()

@@ -8,14 +8,13 @@ that need left context (or cross-fading between windows) want.
 
 from __future__ import annotations
 
-import threading
 from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
 from omnirail.telemetry.logs import request_context
-from stage_service.scheduler import IncomingMessage, OutgoingMessage, Scheduler
+from stage_service.scheduler import IncomingMessage, OutgoingMessage, ThreadScheduler
 
 
 @dataclass(slots=True, eq=False)
@@ -41,7 +40,7 @@ WindowFn = Callable[[StreamState, list[Any], bool], Any]
 FinishFn = Callable[[StreamState], Any]
 
 
-class StreamingScheduler(Scheduler):
+class StreamingScheduler(ThreadScheduler):
     """Calls `window_fn(state, chunks, final)` on sliding windows of each request's stream.
 
     Every `window` buffered chunks trigger a call, then the first `hop` chunks are dropped
@@ -66,7 +65,7 @@ class StreamingScheduler(Scheduler):
         metadata: dict[str, Any] | None = None,
         name: str = "streaming",
     ) -> None:
-        super().__init__()
+        super().__init__(name)
         if window < 1:
             raise ValueError(f"window must be >= 1, got {window}")
         hop = window if hop is None else hop
@@ -81,13 +80,11 @@ class StreamingScheduler(Scheduler):
         self._start_fn = start_fn
         self._finish_fn = finish_fn
         self._metadata = metadata
-        self._name = name
         self._states: dict[str, StreamState] = {}
         # Aborts come from other threads; the compute thread drops their state itself so
         # `_states` has a single writer.
         self._abort_queue: deque[str] = deque()
         self._out: list[OutgoingMessage] = []
-        self._thread: threading.Thread | None = None
 
     # ---- hooks (override in subclasses) ---------------------------------------------
 
@@ -123,19 +120,6 @@ class StreamingScheduler(Scheduler):
         self._out.append(OutgoingMessage(state.request_id, "stream", data, target, metadata))
 
     # ---- lifecycle ------------------------------------------------------------------
-
-    def start(self) -> None:
-        if self._thread is None:
-            self._thread = threading.Thread(
-                target=self._run, name=f"scheduler-{self._name}", daemon=True
-            )
-            self._thread.start()
-
-    def stop(self) -> None:
-        if self._thread is not None:
-            self.inbox.put(None)
-            self._thread.join(timeout=5)
-            self._thread = None
 
     def abort(self, request_id: str) -> None:
         super().abort(request_id)
