@@ -101,6 +101,29 @@ def parse_chunk(request_id: str, chunk: client_pb2.Chunk) -> Chunk:
     return Chunk(request_id, chunk.stage, chunk.chunk_id, chunk.modality, decode_inline(chunk.data))
 
 
+def is_stream_end(event: client_pb2.SessionEvent | OmniError) -> bool:
+    """Whether `event` ends a streaming request (its result, its error, a broken session)."""
+    return isinstance(event, OmniError) or not event.HasField("chunk")
+
+
+def end_stream(
+    session: SyncSession | AsyncSession | None,
+    request_id: str,
+    ended: bool,
+    error: BaseException | None,
+    span: ClientSpan,
+) -> None:
+    """After a `stream()` loop: abort what the caller stopped reading, close the span."""
+    if not ended and session is not None:
+        session.abort(request_id, "the client stopped reading the stream")
+    # The caller closing the iterator is an abort, not a failure of the request.
+    span.end(None if isinstance(error, GeneratorExit) else error)
+
+
+def _remaining(deadline: float | None) -> float | None:
+    return None if deadline is None else max(0.0, deadline - time.monotonic())
+
+
 def stream_event(request_id: str, event: client_pb2.SessionEvent | OmniError) -> StreamEvent:
     """A chunk or the final result of a streaming request; raises for its error."""
     if isinstance(event, OmniError):
@@ -217,6 +240,7 @@ class Client:
         timeout = timeout if timeout is not None else self.timeout
         rid = request_id or uuid.uuid4().hex
         span = ClientSpan("stream", rid, traceparent)
+        session: SyncSession | None = None
         error: BaseException | None = None
         ended = False
         try:
@@ -224,28 +248,20 @@ class Client:
             session = self._session()
             events = session.send_stream(request)
             deadline = None if timeout is None else time.monotonic() + _deadline(timeout)
-            while True:
-                wait = None if deadline is None else max(0.0, deadline - time.monotonic())
+            while not ended:
                 try:
-                    event = events.get(timeout=wait)
+                    event = events.get(timeout=_remaining(deadline))
                 except queue.Empty:
                     raise OmniError(
                         Code.DEADLINE_EXCEEDED, f"no answer within {timeout}s"
                     ) from None
-                ended = isinstance(event, OmniError) or not event.HasField("chunk")
-                item = stream_event(rid, event)
-                yield item
-                if ended:
-                    return
+                ended = is_stream_end(event)
+                yield stream_event(rid, event)
         except BaseException as exc:
             error = exc
             raise
         finally:
-            if isinstance(error, GeneratorExit):
-                error = None  # the caller stopped reading: an abort, not a failure
-            if not ended:
-                self._session().abort(rid, "the client stopped reading the stream")
-            span.end(error)
+            end_stream(session, rid, ended, error, span)
 
     def _session(self) -> SyncSession:
         with self._lock:
@@ -386,6 +402,7 @@ class AsyncClient:
         timeout = timeout if timeout is not None else self.timeout
         rid = request_id or uuid.uuid4().hex
         span = ClientSpan("stream", rid, traceparent)
+        session: AsyncSession | None = None
         error: BaseException | None = None
         ended = False
         try:
@@ -393,28 +410,20 @@ class AsyncClient:
             session = self._session()
             events = session.send_stream(request)
             deadline = None if timeout is None else time.monotonic() + _deadline(timeout)
-            while True:
-                wait = None if deadline is None else max(0.0, deadline - time.monotonic())
+            while not ended:
                 try:
-                    event = await asyncio.wait_for(events.get(), wait)
+                    event = await asyncio.wait_for(events.get(), _remaining(deadline))
                 except TimeoutError:
                     raise OmniError(
                         Code.DEADLINE_EXCEEDED, f"no answer within {timeout}s"
                     ) from None
-                ended = isinstance(event, OmniError) or not event.HasField("chunk")
-                item = stream_event(rid, event)
-                yield item
-                if ended:
-                    return
+                ended = is_stream_end(event)
+                yield stream_event(rid, event)
         except BaseException as exc:
             error = exc
             raise
         finally:
-            if isinstance(error, GeneratorExit):
-                error = None  # the caller stopped reading: an abort, not a failure
-            if not ended:
-                self._session().abort(rid, "the client stopped reading the stream")
-            span.end(error)
+            end_stream(session, rid, ended, error, span)
 
     def _session(self) -> AsyncSession:
         if self._sess is None or self._sess.broken:
