@@ -13,38 +13,8 @@ from typing import Any
 import pytest
 
 from stage_service.ar import ARRequest, ARScheduler, ARStep
-from stage_service.scheduler import IncomingMessage, Outbox, OutgoingMessage
-
-TIMEOUT = 30.0  # generous: only reached when something is broken
-
-
-class Collector:
-    """Drains an outbox from the test thread, woken by the outbox's waker."""
-
-    def __init__(self, outbox: Outbox) -> None:
-        self._outbox = outbox
-        self._woken = threading.Event()
-        self.items: list[OutgoingMessage] = []
-        outbox.bind(self._woken.set)
-
-    def until(self, done: Callable[[list[OutgoingMessage]], bool]) -> list[OutgoingMessage]:
-        while not done(self.items):
-            assert self._woken.wait(TIMEOUT), f"timed out; collected so far: {self.items}"
-            self._woken.clear()
-            self.items.extend(self._outbox.drain())
-        return self.items
-
-    def final_for(self, rid: str) -> OutgoingMessage:
-        ends = ("result", "error")
-        self.until(lambda items: any(m.request_id == rid and m.type in ends for m in items))
-        return next(m for m in self.items if m.request_id == rid and m.type in ends)
-
-    def of(self, rid: str) -> list[tuple[str, Any]]:
-        return [(m.type, m.data) for m in self.items if m.request_id == rid]
-
-
-def new(rid: str, data: Any = None) -> IncomingMessage:
-    return IncomingMessage(rid, "new_request", data)
+from stage_service.scheduler import IncomingMessage
+from tests.unit.scheduler_support import TIMEOUT, Collector, new
 
 
 def countdown(batch: list[ARRequest]) -> list[ARStep]:

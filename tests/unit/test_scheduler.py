@@ -12,44 +12,8 @@ from typing import Any
 
 import pytest
 
-from stage_service.scheduler import (
-    IncomingMessage,
-    Outbox,
-    OutgoingMessage,
-    SimpleScheduler,
-)
-
-TIMEOUT = 30.0  # generous: only reached when something is broken
-
-
-class Collector:
-    """Drains an outbox from the test thread, woken by the outbox's waker."""
-
-    def __init__(self, outbox: Outbox) -> None:
-        self._outbox = outbox
-        self._woken = threading.Event()
-        self.items: list[OutgoingMessage] = []
-        outbox.bind(self._wake)
-
-    def _wake(self) -> None:
-        self._woken.set()
-
-    def until(self, done: Callable[[list[OutgoingMessage]], bool]) -> list[OutgoingMessage]:
-        while not done(self.items):
-            assert self._woken.wait(TIMEOUT), f"timed out; collected so far: {self.items}"
-            self._woken.clear()
-            self.items.extend(self._outbox.drain())
-        return self.items
-
-    def count(self, n: int) -> list[OutgoingMessage]:
-        return self.until(lambda items: len(items) >= n)
-
-    def result_for(self, request_id: str) -> list[OutgoingMessage]:
-        return self.until(lambda items: any(m.request_id == request_id for m in items))
-
-
-def new(request_id: str, data: Any) -> IncomingMessage:
-    return IncomingMessage(request_id, "new_request", data)
+from stage_service.scheduler import IncomingMessage, Outbox, OutgoingMessage, SimpleScheduler
+from tests.unit.scheduler_support import TIMEOUT, Collector, new
 
 
 @pytest.fixture
