@@ -105,11 +105,12 @@ class StageObserver:
         new = req.new_msg
         if new is None or not new.taken_ns:
             return
-        self._metrics.computed(req.submitted_ns, new.taken_ns, msg.created_ns or time.time_ns())
+        done_ns = msg.created_ns or time.time_ns()
+        self._metrics.computed(req.submitted_ns, new.taken_ns, done_ns)
         span = req.span
         if span is not None:
             self._tracer.record("queue", span, req.submitted_ns, new.taken_ns)
-            self._tracer.record("compute", span, new.taken_ns, msg.created_ns or time.time_ns())
+            self._tracer.record("compute", span, new.taken_ns, done_ns)
 
     def sent(self, req: RequestState, send_ns: int) -> None:
         """The `send` child: handing the result on, from `send_ns` until now."""
@@ -118,15 +119,15 @@ class StageObserver:
 
     def relay_put(self, req: RequestState, target: str, packed: Packed, put_ns: int) -> None:
         """A result payload was put into the relay for `target`, starting at `put_ns`."""
-        seconds = (time.time_ns() - put_ns) / 1e9
-        self._metrics.relay_put(self._relay_name, target, packed.nbytes, seconds)
+        end_ns = time.time_ns()
+        self._metrics.relay_put(self._relay_name, target, packed.nbytes, (end_ns - put_ns) / 1e9)
         if req.span is not None:
             attrs = {
                 "omnirail.relay.backend": self._relay_name,
                 "omnirail.relay.bytes": packed.nbytes,
                 "omnirail.edge": f"{self._name}->{target}",
             }
-            self._tracer.record("relay.put", req.span, put_ns, time.time_ns(), attrs)
+            self._tracer.record("relay.put", req.span, put_ns, end_ns, attrs)
 
     def chunk_put(self, target: str, nbytes: int, seconds: float) -> None:
         """A stream chunk was put into the relay (`StreamSender`'s `on_put`)."""
