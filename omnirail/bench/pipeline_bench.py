@@ -8,13 +8,11 @@ from __future__ import annotations
 
 import asyncio
 import statistics
-import tempfile
 import time
 from collections.abc import Callable
-from pathlib import Path
 from typing import Any
 
-import yaml
+from omnirail.bench import pipeline_file
 
 
 def pipeline_yaml(stages: int, payload_bytes: int, stage_ms: float = 0.0) -> dict[str, Any]:
@@ -108,9 +106,7 @@ def run_pipeline_bench(
         )
     if tracing not in TRACING_ENV:
         raise ValueError(f"tracing must be off, on or compare, not {tracing!r}")
-    with tempfile.TemporaryDirectory(prefix="omnirail-bench-") as tmp:
-        path = Path(tmp) / "bench.yaml"
-        path.write_text(yaml.safe_dump(pipeline_yaml(stages, payload_bytes, stage_ms)))
+    with pipeline_file(pipeline_yaml(stages, payload_bytes, stage_ms)) as path:
         with Mesh(path, progress=progress, env=TRACING_ENV[tracing]) as mesh:
             assert mesh.address is not None
             latencies = _latencies(mesh.address, requests, payload_bytes)
@@ -146,9 +142,7 @@ def _compare_tracing(
     so both see the same machine load; reports the median of each and their ratio."""
     from omnirail.launcher import Mesh
 
-    with tempfile.TemporaryDirectory(prefix="omnirail-bench-") as tmp:
-        path = Path(tmp) / "bench.yaml"
-        path.write_text(yaml.safe_dump(pipeline_yaml(stages, payload_bytes, stage_ms)))
+    with pipeline_file(pipeline_yaml(stages, payload_bytes, stage_ms)) as path:
         with (
             Mesh(path, progress=progress, env=TRACING_ENV["off"]) as off,
             Mesh(path, progress=progress, env=TRACING_ENV["on"]) as on,

@@ -9,14 +9,12 @@ long an aborted stream takes to end at the client.
 from __future__ import annotations
 
 import statistics
-import tempfile
 import threading
 import time
 from collections.abc import Callable
-from pathlib import Path
 from typing import Any
 
-import yaml
+from omnirail.bench import pipeline_file
 
 # Chain of three streaming stages: producer -> relay -> sink -> client.
 _STAGES = ("producer", "relay", "sink")
@@ -104,9 +102,7 @@ def run_streaming_bench(
     from omnirail.client import Client
     from omnirail.launcher import Mesh
 
-    with tempfile.TemporaryDirectory(prefix="omnirail-bench-") as tmp:
-        path = Path(tmp) / "streaming.yaml"
-        path.write_text(yaml.safe_dump(streaming_yaml(chunks, interval_ms)))
+    with pipeline_file(streaming_yaml(chunks, interval_ms)) as path:
         with Mesh(path, progress=progress) as mesh:
             assert mesh.address is not None
             with Client(mesh.address, timeout=60) as client:
