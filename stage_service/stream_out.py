@@ -298,9 +298,7 @@ class StreamSender:
             self._tasks.add(task)
             task.add_done_callback(self._tasks.discard)
             return _Result.ASYNC
-        credit.attach(handle)
-        self._put_done(edge, packed, put_ns)
-        self._send(out, edge.target, credit, relayed_payload(packed, handle))
+        self._send_put(edge, out, credit, handle, put_ns)
         return _Result.SENT
 
     async def _put_later(self, edge: _Edge, out: _Out, credit: ChunkCredit) -> None:
@@ -321,14 +319,19 @@ class StreamSender:
             if out.token is not None:
                 out.token.one_done()
             return
-        credit.attach(handle)
-        self._put_done(edge, out.packed, put_ns)
-        self._send(out, edge.target, credit, relayed_payload(out.packed, handle))
+        self._send_put(edge, out, credit, handle, put_ns)
         self._pump(edge)
 
-    def _put_done(self, edge: _Edge, packed: Packed, put_ns: int) -> None:
+    def _send_put(
+        self, edge: _Edge, out: _Out, credit: ChunkCredit, handle: RelayHandle, put_ns: int
+    ) -> None:
+        """Sends a chunk whose bytes a relay put (started at `put_ns`) has placed."""
+        packed = out.packed
+        assert packed is not None
+        credit.attach(handle)
         if self._on_put is not None:
             self._on_put(edge.target, packed.nbytes, (time.time_ns() - put_ns) / 1e9)
+        self._send(out, edge.target, credit, relayed_payload(packed, handle))
 
     def _drop(self, out: _Out, exc: BaseException) -> None:
         if out.token is not None:
