@@ -261,8 +261,12 @@ class Mesh:
 
 
 def write_state(name: str, data: dict[str, object]) -> Path:
+    # Written whole then renamed: `read_states` in another process (`up --detach` polls it)
+    # must never see a half-written file.
     path = state_dir() / f"{name}.json"
-    path.write_text(json.dumps(data))
+    tmp = path.with_name(f".{name}.{os.getpid()}.tmp")
+    tmp.write_text(json.dumps(data))
+    os.replace(tmp, path)
     return path
 
 
@@ -280,10 +284,10 @@ def read_states() -> dict[str, dict[str, object]]:
     for path in state_dir().glob("*.json"):
         try:
             data = json.loads(path.read_text())
-            alive = pid_alive(int(data["pid"]))
-        except (OSError, ValueError, KeyError):
-            alive = False
-        if not alive:
+            pid = int(data["pid"])
+        except (OSError, ValueError, KeyError, TypeError):
+            continue  # not ours to judge: unreadable, so neither listed nor deleted
+        if not pid_alive(pid):
             path.unlink(missing_ok=True)  # a mesh that is gone
             continue
         states[path.stem] = data

@@ -1,0 +1,55 @@
+"""Run-state files that `omnirail up` writes and `up --detach`/`down`/`ps` read."""
+
+import json
+import os
+import threading
+
+import pytest
+
+from omnirail import launcher
+
+
+@pytest.fixture(autouse=True)
+def private_state_dir(tmp_path, monkeypatch):
+    monkeypatch.setenv("XDG_RUNTIME_DIR", str(tmp_path))
+
+
+def test_written_state_is_listed_and_leaves_no_temp_file() -> None:
+    launcher.write_state("m", {"pid": os.getpid(), "address": "unix:/x"})
+    assert launcher.read_states() == {"m": {"pid": os.getpid(), "address": "unix:/x"}}
+    assert [p.name for p in launcher.state_dir().iterdir()] == ["m.json"]
+
+
+def test_state_of_a_dead_process_is_removed() -> None:
+    path = launcher.write_state("gone", {"pid": 2**22 + 12345, "address": "unix:/x"})
+    assert launcher.read_states() == {}
+    assert not path.exists()
+
+
+def test_unreadable_state_is_skipped_not_deleted() -> None:
+    # A reader racing a writer once saw a half-written file and deleted it, so `up --detach`
+    # waited forever for a mesh that was running.
+    path = launcher.state_dir() / "half.json"
+    path.write_text('{"pid": ')
+    assert launcher.read_states() == {}
+    assert path.exists()
+
+
+def test_reader_racing_writer_always_sees_the_state() -> None:
+    stop = threading.Event()
+    payload = {"pid": os.getpid(), "address": "unix:/" + "x" * 4096}
+
+    def writer() -> None:
+        while not stop.is_set():
+            launcher.write_state("busy", payload)
+
+    launcher.write_state("busy", payload)
+    thread = threading.Thread(target=writer)
+    thread.start()
+    try:
+        for _ in range(300):
+            assert launcher.read_states().get("busy") == payload
+    finally:
+        stop.set()
+        thread.join()
+    assert json.loads((launcher.state_dir() / "busy.json").read_text()) == payload
