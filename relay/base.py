@@ -87,6 +87,25 @@ class Relay(abc.ABC):
     def close(self) -> None:
         """Frees the pool and every OS resource; idempotent."""
 
+    # ---- peers: for backends whose receivers reach the sender by themselves ----------
+    # The mesh publishes each process's `local_info()` through the coordinator (Attach,
+    # then the topology it broadcasts) and hands every process the infos of all live
+    # processes with `set_peers`. Backends that need no exchange (shm, inline) keep these.
+
+    def local_info(self) -> bytes:
+        """What peers need to reach this relay (msgpack, never pickle); b"": nothing."""
+        return b""
+
+    def set_peers(self, infos: list[bytes]) -> None:
+        """The `local_info()` of every live peer (all of them, each time); unknown or
+        malformed infos of other backends' shapes are ignored, never unpickled."""
+        return None
+
+    async def connect(self, timeout: float) -> None:
+        """Returns once the backend can transfer (library up, rendezvous done); raises
+        RelayError naming what is missing after `timeout` seconds."""
+        return None
+
 
 RelayFactory = Callable[[RelaySettings], Relay]
 _REGISTRY: dict[str, RelayFactory] = {}
@@ -115,3 +134,24 @@ def create_relay(name: str, settings: RelaySettings | None = None) -> Relay:
 def _load_builtin() -> None:
     # Importing registers them; kept lazy so `relay.base` stays cheap to import.
     from relay import inline, shm  # noqa: F401
+
+    # Optional backends register lazily: importing them must not need their libraries.
+    for name, module in _OPTIONAL.items():
+        if name not in _REGISTRY:
+            _REGISTRY[name] = _lazy(module)
+
+
+_OPTIONAL = {"nixl": "relay.nixl", "ucx": "relay.ucx", "torchdist": "relay.torchdist"}
+
+
+def _lazy(module: str) -> RelayFactory:
+    def factory(settings: RelaySettings) -> Relay:
+        import importlib
+
+        importlib.import_module(module)  # registers the real factory, replacing this one
+        real = _REGISTRY[next(k for k, v in _OPTIONAL.items() if v == module)]
+        if real is factory:
+            raise RelayError(f"{module} did not register its relay backend")
+        return real(settings)
+
+    return factory

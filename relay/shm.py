@@ -24,6 +24,7 @@ from dataclasses import dataclass
 from omnirail.payload import Packed
 from omnirail.v1 import common_pb2
 from relay.base import Received, Relay, RelayError, RelayHandle, RelaySettings, register_relay
+from relay.credits import Credits, EdgeCredit
 from relay.shm_pool import (
     MARK_SLOTS,
     NAME_RE,
@@ -49,17 +50,6 @@ _POLL_MIN_S = 50e-6
 _POLL_MAX_S = 2e-3
 
 
-class _Edge:
-    """Credits of one edge: outstanding transfers and bytes, FIFO waiters."""
-
-    __slots__ = ("nbytes", "slots", "waiters")
-
-    def __init__(self) -> None:
-        self.slots = 0
-        self.nbytes = 0
-        self.waiters: deque[tuple[int, asyncio.Future[None]]] = deque()
-
-
 class ShmHandle(RelayHandle):
     __slots__ = (
         "_edge",
@@ -79,7 +69,7 @@ class ShmHandle(RelayHandle):
         relay: ShmRelay,
         descriptor: common_pb2.RelayDescriptor,
         request_id: str,
-        edge: _Edge,
+        edge: EdgeCredit,
         extent: Extent,
         nbytes: int,
         transfer_id: int,
@@ -140,7 +130,7 @@ class ShmRelay(Relay):
     def __init__(self, settings: RelaySettings | None = None) -> None:
         self.settings = settings or RelaySettings()
         self._pool: ShmPool | None = None  # created on the first put: receivers need none
-        self._edges: dict[str, _Edge] = {}
+        self._credits = Credits(self.settings.credit_slots, self.settings.credit_bytes)
         self._by_request: dict[str, dict[int, ShmHandle]] = {}
         self._ids = itertools.count(1)
         self._free_slots: deque[int] = deque(range(1, MARK_SLOTS))  # 0: never a live slot
@@ -176,53 +166,13 @@ class ShmRelay(Relay):
     async def _poll_marks(self) -> None:
         """Runs while some edge waits for credit: its credit returns only via marks."""
         delay = _POLL_MIN_S
-        while not self.closed and any(e.waiters for e in self._edges.values()):
+        while not self.closed and self._credits.waiting():
             delay = _POLL_MIN_S if self.reclaim() else min(delay * 2, _POLL_MAX_S)
             await asyncio.sleep(delay)
 
-    def _admits(self, edge: _Edge, nbytes: int) -> bool:
-        if edge.slots == 0:
-            return True  # an oversize payload still goes once the edge is empty
-        return (
-            edge.slots < self.settings.credit_slots
-            and edge.nbytes + nbytes <= self.settings.credit_bytes
-        )
-
-    def _wake(self, edge: _Edge) -> None:
-        # Strict FIFO: a big payload at the head is not overtaken, which keeps the order
-        # of transfers on the edge.
-        while edge.waiters:
-            nbytes, fut = edge.waiters[0]
-            if fut.done():
-                edge.waiters.popleft()
-                continue
-            if not self._admits(edge, nbytes):
-                return
-            edge.waiters.popleft()
-            edge.slots += 1
-            edge.nbytes += nbytes
-            fut.set_result(None)
-
-    async def _wait(self, edge: _Edge, nbytes: int) -> None:
-        """Queues for credit; `_wake` takes the credit on our behalf before resolving."""
-        fut: asyncio.Future[None] = asyncio.get_running_loop().create_future()
-        edge.waiters.append((nbytes, fut))
+    def _start_polling(self) -> None:
         if self._poller is None or self._poller.done():
             self._poller = asyncio.get_running_loop().create_task(self._poll_marks())
-        try:
-            await fut
-        except BaseException:
-            if fut.done() and not fut.cancelled() and fut.exception() is None:
-                # Granted, then cancelled before we could use it: hand the credit back.
-                edge.slots -= 1
-                edge.nbytes -= nbytes
-            self._wake(edge)
-            raise
-
-    def _give_back(self, edge: _Edge, nbytes: int) -> None:
-        edge.slots -= 1
-        edge.nbytes -= nbytes
-        self._wake(edge)
 
     def put_nowait(self, packed: Packed, request_id: str, edge: str) -> ShmHandle | None:
         """`put` without a coroutine when the edge has credit and the copy runs inline."""
@@ -231,11 +181,9 @@ class ShmRelay(Relay):
             return None
         if self._live:
             self.reclaim()
-        credits = self._edge(edge)
-        if credits.waiters or not self._admits(credits, nbytes):
+        credits = self._credits.edge(edge)
+        if not self._credits.try_take(credits, nbytes):
             return None
-        credits.slots += 1
-        credits.nbytes += nbytes
         pool, extent = self._alloc(credits, nbytes)
         try:
             target = extent.segment.array[extent.offset : extent.offset + nbytes]
@@ -254,12 +202,8 @@ class ShmRelay(Relay):
         if quick is not None:
             return quick
         nbytes = packed.nbytes
-        credits = self._edge(edge)
-        if credits.waiters or not self._admits(credits, nbytes):
-            await self._wait(credits, nbytes)
-        else:
-            credits.slots += 1
-            credits.nbytes += nbytes
+        credits = self._credits.edge(edge)
+        await self._credits.take(credits, nbytes, self._start_polling)
         pool, extent = self._alloc(credits, nbytes)
         copy: asyncio.Future[None] | None = None
         try:
@@ -282,23 +226,17 @@ class ShmRelay(Relay):
             raise
         return self._handle(pool, extent, credits, request_id, nbytes)
 
-    def _edge(self, edge: str) -> _Edge:
-        credits = self._edges.get(edge)
-        if credits is None:
-            credits = self._edges[edge] = _Edge()
-        return credits
-
-    def _alloc(self, credits: _Edge, nbytes: int) -> tuple[ShmPool, Extent]:
+    def _alloc(self, credits: EdgeCredit, nbytes: int) -> tuple[ShmPool, Extent]:
         """An extent for a transfer that holds credit; the credit goes back on failure."""
         try:
             pool = self._pool or self.pool
             return pool, pool.alloc(nbytes)
         except BaseException:
-            self._give_back(credits, nbytes)
+            self._credits.give_back(credits, nbytes)
             raise
 
     def _handle(
-        self, pool: ShmPool, extent: Extent, credits: _Edge, request_id: str, nbytes: int
+        self, pool: ShmPool, extent: Extent, credits: EdgeCredit, request_id: str, nbytes: int
     ) -> ShmHandle:
         """Gives a copied-in extent its release slot, descriptor and handle."""
         if not self._free_slots and not self.reclaim():
@@ -323,9 +261,9 @@ class ShmRelay(Relay):
         self._live[tid] = handle
         return handle
 
-    def _abandon(self, pool: ShmPool, extent: Extent, credits: _Edge, nbytes: int) -> None:
+    def _abandon(self, pool: ShmPool, extent: Extent, credits: EdgeCredit, nbytes: int) -> None:
         pool.free(extent)
-        self._give_back(credits, nbytes)
+        self._credits.give_back(credits, nbytes)
 
     def _release(self, handle: ShmHandle) -> None:
         if self.closed:
@@ -339,7 +277,7 @@ class ShmRelay(Relay):
             self._free_slots.append(handle.slot)
         if self._pool is not None:
             self._pool.free(handle._extent)
-        self._give_back(handle._edge, handle.nbytes)
+        self._credits.give_back(handle._edge, handle.nbytes)
 
     def cleanup(self, request_id: str) -> None:
         """Releases every unacked handle of `request_id` (abort path)."""
@@ -348,8 +286,7 @@ class ShmRelay(Relay):
 
     def outstanding(self, edge: str) -> tuple[int, int]:
         """(transfers, bytes) unacked on `edge`."""
-        credits = self._edges.get(edge)
-        return (credits.slots, credits.nbytes) if credits else (0, 0)
+        return self._credits.outstanding(edge)
 
     # ------------------------------------------------------------------ receiver side
 
@@ -446,11 +383,7 @@ class ShmRelay(Relay):
         if self.closed:
             return
         self.closed = True
-        for credits in self._edges.values():
-            for _, fut in credits.waiters:
-                if not fut.done():
-                    fut.set_exception(RelayError("shm relay closed"))
-            credits.waiters.clear()
+        self._credits.fail_waiters("shm relay closed")
         self._by_request.clear()
         self._live.clear()
         if self._poller is not None:

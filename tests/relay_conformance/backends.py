@@ -12,7 +12,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from omnirail.v1 import common_pb2
-from relay.base import Relay
+from relay.base import Relay, RelaySettings
 
 Descriptor = common_pb2.RelayDescriptor
 
@@ -41,6 +41,9 @@ class BackendSpec:
     # Whether a receiver creates such names too (a killed one leaves them for `sweep`).
     receiver_names: bool = False
     garbage: tuple[Garbage, ...] = ()
+    # Settings of a further relay that must pair with the first one made in a test (ranks
+    # and rendezvous address of torchdist): (first relay, base settings, index) -> settings.
+    pair_settings: Callable[[Relay, RelaySettings, int], RelaySettings] | None = None
 
 
 def _with(good: Descriptor, **fields: Any) -> Descriptor:

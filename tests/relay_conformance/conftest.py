@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
 from typing import Any
@@ -10,7 +11,7 @@ import pytest
 
 from relay.base import Relay, RelayError, RelaySettings, create_relay
 from tests.relay_conformance.backends import BACKENDS, BackendSpec
-from tests.relay_conformance.harness import Peer
+from tests.relay_conformance.harness import TIMEOUT, Peer
 
 MiB = 1 << 20
 # Small first pool segment so growth and reuse happen within a test's few transfers.
@@ -42,14 +43,25 @@ def settings_for(backend: BackendSpec, prefix: str, **kw: Any) -> RelaySettings:
     return RelaySettings(name_prefix=prefix, options=dict(backend.options), **kw)
 
 
+def next_settings(backend: BackendSpec, prefix: str, made: list[Relay], **kw: Any) -> RelaySettings:
+    settings = settings_for(backend, prefix, **kw)
+    if made and backend.pair_settings is not None:
+        settings = backend.pair_settings(made[0], settings, len(made))
+    return settings
+
+
 @pytest.fixture
 def make_relay(backend: BackendSpec, prefix: str) -> Iterator[MakeRelay]:
     """Creates relays of the backend under test; closes them and checks nothing is left."""
     relays: list[Relay] = []
 
     def make(**kw: Any) -> Relay:
-        relay = create_relay(backend.name, settings_for(backend, prefix, **kw))
+        relay = create_relay(backend.name, next_settings(backend, prefix, relays, **kw))
         relays.append(relay)
+        # Every relay of this process knows the others, as the mesh's topology does.
+        infos = [r.local_info() for r in relays]
+        for r in relays:
+            r.set_peers(infos)
         return relay
 
     yield make
@@ -70,8 +82,13 @@ async def open_peer(
 
     async def open_(**kw: Any) -> Peer:
         relay = make_relay(**kw)
-        peer = await Peer.start(backend, relay, settings_for(backend, prefix, **kw))
+        settings = settings_for(backend, prefix, **kw)
+        if backend.pair_settings is not None:
+            settings = backend.pair_settings(relay, settings, 1)
+        peer = await Peer.start(backend, relay, settings)
         peers.append(peer)
+        relay.set_peers([relay.local_info(), peer.info])
+        await asyncio.gather(peer.introduce([relay.local_info()]), relay.connect(TIMEOUT))
         return peer
 
     yield open_

@@ -105,6 +105,7 @@ class Peer:
         self._gone = asyncio.Event()
         self._killed = False
         self._task: asyncio.Task[None] | None = None
+        self.info = b""  # the receiver relay's local_info()
 
     @classmethod
     async def start(cls, spec: BackendSpec, relay: Relay, settings: RelaySettings) -> Peer:
@@ -132,8 +133,16 @@ class Peer:
             with contextlib.suppress(AssertionError):
                 await peer.aclose()
             raise RuntimeError(f"peer could not create {spec.name!r}: {hello['message']}")
+        peer.info = hello.get("info") or b""
         peer._task = asyncio.get_running_loop().create_task(peer._read_loop())
         return peer
+
+    async def introduce(self, infos: list[bytes]) -> None:
+        """Hands the receiver the sender-side peer infos and waits for it to connect."""
+        seq, fut = self._next()
+        self._write({"op": "peers", "seq": seq, "infos": infos, "timeout": TIMEOUT})
+        reply = await asyncio.wait_for(fut, TIMEOUT)
+        assert reply.ok, f"peer could not connect: {reply.error}: {reply.message}"
 
     # ------------------------------------------------------------------ transfers
 

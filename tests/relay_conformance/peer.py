@@ -10,6 +10,7 @@ socket, one at a time and in arrival order:
 - release: re-checksum held views (so a sender that reused their extents is caught), then
   release them.
 - probe: `relay.get` a bare descriptor (garbage tests) and report what it raised.
+- peers: `relay.set_peers` with the infos sent, then `relay.connect` (the first frame).
 - stop: close the relay and exit 0.
 
 The reply to a get is sent only after the view is released, so a sender that sees the reply
@@ -116,7 +117,8 @@ async def _serve(fd: int, backend: str, settings: RelaySettings) -> None:
         raise
     server = _Server(relay, writer)
     try:
-        await server.reply({"seq": 0, "ok": True, "pid": os.getpid()})
+        hello = {"seq": 0, "ok": True, "pid": os.getpid(), "info": relay.local_info()}
+        await server.reply(hello)
         while True:
             try:
                 msg = await wire.read(reader)
@@ -131,6 +133,10 @@ async def _serve(fd: int, backend: str, settings: RelaySettings) -> None:
                 await server.reply(server.release(msg))
             elif op == "probe":
                 await server.reply(await server.probe(msg))
+            elif op == "peers":
+                relay.set_peers(list(msg["infos"]))
+                await relay.connect(float(msg["timeout"]))
+                await server.reply({"seq": msg["seq"], "ok": True})
             else:
                 raise ValueError(f"unknown op {op!r}")
     finally:

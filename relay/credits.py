@@ -1,0 +1,108 @@
+"""Per-edge credits: outstanding transfers and bytes, with FIFO waiters.
+
+A full edge blocks the sender (backpressure) instead of growing queues. A payload larger
+than the byte credit still goes once the edge is empty, so nothing is rejected for size.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections import deque
+from collections.abc import Callable
+
+from relay.base import RelayError
+
+
+class EdgeCredit:
+    """Credits of one edge."""
+
+    __slots__ = ("nbytes", "slots", "waiters")
+
+    def __init__(self) -> None:
+        self.slots = 0
+        self.nbytes = 0
+        self.waiters: deque[tuple[int, asyncio.Future[None]]] = deque()
+
+
+class Credits:
+    def __init__(self, slots: int, nbytes: int) -> None:
+        self.max_slots = slots
+        self.max_bytes = nbytes
+        self.edges: dict[str, EdgeCredit] = {}
+
+    def edge(self, name: str) -> EdgeCredit:
+        credit = self.edges.get(name)
+        if credit is None:
+            credit = self.edges[name] = EdgeCredit()
+        return credit
+
+    def admits(self, edge: EdgeCredit, nbytes: int) -> bool:
+        if edge.slots == 0:
+            return True  # an oversize payload still goes once the edge is empty
+        return edge.slots < self.max_slots and edge.nbytes + nbytes <= self.max_bytes
+
+    def try_take(self, edge: EdgeCredit, nbytes: int) -> bool:
+        """Takes credit now if no one queues before us and it fits."""
+        if edge.waiters or not self.admits(edge, nbytes):
+            return False
+        edge.slots += 1
+        edge.nbytes += nbytes
+        return True
+
+    async def take(
+        self, edge: EdgeCredit, nbytes: int, on_wait: Callable[[], None] | None = None
+    ) -> None:
+        """Takes credit, queueing (FIFO) while the edge is full.
+
+        `on_wait` runs when we have to queue (shm starts polling its release marks there).
+        """
+        if self.try_take(edge, nbytes):
+            return
+        fut: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+        edge.waiters.append((nbytes, fut))
+        if on_wait is not None:
+            on_wait()
+        try:
+            await fut
+        except BaseException:
+            if fut.done() and not fut.cancelled() and fut.exception() is None:
+                # Granted, then cancelled before we could use it: hand the credit back.
+                edge.slots -= 1
+                edge.nbytes -= nbytes
+            self.wake(edge)
+            raise
+
+    def give_back(self, edge: EdgeCredit, nbytes: int) -> None:
+        edge.slots -= 1
+        edge.nbytes -= nbytes
+        self.wake(edge)
+
+    def wake(self, edge: EdgeCredit) -> None:
+        # Strict FIFO: a big payload at the head is not overtaken, which keeps the order
+        # of transfers on the edge.
+        while edge.waiters:
+            nbytes, fut = edge.waiters[0]
+            if fut.done():
+                edge.waiters.popleft()
+                continue
+            if not self.admits(edge, nbytes):
+                return
+            edge.waiters.popleft()
+            edge.slots += 1
+            edge.nbytes += nbytes
+            fut.set_result(None)
+
+    def waiting(self) -> bool:
+        return any(e.waiters for e in self.edges.values())
+
+    def outstanding(self, name: str) -> tuple[int, int]:
+        """(transfers, bytes) holding credit on edge `name`."""
+        credit = self.edges.get(name)
+        return (credit.slots, credit.nbytes) if credit else (0, 0)
+
+    def fail_waiters(self, why: str) -> None:
+        for credit in self.edges.values():
+            for _, fut in credit.waiters:
+                if not fut.done():
+                    fut.set_exception(RelayError(why))
+            credit.waiters.clear()

@@ -1,0 +1,439 @@
+"""Shared core of relays whose receiver fetches the bytes itself (nixl, ucx, torchdist).
+
+Sender: `put` takes edge credit, copies the payload once into a private `HostPool` extent
+and returns a handle whose descriptor names this relay (`region` = its peer id) and the
+extent. The backend releases the handle when it knows the receiver has the bytes (`served`:
+a nixl notification, a completed UCX or gloo send); `cleanup` releases what an abort left.
+An extent that is being sent when it is released is freed only once that send ends.
+
+Receiver: `get` checks the descriptor, finds the sender among the peers the mesh announced
+(`set_peers`, waiting briefly for a peer announced late), allocates an extent of its own
+receive pool, has the backend `_fetch` into it, and returns a read-only view that frees the
+extent on release.
+
+Peer infos are msgpack maps {"backend", "id", ...backend fields}; anything else is ignored.
+"""
+
+from __future__ import annotations
+
+import abc
+import asyncio
+import itertools
+import os
+import re
+import socket
+import uuid
+from typing import Any
+
+import msgpack
+
+from omnirail.payload import Packed
+from omnirail.v1 import common_pb2
+from relay.base import Received, Relay, RelayError, RelayHandle, RelaySettings
+from relay.credits import Credits, EdgeCredit
+from relay.host_pool import HostExtent, HostPool, HostSegment
+
+# Descriptor offsets are (segment index << OFFSET_BITS) | offset within the segment.
+OFFSET_BITS = 40
+OFFSET_MASK = (1 << OFFSET_BITS) - 1
+MAX_SEGMENTS = 1 << 16
+PEER_ID_RE = re.compile(r"^[A-Za-z0-9_.-]{1,200}$")
+DEFAULT_COPY_THREAD_BYTES = 8 << 20
+DEFAULT_PEER_WAIT_S = 5.0
+_POLL_MIN_S = 50e-6
+_POLL_MAX_S = 2e-3
+_EMPTY = memoryview(b"")
+
+
+def make_peer_id(prefix: str) -> str:
+    host = re.sub(r"[^A-Za-z0-9_.-]", "_", socket.gethostname())[:60]
+    return f"{prefix}-{host}-{os.getpid()}-{uuid.uuid4().hex[:8]}"
+
+
+class PulledHandle(RelayHandle):
+    __slots__ = (
+        "_credit",
+        "_relay",
+        "descriptor",
+        "extent",
+        "nbytes",
+        "released",
+        "request_id",
+        "tid",
+    )
+    acked_in_band = False
+
+    def __init__(
+        self,
+        relay: PullRelay,
+        descriptor: common_pb2.RelayDescriptor,
+        request_id: str,
+        credit: EdgeCredit | None,
+        extent: HostExtent | None,
+        nbytes: int,
+        tid: int,
+    ) -> None:
+        self._relay = relay
+        self.descriptor = descriptor
+        self.request_id = request_id
+        self._credit = credit
+        self.extent = extent
+        self.nbytes = nbytes
+        self.tid = tid
+        self.released = credit is None  # a 0-byte transfer holds nothing
+
+    def release(self) -> None:
+        if not self.released:
+            self.released = True
+            self._relay._release(self)
+
+
+class PulledReceived(Received):
+    __slots__ = ("_extent", "_pool", "buffer")
+
+    def __init__(
+        self, buffer: memoryview, pool: HostPool | None, extent: HostExtent | None
+    ) -> None:
+        self.buffer = buffer
+        self._pool = pool
+        self._extent = extent
+
+    def release(self) -> None:
+        self.buffer = _EMPTY
+        pool, extent, self._pool, self._extent = self._pool, self._extent, None, None
+        if pool is not None and extent is not None:
+            pool.free(extent)
+
+
+class PullRelay(Relay):
+    name = ""
+    acks_in_band = False
+
+    def __init__(self, settings: RelaySettings | None = None) -> None:
+        self.settings = settings or RelaySettings()
+        opts = self.settings.options
+        self.peer_id = make_peer_id(self.settings.name_prefix)
+        self._credits = Credits(self.settings.credit_slots, self.settings.credit_bytes)
+        self._pool: HostPool | None = None  # sender pool, made on the first put
+        self._recv_pool: HostPool | None = None  # receive pool, made on the first get
+        self._live: dict[int, PulledHandle] = {}
+        self._by_request: dict[str, dict[int, PulledHandle]] = {}
+        self._sending: dict[int, int] = {}  # tid -> sends in flight from its extent
+        self._deferred: dict[int, HostExtent] = {}  # released while being sent
+        self._ids = itertools.count(1)
+        self._peers: dict[str, Any] = {}
+        self._peer_infos: dict[str, bytes] = {}
+        self._peers_changed: asyncio.Event | None = None
+        self._poller: asyncio.Task[None] | None = None
+        self._copy_thread_bytes = int(opts.get("copy_thread_bytes", DEFAULT_COPY_THREAD_BYTES))
+        self._peer_wait_s = float(opts.get("peer_wait_s", DEFAULT_PEER_WAIT_S))
+        self.closed = False
+
+    # ---------------------------------------------------------------- backend hooks
+
+    def _info(self) -> dict[str, Any]:
+        """Backend fields of `local_info()` (plain msgpack values)."""
+        return {}
+
+    def _add_peer(self, peer_id: str, info: dict[str, Any]) -> Any:
+        """State for a peer announced by `info` (or re-announced with a new one)."""
+        return info
+
+    def _drop_peer(self, peer_id: str, state: Any) -> None:
+        """A peer left (or is replaced by a new `_add_peer`)."""
+
+    def _on_segment(self, segment: HostSegment, receive: bool) -> None:
+        """A new pool segment (sender or receive pool): register it where needed."""
+
+    def _progress(self) -> int:
+        """Polled while transfers are live; returns how many it released (`_served`)."""
+        return 0
+
+    @abc.abstractmethod
+    async def _fetch(
+        self, peer: Any, descriptor: common_pb2.RelayDescriptor, target: HostExtent
+    ) -> None:
+        """Copies the descriptor's bytes from `peer` into `target`; raises on failure."""
+
+    # ---------------------------------------------------------------- peers
+
+    def local_info(self) -> bytes:
+        return msgpack.packb({"backend": self.name, "id": self.peer_id, **self._info()})
+
+    def set_peers(self, infos: list[bytes]) -> None:
+        seen: dict[str, tuple[bytes, dict[str, Any]]] = {}
+        for raw in infos:
+            try:
+                info = msgpack.unpackb(raw, raw=False, strict_map_key=True)
+            except Exception:
+                continue
+            if not isinstance(info, dict) or info.get("backend") != self.name:
+                continue
+            peer_id = info.get("id")
+            if isinstance(peer_id, str) and PEER_ID_RE.match(peer_id) and peer_id != self.peer_id:
+                seen[peer_id] = (raw, info)
+        for peer_id in [p for p in self._peers if p not in seen]:
+            self._drop_peer(peer_id, self._peers.pop(peer_id))
+            self._peer_infos.pop(peer_id, None)
+        for peer_id, (raw, info) in seen.items():
+            if self._peer_infos.get(peer_id) == raw:
+                continue
+            if peer_id in self._peers:
+                self._drop_peer(peer_id, self._peers.pop(peer_id))
+            try:
+                self._peers[peer_id] = self._add_peer(peer_id, info)
+            except Exception:
+                continue  # a malformed info: its descriptors fail as from an unknown peer
+            self._peer_infos[peer_id] = raw
+        if self._peers_changed is not None:
+            self._peers_changed.set()
+
+    async def _peer(self, peer_id: str) -> Any:
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + self._peer_wait_s
+        while peer_id not in self._peers:
+            left = deadline - loop.time()
+            if left <= 0 or self.closed:
+                raise RelayError(
+                    f"{self.name} relay: unknown peer {peer_id[:80]!r} (no live process "
+                    "announced it)"
+                )
+            if self._peers_changed is None:
+                self._peers_changed = asyncio.Event()
+            self._peers_changed.clear()
+            try:
+                await asyncio.wait_for(self._peers_changed.wait(), left)
+            except TimeoutError:
+                pass
+        return self._peers[peer_id]
+
+    # ---------------------------------------------------------------- sender side
+
+    @property
+    def pool(self) -> HostPool:
+        if self._pool is None:
+            self._check_open()
+            self._pool = HostPool(
+                self.settings.pool_bytes, lambda seg: self._on_segment(seg, receive=False)
+            )
+        return self._pool
+
+    def put_nowait(self, packed: Packed, request_id: str, edge: str) -> PulledHandle | None:
+        nbytes = packed.nbytes
+        if self.closed or nbytes >= self._copy_thread_bytes:
+            return None
+        if nbytes == 0:
+            return self._handle(None, None, request_id, 0)
+        credit = self._credits.edge(edge)
+        if not self._credits.try_take(credit, nbytes):
+            return None
+        extent = self._alloc(credit, nbytes)
+        try:
+            packed.write_into(extent.view(nbytes))
+        except BaseException:
+            self._abandon(extent, credit, nbytes)
+            raise
+        return self._handle(credit, extent, request_id, nbytes)
+
+    async def put(self, packed: Packed, request_id: str, edge: str) -> PulledHandle:
+        self._check_open()
+        quick = self.put_nowait(packed, request_id, edge)
+        if quick is not None:
+            return quick
+        nbytes = packed.nbytes
+        credit = self._credits.edge(edge)
+        await self._credits.take(credit, nbytes, self._start_polling)
+        extent = self._alloc(credit, nbytes)
+        copy: asyncio.Future[None] | None = None
+        try:
+            target = extent.view(nbytes)
+            if nbytes >= self._copy_thread_bytes:
+                copy = asyncio.get_running_loop().run_in_executor(None, packed.write_into, target)
+                del target
+                await asyncio.shield(copy)
+                self._check_open()
+            else:
+                packed.write_into(target)
+        except BaseException:
+            if copy is not None and not copy.done():
+                copy.add_done_callback(lambda _: self._abandon(extent, credit, nbytes))
+            else:
+                self._abandon(extent, credit, nbytes)
+            raise
+        return self._handle(credit, extent, request_id, nbytes)
+
+    def _alloc(self, credit: EdgeCredit, nbytes: int) -> HostExtent:
+        try:
+            pool = self.pool
+            if len(pool.segments) >= MAX_SEGMENTS:
+                raise RelayError(f"{self.name} relay: pool has {MAX_SEGMENTS} segments")
+            return pool.alloc(nbytes)
+        except BaseException:
+            self._credits.give_back(credit, nbytes)
+            raise
+
+    def _abandon(self, extent: HostExtent, credit: EdgeCredit, nbytes: int) -> None:
+        if self._pool is not None:
+            self._pool.free(extent)
+        self._credits.give_back(credit, nbytes)
+
+    def _handle(
+        self,
+        credit: EdgeCredit | None,
+        extent: HostExtent | None,
+        request_id: str,
+        nbytes: int,
+    ) -> PulledHandle:
+        tid = next(self._ids)
+        offset = (extent.segment.index << OFFSET_BITS) | extent.offset if extent else 0
+        desc = common_pb2.RelayDescriptor(
+            backend=self.name, region=self.peer_id, offset=offset, nbytes=nbytes, transfer_id=tid
+        )
+        handle = PulledHandle(self, desc, request_id, credit, extent, nbytes, tid)
+        if credit is not None:
+            self._live[tid] = handle
+            self._by_request.setdefault(request_id, {})[tid] = handle
+            self._start_polling()
+        return handle
+
+    def _release(self, handle: PulledHandle) -> None:
+        if self.closed:
+            return
+        self._live.pop(handle.tid, None)
+        handles = self._by_request.get(handle.request_id)
+        if handles is not None:
+            handles.pop(handle.tid, None)
+            if not handles:
+                del self._by_request[handle.request_id]
+        if handle.extent is not None and self._pool is not None:
+            if handle.tid in self._sending:
+                self._deferred[handle.tid] = handle.extent  # freed when the send ends
+            else:
+                self._pool.free(handle.extent)
+        if handle._credit is not None:
+            self._credits.give_back(handle._credit, handle.nbytes)
+
+    def served(self, tid: int) -> bool:
+        """The receiver has the bytes of transfer `tid`: release it (False: not live)."""
+        handle = self._live.get(tid)
+        if handle is None:
+            return False
+        handle.release()
+        return True
+
+    def source(self, tid: int, offset: int, nbytes: int) -> Any:
+        """The sender-side bytes of live transfer `tid` for a backend to send, checked
+        against what the receiver asks for; pair with `end_send`. None: not live."""
+        handle = self._live.get(tid)
+        if handle is None or handle.extent is None:
+            return None
+        if handle.descriptor.offset != offset or handle.nbytes != nbytes:
+            return None
+        self._sending[tid] = self._sending.get(tid, 0) + 1
+        return handle.extent.view(nbytes)
+
+    def end_send(self, tid: int) -> None:
+        left = self._sending.get(tid, 0) - 1
+        if left > 0:
+            self._sending[tid] = left
+            return
+        self._sending.pop(tid, None)
+        extent = self._deferred.pop(tid, None)
+        if extent is not None and self._pool is not None:
+            self._pool.free(extent)
+
+    def cleanup(self, request_id: str) -> None:
+        for handle in list(self._by_request.get(request_id, {}).values()):
+            handle.release()
+
+    def outstanding(self, edge: str) -> tuple[int, int]:
+        return self._credits.outstanding(edge)
+
+    def _start_polling(self) -> None:
+        if type(self)._progress is PullRelay._progress or self.closed:
+            return
+        if self._poller is None or self._poller.done():
+            try:
+                loop = asyncio.get_running_loop()
+            except RuntimeError:
+                return
+            self._poller = loop.create_task(self._poll())
+
+    async def _poll(self) -> None:
+        delay = _POLL_MIN_S
+        while not self.closed and self._live:
+            delay = _POLL_MIN_S if self._progress() else min(delay * 2, _POLL_MAX_S)
+            await asyncio.sleep(delay)
+
+    # ---------------------------------------------------------------- receiver side
+
+    def check_descriptor(self, d: common_pb2.RelayDescriptor) -> None:
+        if d.backend != self.name:
+            raise RelayError(f"{self.name} relay got a descriptor of backend {d.backend[:40]!r}")
+        if not PEER_ID_RE.match(d.region):
+            raise RelayError(f"{self.name} relay: malformed region {d.region[:80]!r}")
+        segment, offset = d.offset >> OFFSET_BITS, d.offset & OFFSET_MASK
+        if segment >= MAX_SEGMENTS or offset + d.nbytes > 1 << OFFSET_BITS:
+            raise RelayError(
+                f"{self.name} relay: extent [{d.offset}, +{d.nbytes}) is outside any pool"
+            )
+        if d.transfer_id == 0 and d.nbytes:
+            raise RelayError(f"{self.name} relay: transfer id 0 names no transfer")
+
+    @property
+    def receive_pool(self) -> HostPool:
+        if self._recv_pool is None:
+            self._check_open()
+            self._recv_pool = HostPool(
+                self.settings.pool_bytes, lambda seg: self._on_segment(seg, receive=True)
+            )
+        return self._recv_pool
+
+    async def get(self, descriptor: common_pb2.RelayDescriptor) -> PulledReceived:
+        self._check_open()
+        self.check_descriptor(descriptor)
+        peer = await self._peer(descriptor.region)
+        nbytes = descriptor.nbytes
+        if nbytes == 0:
+            return PulledReceived(_EMPTY, None, None)
+        pool = self.receive_pool
+        extent = pool.alloc(nbytes)
+        try:
+            await self._fetch(peer, descriptor, extent)
+            self._check_open()
+        except BaseException as e:
+            pool.free(extent)
+            if isinstance(e, RelayError | asyncio.CancelledError):
+                raise
+            raise RelayError(
+                f"{self.name} relay: fetch from {descriptor.region!r} failed: {e}"
+            ) from e
+        view = memoryview(extent.view(nbytes)).toreadonly()
+        return PulledReceived(view, pool, extent)
+
+    # ---------------------------------------------------------------- lifetime
+
+    def _check_open(self) -> None:
+        if self.closed:
+            raise RelayError(f"{self.name} relay is closed")
+
+    def close(self) -> None:
+        if self.closed:
+            return
+        self.closed = True
+        self._credits.fail_waiters(f"{self.name} relay closed")
+        if self._poller is not None:
+            self._poller.cancel()
+        for peer_id, state in list(self._peers.items()):
+            self._drop_peer(peer_id, state)
+        self._peers.clear()
+        self._live.clear()
+        self._by_request.clear()
+        self._close_backend()
+        # Views a caller still holds keep their mapping alive (see HostSegment.close).
+        for pool in (self._pool, self._recv_pool):
+            if pool is not None:
+                pool.close()
+
+    def _close_backend(self) -> None:
+        """Frees the library's resources (agent, endpoints, process group)."""
