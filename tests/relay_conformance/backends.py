@@ -114,9 +114,14 @@ SHM = BackendSpec(
     ),
 )
 
-BACKENDS: list[BackendSpec] = [
-    SHM,
-    # BackendSpec("nixl", gpu=True),
-    # BackendSpec("ucx"),
-    # BackendSpec("torchdist"),
-]
+
+def _all() -> list[BackendSpec]:
+    # Each backend's spec lives in its own module (spec_<name>.py).
+    from tests.relay_conformance.spec_nixl import NIXL
+    from tests.relay_conformance.spec_torchdist import TORCHDIST
+    from tests.relay_conformance.spec_ucx import UCX
+
+    return [SHM, NIXL, UCX, TORCHDIST]
+
+
+BACKENDS: list[BackendSpec] = _all()
