@@ -18,6 +18,7 @@ class Replica:
     queue_depth: int = 0
     inflight: int = 0
     metrics_address: str = ""
+    relay_infos: tuple[bytes, ...] = ()
     # Commands accumulate here and go out in one write.
     pending: mesh_pb2.CoordinatorCommand = field(default_factory=mesh_pb2.CoordinatorCommand)
     wake: asyncio.Event = field(default_factory=asyncio.Event)
@@ -77,7 +78,9 @@ class StageRegistry:
         for name in self._by_stage:
             eps = topo.stages[name]
             for rep in self.replicas(name):
-                eps.endpoints.add(replica_id=rep.replica_id, address=rep.address)
+                eps.endpoints.add(
+                    replica_id=rep.replica_id, address=rep.address, relay_infos=rep.relay_infos
+                )
         return topo
 
     def broadcast(self, command: mesh_pb2.CoordinatorCommand) -> list[Replica]:

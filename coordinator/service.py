@@ -31,6 +31,9 @@ from omnirail.v1 import client_pb2, client_pb2_grpc, mesh_pb2, mesh_pb2_grpc
 log = logging.getLogger(__name__)
 
 PIPELINE_SERVICE = client_pb2.DESCRIPTOR.services_by_name["Omnirail"].full_name
+# Relay infos ride in every topology broadcast: bounded so one bad stage cannot bloat them.
+MAX_RELAY_INFOS = 8
+MAX_RELAY_INFO_BYTES = 1 << 20
 _REQUEST_ID = re.compile(r"^[A-Za-z0-9._:@-]{1,128}$")
 
 
@@ -495,8 +498,23 @@ class Coordinator(client_pb2_grpc.OmnirailServicer, mesh_pb2_grpc.CoordinatorSer
             )
         if not reg.address or not reg.replica_id:
             await _abort_call(context, invalid("register: address and replica_id are required"))
+        if len(reg.relay_infos) > MAX_RELAY_INFOS or any(
+            len(info) > MAX_RELAY_INFO_BYTES for info in reg.relay_infos
+        ):
+            await _abort_call(
+                context,
+                invalid(
+                    f"register: at most {MAX_RELAY_INFOS} relay infos of at most "
+                    f"{MAX_RELAY_INFO_BYTES} bytes each"
+                ),
+            )
         replica = Replica(
-            reg.stage, reg.replica_id, reg.address, reg.pid, metrics_address=reg.metrics_address
+            reg.stage,
+            reg.replica_id,
+            reg.address,
+            reg.pid,
+            metrics_address=reg.metrics_address,
+            relay_infos=tuple(reg.relay_infos),
         )
         old = self.registry.add(replica)
         if old is not None:

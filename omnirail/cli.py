@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shlex
 import signal
 import subprocess
 import sys
@@ -306,12 +307,30 @@ def cmd_trace(args: argparse.Namespace) -> int:
     return run_trace(args.request_id, dirs, args.json)
 
 
+def _parse_options(items: list[str]) -> dict[str, object]:
+    import yaml
+
+    options: dict[str, object] = {}
+    for item in items:
+        key, sep, value = item.partition("=")
+        if not sep or not key:
+            raise ValueError(f"--option {item!r}: expected KEY=VALUE")
+        options[key] = yaml.safe_load(value) if value else ""
+    return options
+
+
 def cmd_bench(args: argparse.Namespace) -> int:
     if args.what == "relay":
         from omnirail.bench.relay_bench import run_relay_bench
 
         sizes = [int(s) for s in args.sizes.split(",")] if args.sizes else None
-        report = run_relay_bench(args.backend, sizes=sizes)
+        report = run_relay_bench(
+            args.backend,
+            sizes=sizes,
+            options=_parse_options(args.option),
+            receiver_options=_parse_options(args.receiver_option),
+            receiver_wrap=shlex.split(args.receiver_wrap or ""),
+        )
     elif args.what == "streaming":
         from omnirail.bench.streaming_bench import run_streaming_bench
 
@@ -437,6 +456,25 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--json", action="store_true", help="one line of JSON, no progress")
     b.add_argument("--backend", default="shm")
     b.add_argument("--sizes", default=None, help="relay: comma-separated byte sizes")
+    b.add_argument(
+        "--option",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="relay: a backend option for both sides (value parsed as YAML), repeatable",
+    )
+    b.add_argument(
+        "--receiver-option",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="relay: a backend option for the receiver only (e.g. host=10.0.0.2)",
+    )
+    b.add_argument(
+        "--receiver-wrap",
+        default=None,
+        help="relay: command prefix for the receiver, e.g. 'ip netns exec NS' (across hosts)",
+    )
     b.add_argument("--stages", type=int, default=3)
     b.add_argument("--payload-bytes", type=int, default=0)
     b.add_argument("--requests", type=int, default=300, help="sequential latency requests")

@@ -24,8 +24,10 @@ from omnirail.grpc_server import SERVING, bind, create_server, write_until_read_
 from omnirail.telemetry.metrics import StageMetrics
 from omnirail.telemetry.tracer import Tracer
 from omnirail.v1 import mesh_pb2, mesh_pb2_grpc
-from relay.base import Relay, RelayHandle, create_relay
+from relay.base import Relay, RelayHandle
 from stage_service.attach import AttachClient
+from stage_service.edges import EdgeRelays
+from stage_service.relays import open_relays, plan_relays, relay_host
 from stage_service.scheduler import Scheduler, SimpleScheduler
 from stage_service.stage import Stage
 
@@ -95,7 +97,6 @@ class StageHost(mesh_pb2_grpc.StageServicer):
     # ---- lifecycle -----------------------------------------------------------
 
     async def start(self) -> str:
-        self._make_relays()
         schedulers = {name: build_scheduler(self.pipeline, name) for name in self.stage_names}
         server, health = create_server(
             [mesh_pb2.DESCRIPTOR.services_by_name["Stage"].full_name],
@@ -104,8 +105,17 @@ class StageHost(mesh_pb2_grpc.StageServicer):
         mesh_pb2_grpc.add_StageServicer_to_server(self, server)
         address = bind(server, self._listen)
         self._server = server
-        await server.start()
         advertise = self._advertise or address
+        # Before serving: a backend that cannot start fails start-up, naming its edges.
+        self._relays.update(
+            await open_relays(
+                plan_relays(self.pipeline, self.stage_names),
+                self._shm_prefix,
+                relay_host(advertise),
+            )
+        )
+        relay_infos = [info for relay in self._relays.values() if (info := relay.local_info())]
+        await server.start()
         for name in self.stage_names:
             attach = AttachClient(
                 self._coordinator,
@@ -116,17 +126,17 @@ class StageHost(mesh_pb2_grpc.StageServicer):
                     pid=os.getpid(),
                     relay_backends=sorted(self._relays),
                     metrics_address=self._metrics_address,
+                    relay_infos=relay_infos,
                 ),
                 lambda cmd, n=name: self._on_command(n, cmd),
                 max_message_bytes=self._max_message,
                 load=lambda n=name: (self.stages[n].scheduler.queue_depth, self.stages[n].inflight),
             )
-            relay = self._relays[self.pipeline.relay_for(name).backend]
             stage = Stage(
                 name,
                 self.pipeline,
                 schedulers[name],
-                relay,
+                EdgeRelays.of(self.pipeline, name, self._relays),
                 self._relays,
                 self,
                 attach,
@@ -164,17 +174,6 @@ class StageHost(mesh_pb2_grpc.StageServicer):
             await self._server.stop(grace=0.5)
         for relay in self._relays.values():
             relay.close()
-
-    def _make_relays(self) -> None:
-        # Backends this process sends with, and those its upstream stages send with.
-        users: dict[str, str] = {}
-        for name in self.stage_names:
-            users.setdefault(self.pipeline.relay_for(name).backend, name)
-            for up in self.pipeline.upstream_of(name) + self.pipeline.stream_sources_of(name):
-                users.setdefault(self.pipeline.relay_for(up).backend, name)
-        for backend, stage in users.items():
-            settings = self.pipeline.relay_for(stage).to_settings(self._shm_prefix)
-            self._relays[backend] = create_relay(backend, settings)
 
     # ---- Router (used by stages) ---------------------------------------------
 
@@ -223,6 +222,16 @@ class StageHost(mesh_pb2_grpc.StageServicer):
                 for name, eps in cmd.topology.stages.items()
             }
             self._address_stage = {a: name for name, addrs in self._topology.items() for a in addrs}
+            infos = list(
+                dict.fromkeys(
+                    info
+                    for eps in cmd.topology.stages.values()
+                    for ep in eps.endpoints
+                    for info in ep.relay_infos
+                )
+            )
+            for relay in self._relays.values():
+                relay.set_peers(infos)
         for abort in cmd.aborts:
             self.stages[stage_name].abort(abort.request_id, abort.reason)
             for relay in self._relays.values():

@@ -21,12 +21,11 @@ from stage_service.scheduler import OutgoingMessage
 
 
 class StageObserver:
-    __slots__ = ("_fan_in", "_metrics", "_name", "_relay_name", "_span_name", "_tracer", "tracing")
+    __slots__ = ("_fan_in", "_metrics", "_name", "_span_name", "_tracer", "tracing")
 
     def __init__(
         self,
         name: str,
-        relay_name: str,
         tracer: Tracer | None,
         metrics: StageMetrics | None,
         *,
@@ -35,7 +34,6 @@ class StageObserver:
         fan_in: bool,
     ) -> None:
         self._name = name
-        self._relay_name = relay_name  # the backend of this stage's outgoing edges
         self._fan_in = fan_in  # the stage waits for several producers: link them all
         self._tracer = tracer or Tracer()
         self._span_name = f"stage {name}"
@@ -117,21 +115,23 @@ class StageObserver:
         if req.span is not None:
             self._tracer.record("send", req.span, send_ns, time.time_ns())
 
-    def relay_put(self, req: RequestState, target: str, packed: Packed, put_ns: int) -> None:
-        """A result payload was put into the relay for `target`, starting at `put_ns`."""
+    def relay_put(
+        self, req: RequestState, target: str, backend: str, packed: Packed, put_ns: int
+    ) -> None:
+        """A result payload was put into `backend` for `target`, starting at `put_ns`."""
         end_ns = time.time_ns()
-        self._metrics.relay_put(self._relay_name, target, packed.nbytes, (end_ns - put_ns) / 1e9)
+        self._metrics.relay_put(backend, target, packed.nbytes, (end_ns - put_ns) / 1e9)
         if req.span is not None:
             attrs = {
-                "omnirail.relay.backend": self._relay_name,
+                "omnirail.relay.backend": backend,
                 "omnirail.relay.bytes": packed.nbytes,
                 "omnirail.edge": f"{self._name}->{target}",
             }
             self._tracer.record("relay.put", req.span, put_ns, end_ns, attrs)
 
-    def chunk_put(self, target: str, nbytes: int, seconds: float) -> None:
-        """A stream chunk was put into the relay (`StreamSender`'s `on_put`)."""
-        self._metrics.relay_put(self._relay_name, target, nbytes, seconds)
+    def chunk_put(self, target: str, backend: str, nbytes: int, seconds: float) -> None:
+        """A stream chunk was put into `backend` (`StreamSender`'s `on_put`)."""
+        self._metrics.relay_put(backend, target, nbytes, seconds)
 
     def chunk_out(self, req: RequestState) -> None:
         req.chunks_out += 1

@@ -25,6 +25,7 @@ from omnirail.telemetry.tracer import Tracer
 from omnirail.v1 import common_pb2, mesh_pb2
 from relay.base import Relay, RelayError, RelayHandle
 from relay.io import inline_if_small, inline_payload, receive_payload, relayed_payload
+from stage_service.edges import EdgeRelays
 from stage_service.fanin import FanIn
 from stage_service.observe import StageObserver
 from stage_service.request_state import (
@@ -67,7 +68,7 @@ class Stage:
         name: str,
         pipeline: PipelineConfig,
         scheduler: Scheduler,
-        relay: Relay,
+        edges: EdgeRelays,
         relays: Mapping[str, Relay],
         router: Router,
         reporter: Reporter,
@@ -77,11 +78,10 @@ class Stage:
         self.name = name
         self.cfg = pipeline.stage(name)
         self.scheduler = scheduler
-        self._relay = relay
+        self._edges = edges
         self._relays = relays
         self._router = router
         self._reporter = reporter
-        self._inline_bytes = pipeline.relay_for(name).inline_bytes
         base = pipeline.source_dir
         self._fan_in = FanIn(name, self.cfg, base)
         self._routes = Routes(name, self.cfg, base, router)
@@ -89,7 +89,6 @@ class Stage:
         self._stream_to = self._routes.stream_to
         self._observe = StageObserver(
             name,
-            relay.name,
             tracer,
             metrics,
             queue_depth=lambda: scheduler.queue_depth,
@@ -104,8 +103,7 @@ class Stage:
         self._streams = StreamSender(
             name,
             self.cfg.stream,
-            relay,
-            self._inline_bytes,
+            edges,
             router.deliver,
             self._stream_failed,
             on_put=self._observe.chunk_put,
@@ -454,11 +452,12 @@ class Stage:
                 if self._send_part_now(req, rid, target, packed):
                     continue
                 put_ns = time.time_ns()
-                handle = await self._relay.put(packed, rid, f"{self.name}->{target}")
+                edge = self._edges[target]
+                handle = await edge.relay.put(packed, rid, edge.name)
                 if rid in self._aborted:  # aborted while waiting for relay credit
                     handle.release()
                     return
-                self._observe.relay_put(req, target, packed, put_ns)
+                self._observe.relay_put(req, target, edge.relay.name, packed, put_ns)
                 self._deliver_relayed(req, rid, target, packed, handle)
         except Exception as exc:
             self._fail(rid, as_error(exc, self.name))
@@ -467,15 +466,16 @@ class Stage:
 
     def _send_part_now(self, req: RequestState, rid: str, target: str, packed: Packed) -> bool:
         """Sends one payload if that needs no waiting; False when it must wait for credit."""
-        inline = inline_if_small(packed, self._relay, self._inline_bytes)
+        edge = self._edges[target]
+        inline = inline_if_small(packed, edge.relay, edge.inline_bytes)
         if inline is not None:
             self._deliver(req, rid, target, inline, None)
             return True
         put_ns = time.time_ns()
-        handle = self._relay.put_nowait(packed, rid, f"{self.name}->{target}")
+        handle = edge.relay.put_nowait(packed, rid, edge.name)
         if handle is None:
             return False
-        self._observe.relay_put(req, target, packed, put_ns)
+        self._observe.relay_put(req, target, edge.relay.name, packed, put_ns)
         self._deliver_relayed(req, rid, target, packed, handle)
         return True
 

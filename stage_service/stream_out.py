@@ -22,8 +22,9 @@ from omnirail.config import StreamConfig
 from omnirail.errors import OmniError
 from omnirail.payload import Packed
 from omnirail.v1 import common_pb2, mesh_pb2
-from relay.base import Relay, RelayHandle
+from relay.base import RelayHandle
 from relay.io import inline_if_small, relayed_payload
+from stage_service.edges import EdgeRelays
 
 log = logging.getLogger(__name__)
 
@@ -137,18 +138,16 @@ class StreamSender:
         self,
         stage: str,
         cfg: StreamConfig,
-        relay: Relay,
-        inline_bytes: int,
+        relays: EdgeRelays,
         deliver: DeliverFn,
         on_failed: Callable[[str, BaseException], None],
-        on_put: Callable[[str, int, float], None] | None = None,
+        on_put: Callable[[str, str, int, float], None] | None = None,
     ) -> None:
         self._stage = stage
-        # (target, bytes, seconds) of each chunk put into the relay, for metrics.
+        # (target, backend, bytes, seconds) of each chunk put into a relay, for metrics.
         self._on_put = on_put
         self._cfg = cfg
-        self._relay = relay
-        self._inline_bytes = inline_bytes
+        self._relays = relays
         self._deliver_fn = deliver
         self._on_failed = on_failed
         self._edges: dict[str, _Edge] = {}
@@ -282,12 +281,13 @@ class StreamSender:
         if credit is None:
             return _Result.WAIT
         try:
-            inline = inline_if_small(packed, self._relay, self._inline_bytes)
+            via = self._relays[edge.target]
+            inline = inline_if_small(packed, via.relay, via.inline_bytes)
             if inline is not None:
                 self._send(out, edge.target, credit, inline)
                 return _Result.SENT
             put_ns = time.time_ns()
-            handle = self._relay.put_nowait(packed, out.request_id, self._edge_name(edge))
+            handle = via.relay.put_nowait(packed, out.request_id, via.name)
         except Exception as exc:
             credit.release()
             self._drop(out, exc)
@@ -306,7 +306,8 @@ class StreamSender:
         assert out.packed is not None
         put_ns = time.time_ns()
         try:
-            handle = await self._relay.put(out.packed, rid, self._edge_name(edge))
+            via = self._relays[edge.target]
+            handle = await via.relay.put(out.packed, rid, via.name)
         except Exception as exc:
             edge.busy.discard(rid)
             credit.release()
@@ -330,7 +331,8 @@ class StreamSender:
         assert packed is not None
         credit.attach(handle)
         if self._on_put is not None:
-            self._on_put(edge.target, packed.nbytes, (time.time_ns() - put_ns) / 1e9)
+            backend = self._relays[edge.target].relay.name
+            self._on_put(edge.target, backend, packed.nbytes, (time.time_ns() - put_ns) / 1e9)
         self._send(out, edge.target, credit, relayed_payload(packed, handle))
 
     def _drop(self, out: _Out, exc: BaseException) -> None:
@@ -358,6 +360,3 @@ class StreamSender:
         self._deliver_fn(item, credit)
         if out.token is not None:
             out.token.one_done()
-
-    def _edge_name(self, edge: _Edge) -> str:
-        return f"{self._stage}->{edge.target}"

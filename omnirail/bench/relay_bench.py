@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import dataclasses
 import json
 import os
 import socket
@@ -34,7 +35,8 @@ _LEN = struct.Struct("<I")
 _MIN_TRANSFERS = 5
 _LATENCY_SAMPLES = 50
 _EDGE = "bench"
-_DATA, _STOP = 0, 1
+_DATA, _STOP, _PEERS = 0, 1, 2
+_CONNECT_TIMEOUT_S = 120.0
 # Descriptors per frame, and payload bytes after which a frame goes out anyway (so large
 # transfers are not held back). Acks: at most this many per frame.
 _BATCH = 8
@@ -63,11 +65,13 @@ def _split_frames(buf: bytearray) -> list[Any]:
 # ----------------------------------------------------------------------------- receiver
 
 
-async def _receiver_main(sock: socket.socket, backend: str, prefix: str) -> None:
-    from relay.base import RelaySettings, create_relay
+async def _receiver_main(sock: socket.socket, backend: str, settings: Any) -> None:
+    from relay.base import create_relay
     from relay.io import receive_payload
 
-    relays = {backend: create_relay(backend, RelaySettings(name_prefix=prefix))}
+    relays = {backend: create_relay(backend, settings)}
+    # Hello: what the sender needs to know about us (nixl metadata, UCX listener, rank).
+    sock.sendall(_frame([relays[backend].local_info()]))
     buf = bytearray()
     acks: list[int] = []
     try:
@@ -87,6 +91,11 @@ async def _receiver_main(sock: socket.socket, backend: str, prefix: str) -> None
             for kind, items in _split_frames(buf):
                 if kind == _STOP:
                     return
+                if kind == _PEERS:
+                    relays[backend].set_peers(items)
+                    await relays[backend].connect(_CONNECT_TIMEOUT_S)
+                    sock.sendall(_frame([]))  # ready (an empty ack list)
+                    continue
                 for raw in items:
                     pb = common_pb2.Payload.FromString(raw)
                     received = await receive_payload(pb, relays)
@@ -240,30 +249,81 @@ class _Memcpy:
         self.best = max(self.best, n * self.size / (time.perf_counter() - t0) / 1e9)
 
 
+def _read_frame(sock: socket.socket, buf: bytearray) -> Any:
+    while True:
+        frames = _split_frames(buf)
+        if frames:
+            assert len(frames) == 1, "the receiver sent more than one start-up frame"
+            return frames[0]
+        chunk = sock.recv(1 << 16)
+        if not chunk:
+            raise ConnectionError("the receiver exited during start-up")
+        buf += chunk
+
+
+async def _introduce(relay: Any, sock: socket.socket) -> None:
+    """Exchanges relay infos with the receiver and waits until both sides are connected."""
+    buf = bytearray()
+    (info,) = await asyncio.to_thread(_read_frame, sock, buf)
+    relay.set_peers([relay.local_info(), info])
+    sock.sendall(_frame([_PEERS, [relay.local_info()]]))
+    await relay.connect(_CONNECT_TIMEOUT_S)
+    ready = await asyncio.to_thread(_read_frame, sock, buf)
+    assert ready == [], ready
+
+
+def _receiver_settings(backend: str, relay: Any, settings: Any, overrides: dict) -> Any:
+    """The receiver's settings: the sender's, paired where the backend needs it
+    (torchdist ranks), with the receiver's own option overrides."""
+    if backend == "torchdist":
+        from relay.torchdist import pair_settings
+
+        settings = pair_settings(relay, settings, 1)
+    if overrides:
+        settings = dataclasses.replace(settings, options={**settings.options, **overrides})
+    return settings
+
+
 async def _bench(
-    backend: str, sizes: list[int], min_seconds: float, repeat: int, settings: Any
+    backend: str,
+    sizes: list[int],
+    min_seconds: float,
+    repeat: int,
+    settings: Any,
+    receiver_options: dict,
+    receiver_wrap: list[str],
 ) -> dict:
     import torch
 
     from relay.base import create_relay
 
     relay = create_relay(backend, settings)
+    peer_settings = _receiver_settings(backend, relay, settings, receiver_options)
     ours, theirs = socket.socketpair()
     proc = subprocess.Popen(
         [
+            *receiver_wrap,
             sys.executable,
             "-m",
             "omnirail.bench.relay_bench",
             "--receiver",
             f"--fd={theirs.fileno()}",
             f"--backend={backend}",
-            f"--prefix={settings.name_prefix}",
+            f"--settings={json.dumps(dataclasses.asdict(peer_settings))}",
         ],
         pass_fds=[theirs.fileno()],
     )
     theirs.close()
-    link = _Link(ours)
     results: dict[str, Any] = {}
+    try:
+        await _introduce(relay, ours)
+    except BaseException:
+        relay.close()
+        ours.close()
+        proc.kill()
+        proc.wait()
+        raise
+    link = _Link(ours)
     try:
         for size in sizes:
             value = torch.ones(size, dtype=torch.uint8)
@@ -298,7 +358,7 @@ async def _bench(
         except subprocess.TimeoutExpired:
             proc.kill()
             proc.wait()
-    return {"backend": backend, "sizes": results}
+    return {"backend": backend, "options": settings.options, "sizes": results}
 
 
 def run_relay_bench(
@@ -306,15 +366,33 @@ def run_relay_bench(
     sizes: list[int] | None = None,
     min_seconds: float = 0.5,
     repeat: int = 3,
+    options: dict | None = None,
+    receiver_options: dict | None = None,
+    receiver_wrap: list[str] | None = None,
 ) -> dict:
-    """Measures cross-process put->get throughput (GB/s) and latency per payload size."""
+    """Measures cross-process put->get throughput (GB/s) and latency per payload size.
+
+    `options`: RelaySettings.options of both sides; `receiver_options` override them on the
+    receiver; `receiver_wrap` prefixes the receiver's command (e.g. `ip netns exec NS`, to
+    measure across network namespaces).
+    """
     from relay.base import RelaySettings
     from relay.shm import sweep_segments
 
     prefix = f"omnirail-bench{os.getpid()}"
-    settings = RelaySettings(name_prefix=prefix)
+    settings = RelaySettings(name_prefix=prefix, options=dict(options or {}))
     try:
-        return asyncio.run(_bench(backend, sizes or DEFAULT_SIZES, min_seconds, repeat, settings))
+        return asyncio.run(
+            _bench(
+                backend,
+                sizes or DEFAULT_SIZES,
+                min_seconds,
+                repeat,
+                settings,
+                dict(receiver_options or {}),
+                list(receiver_wrap or []),
+            )
+        )
     finally:
         sweep_segments(prefix)
 
@@ -327,11 +405,13 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--repeat", type=int, default=3)
     parser.add_argument("--receiver", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--fd", type=int, default=-1, help=argparse.SUPPRESS)
-    parser.add_argument("--prefix", default="omnirail", help=argparse.SUPPRESS)
+    parser.add_argument("--settings", default="{}", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     if args.receiver:
+        from relay.base import RelaySettings
+
         sock = socket.socket(fileno=args.fd)
-        asyncio.run(_receiver_main(sock, args.backend, args.prefix))
+        asyncio.run(_receiver_main(sock, args.backend, RelaySettings(**json.loads(args.settings))))
         return
     sizes = [int(s) for s in args.sizes.split(",") if s] or None
     print(json.dumps(run_relay_bench(args.backend, sizes, args.min_seconds, args.repeat), indent=2))

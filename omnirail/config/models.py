@@ -142,6 +142,9 @@ class StageConfig(_Model):
     gpu: int | list[int] | None = None
     tp_size: int = Field(1, ge=1)
     relay: RelayConfig | None = None
+    # Per outgoing edge (target stage -> fields that differ from `relay`), e.g. nixl to a
+    # stage on another host while the rest stays on shm.
+    relay_to: dict[str, RelayConfig] = {}
     replicas: int = Field(1, ge=1)
     torch_threads: int = Field(1, ge=1)
     env: dict[str, str] = {}
@@ -302,13 +305,22 @@ class PipelineConfig(_Model):
         """Whether `name` gets a request payload (entry, or some stage's `next`)."""
         return name == self.resolved_entry_stage or bool(self.upstream_of(name))
 
-    def relay_for(self, stage_name: str) -> RelayConfig:
-        """The pipeline relay with the fields the stage's override sets explicitly."""
-        override = self.stage(stage_name).relay
-        if override is None:
-            return self.relay
-        changed = {k: getattr(override, k) for k in override.model_fields_set}
-        return self.relay.model_copy(update=changed)
+    def relay_for(self, stage_name: str, target: str | None = None) -> RelayConfig:
+        """The relay a stage sends with: the pipeline's, updated by the fields the stage's
+        `relay` sets explicitly, then (for edge `stage_name -> target`) by `relay_to`."""
+        stage = self.stage(stage_name)
+        cfg = self.relay
+        overrides = [stage.relay, stage.relay_to.get(target) if target else None]
+        for override in overrides:
+            if override is not None:
+                changed = {k: getattr(override, k) for k in override.model_fields_set}
+                cfg = cfg.model_copy(update=changed)
+        return cfg
+
+    def edges_of(self, stage_name: str) -> list[str]:
+        """Stages `stage_name` can send to (next and stream_to)."""
+        stage = self.stage(stage_name)
+        return list(dict.fromkeys([*stage.next_stages, *stage.stream_to]))
 
     def factory_args_for(self, stage_name: str) -> dict[str, Any]:
         """`factory_args` updated (shallowly) by `runtime_overrides[stage]`.

@@ -53,6 +53,9 @@ def validate(cfg: PipelineConfig, resolve: bool = True) -> None:
         if not _ENV_NAME_RE.match(key):
             err(f"pipeline.env_defaults: invalid variable name {key!r}")
 
+    problem = _backend_problem(cfg.relay.backend)
+    if problem:
+        err(f"pipeline.relay.backend: {problem}")
     _check_dotted(cfg, by_name, resolve, err)
     if errors:
         raise ConfigError(errors)
@@ -109,6 +112,17 @@ def _check_stage(
     _check_refs(at, "stream_to", s.stream_to, s.name, known, err)
     if s.stream_done_to_fn is not None and not s.stream_to:
         err(f"{at}.stream_done_to_fn: requires stream_to")
+    for target in s.relay_to:
+        if target not in (nxt or []) and target not in s.stream_to:
+            err(f"{at}.relay_to: {target!r} is not in next or stream_to")
+    for where, relay in [
+        ("relay", s.relay),
+        *((f"relay_to[{t}]", r) for t, r in s.relay_to.items()),
+    ]:
+        if relay is not None and "backend" in relay.model_fields_set:
+            problem = _backend_problem(relay.backend)
+            if problem:
+                err(f"{at}.{where}.backend: {problem}")
     for target in s.project_payload:
         if target not in (nxt or []):
             err(f"{at}.project_payload: target {target!r} is not in next")
@@ -123,6 +137,15 @@ def _check_stage(
     for key in s.env:
         if not _ENV_NAME_RE.match(key):
             err(f"{at}.env: invalid variable name {key!r}")
+
+
+def _backend_problem(backend: str) -> str | None:
+    from relay.base import relay_backends
+
+    known = relay_backends()
+    if backend in known:
+        return None
+    return f"unknown relay backend {backend!r}; known: {', '.join(known)}"
 
 
 def _check_refs(

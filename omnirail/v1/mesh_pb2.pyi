@@ -8,20 +8,22 @@ from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 DESCRIPTOR: _descriptor.FileDescriptor
 
 class Register(_message.Message):
-    __slots__ = ("stage", "replica_id", "address", "pid", "relay_backends", "metrics_address")
+    __slots__ = ("stage", "replica_id", "address", "pid", "relay_backends", "metrics_address", "relay_infos")
     STAGE_FIELD_NUMBER: _ClassVar[int]
     REPLICA_ID_FIELD_NUMBER: _ClassVar[int]
     ADDRESS_FIELD_NUMBER: _ClassVar[int]
     PID_FIELD_NUMBER: _ClassVar[int]
     RELAY_BACKENDS_FIELD_NUMBER: _ClassVar[int]
     METRICS_ADDRESS_FIELD_NUMBER: _ClassVar[int]
+    RELAY_INFOS_FIELD_NUMBER: _ClassVar[int]
     stage: str
     replica_id: str
     address: str
     pid: int
     relay_backends: _containers.RepeatedScalarFieldContainer[str]
     metrics_address: str
-    def __init__(self, stage: _Optional[str] = ..., replica_id: _Optional[str] = ..., address: _Optional[str] = ..., pid: _Optional[int] = ..., relay_backends: _Optional[_Iterable[str]] = ..., metrics_address: _Optional[str] = ...) -> None: ...
+    relay_infos: _containers.RepeatedScalarFieldContainer[bytes]
+    def __init__(self, stage: _Optional[str] = ..., replica_id: _Optional[str] = ..., address: _Optional[str] = ..., pid: _Optional[int] = ..., relay_backends: _Optional[_Iterable[str]] = ..., metrics_address: _Optional[str] = ..., relay_infos: _Optional[_Iterable[bytes]] = ...) -> None: ...
 
 class Completion(_message.Message):
     __slots__ = ("request_id", "output", "traceparent")
@@ -92,12 +94,14 @@ class Abort(_message.Message):
     def __init__(self, request_id: _Optional[str] = ..., reason: _Optional[str] = ...) -> None: ...
 
 class Endpoint(_message.Message):
-    __slots__ = ("replica_id", "address")
+    __slots__ = ("replica_id", "address", "relay_infos")
     REPLICA_ID_FIELD_NUMBER: _ClassVar[int]
     ADDRESS_FIELD_NUMBER: _ClassVar[int]
+    RELAY_INFOS_FIELD_NUMBER: _ClassVar[int]
     replica_id: str
     address: str
-    def __init__(self, replica_id: _Optional[str] = ..., address: _Optional[str] = ...) -> None: ...
+    relay_infos: _containers.RepeatedScalarFieldContainer[bytes]
+    def __init__(self, replica_id: _Optional[str] = ..., address: _Optional[str] = ..., relay_infos: _Optional[_Iterable[bytes]] = ...) -> None: ...
 
 class StageEndpoints(_message.Message):
     __slots__ = ("endpoints",)

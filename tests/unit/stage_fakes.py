@@ -22,6 +22,7 @@ from omnirail.errors import OmniError
 from omnirail.payload import decode_inline, encode_inline
 from omnirail.v1 import common_pb2, mesh_pb2
 from relay.base import RelaySettings, create_relay
+from stage_service.edges import EdgeRelays
 from stage_service.scheduler import IncomingMessage, OutgoingMessage, Scheduler, SimpleScheduler
 from stage_service.stage import Stage
 from stage_service.streaming import StreamingScheduler, StreamState
@@ -292,7 +293,8 @@ class Harness:
 async def running(cfg: PipelineConfig, name: str, scheduler: Scheduler) -> AsyncIterator[Harness]:
     relay = create_relay("inline", RelaySettings(name_prefix="stagetest"))
     router, reporter = FakeRouter(cfg), FakeReporter()
-    stage = Stage(name, cfg, scheduler, relay, {relay.name: relay}, router, reporter)
+    edges = EdgeRelays(name, relay, cfg.relay_for(name).inline_bytes)
+    stage = Stage(name, cfg, scheduler, edges, {relay.name: relay}, router, reporter)
     stage.start()
     try:
         yield Harness(stage, scheduler, router, reporter)

@@ -24,6 +24,7 @@ from omnirail.telemetry.metrics import (
 )
 from omnirail.v1 import common_pb2
 from relay.base import RelaySettings, create_relay
+from stage_service.edges import EdgeRelays
 from stage_service.scheduler import SimpleScheduler
 from stage_service.stage import Stage
 from tests.unit.stage_fakes import (
@@ -190,7 +191,7 @@ async def test_stage_observes_without_tracing() -> None:
         "s",
         cfg,
         SimpleScheduler(_fail_on_request),
-        relay,
+        EdgeRelays("s", relay, cfg.relay_for("s").inline_bytes),
         {relay.name: relay},
         FakeRouter(cfg),
         reporter,
@@ -225,7 +226,7 @@ async def test_stage_counts_aborts_and_reads_queue_depth_at_scrape() -> None:
         "s",
         cfg,
         scheduler,
-        relay,
+        EdgeRelays("s", relay, cfg.relay_for("s").inline_bytes),
         {relay.name: relay},
         FakeRouter(cfg),
         FakeReporter(),

@@ -1,0 +1,103 @@
+"""The relays one stage process opens: which backends its edges use, with what settings,
+and a start-up that fails naming the edge when a backend cannot start."""
+
+from __future__ import annotations
+
+import asyncio
+from dataclasses import dataclass, field
+
+from omnirail.config import PipelineConfig, RelayConfig
+from omnirail.errors import Code, OmniError
+from relay.base import Relay, RelayError, create_relay
+
+DEFAULT_CONNECT_TIMEOUT_S = 60.0
+
+
+class RelayStartupError(OmniError):
+    """A relay backend this process needs could not start."""
+
+    def __init__(self, message: str) -> None:
+        super().__init__(Code.UNAVAILABLE, message)
+
+
+@dataclass
+class RelayPlan:
+    backend: str
+    config: RelayConfig  # of the first edge that uses the backend
+    edges: list[str] = field(default_factory=list)
+
+    def describe(self) -> str:
+        return f"relay {self.backend!r} (edge{'s' if len(self.edges) > 1 else ''} " + (
+            ", ".join(self.edges) + ")"
+        )
+
+
+def plan_relays(pipeline: PipelineConfig, stage_names: list[str]) -> dict[str, RelayPlan]:
+    """Backends the hosted stages send with (per edge) and receive from (upstream edges)."""
+    plans: dict[str, RelayPlan] = {}
+
+    def use(cfg: RelayConfig, edge: str, hosted: str) -> None:
+        plan = plans.get(cfg.backend)
+        if plan is None:
+            # The rank (torchdist) is the hosted stage's, whichever edge names the backend.
+            rank = pipeline.relay_for(hosted).rank
+            if rank is not None and cfg.rank != rank:
+                cfg = cfg.model_copy(update={"rank": rank})
+            plan = plans[cfg.backend] = RelayPlan(cfg.backend, cfg)
+        if edge not in plan.edges:
+            plan.edges.append(edge)
+
+    for name in stage_names:
+        use(pipeline.relay_for(name), f"{name}->*", name)
+        for target in pipeline.edges_of(name):
+            use(pipeline.relay_for(name, target), f"{name}->{target}", name)
+        for up in pipeline.upstream_of(name) + pipeline.stream_sources_of(name):
+            use(pipeline.relay_for(up, name), f"{up}->{name}", name)
+    for plan in plans.values():
+        # "stage->*" stands for the stage's own default; drop it where real edges exist.
+        real = [e for e in plan.edges if not e.endswith("->*")]
+        plan.edges = real or plan.edges
+    return plans
+
+
+def relay_host(address: str) -> str:
+    """The host part of a gRPC address this process is reached at ("" for unix sockets)."""
+    if address.startswith("unix:") or "/" in address:
+        return ""
+    host = address.rsplit(":", 1)[0]
+    return host.strip("[]")
+
+
+async def open_relays(plans: dict[str, RelayPlan], name_prefix: str, host: str) -> dict[str, Relay]:
+    """Creates and connects every planned relay; RelayStartupError names the edges."""
+    relays: dict[str, Relay] = {}
+    try:
+        for backend, plan in plans.items():
+            settings = plan.config.to_settings(name_prefix)
+            if host:
+                # Backends with their own listener (ucx) bind where peers reach this process.
+                settings.options.setdefault("host", host)
+            try:
+                relays[backend] = create_relay(backend, settings)
+            except (ImportError, RelayError, OSError, ValueError) as e:
+                hint = ""
+                if isinstance(e, ImportError):
+                    hint = f" (install the extra: pip install 'omnirail[{backend}]')"
+                raise RelayStartupError(f"{plan.describe()} cannot start: {e}{hint}") from e
+        timeout = max(
+            float(p.config.options.get("connect_timeout_s", DEFAULT_CONNECT_TIMEOUT_S))
+            for p in plans.values()
+        )
+
+        async def connect(backend: str) -> None:
+            try:
+                await relays[backend].connect(timeout)
+            except (RelayError, OSError, TimeoutError) as e:
+                raise RelayStartupError(f"{plans[backend].describe()} cannot start: {e}") from e
+
+        await asyncio.gather(*(connect(b) for b in relays))
+    except BaseException:
+        for relay in relays.values():
+            relay.close()
+        raise
+    return relays
