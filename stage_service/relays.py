@@ -48,11 +48,8 @@ def plan_relays(pipeline: PipelineConfig, stage_names: list[str]) -> dict[str, R
             plan.edges.append(edge)
 
     for name in stage_names:
-        use(pipeline.relay_for(name), f"{name}->*", name)
-        for target in pipeline.edges_of(name):
-            use(pipeline.relay_for(name, target), f"{name}->{target}", name)
-        for up in pipeline.upstream_of(name) + pipeline.stream_sources_of(name):
-            use(pipeline.relay_for(up, name), f"{up}->{name}", name)
+        for edge, cfg in pipeline.relays_touching(name):
+            use(cfg, edge, name)
     for plan in plans.values():
         # "stage->*" stands for the stage's own default; drop it where real edges exist.
         real = [e for e in plan.edges if not e.endswith("->*")]

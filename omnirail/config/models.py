@@ -317,6 +317,20 @@ class PipelineConfig(_Model):
                 cfg = cfg.model_copy(update=changed)
         return cfg
 
+    def relays_touching(self, stage_name: str) -> list[tuple[str, RelayConfig]]:
+        """(edge, relay) a stage's process must open: its own default ("name->*"), its
+        outgoing edges', and those its upstream stages send to it with."""
+        found = [(f"{stage_name}->*", self.relay_for(stage_name))]
+        found += [
+            (f"{stage_name}->{t}", self.relay_for(stage_name, t)) for t in self.edges_of(stage_name)
+        ]
+        for up in self.upstream_of(stage_name) + self.stream_sources_of(stage_name):
+            found.append((f"{up}->{stage_name}", self.relay_for(up, stage_name)))
+        return found
+
+    def backends_of(self, stage_name: str) -> set[str]:
+        return {relay.backend for _, relay in self.relays_touching(stage_name)}
+
     def edges_of(self, stage_name: str) -> list[str]:
         """Stages `stage_name` can send to (next and stream_to)."""
         stage = self.stage(stage_name)

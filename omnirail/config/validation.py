@@ -53,6 +53,7 @@ def validate(cfg: PipelineConfig, resolve: bool = True) -> None:
         if not _ENV_NAME_RE.match(key):
             err(f"pipeline.env_defaults: invalid variable name {key!r}")
 
+    _check_torchdist(cfg, by_name, err)
     problem = _backend_problem(cfg.relay.backend)
     if problem:
         err(f"pipeline.relay.backend: {problem}")
@@ -137,6 +138,38 @@ def _check_stage(
     for key in s.env:
         if not _ENV_NAME_RE.match(key):
             err(f"{at}.env: invalid variable name {key!r}")
+
+
+def _check_torchdist(cfg: PipelineConfig, by_name: Mapping[str, StageConfig], err: Any) -> None:
+    """torchdist needs an explicit rank topology: one rank per process that uses it (the
+    stage's `relay.rank`), and `world_size` and `options.init_method` on its edges."""
+    ranks: dict[int, str] = {}
+    for name, s in by_name.items():
+        try:
+            edges = [(e, r) for e, r in cfg.relays_touching(name) if r.backend == "torchdist"]
+        except KeyError:
+            continue  # a dangling reference, reported elsewhere
+        if not edges:
+            continue
+        at = f"stages[{name}].relay"
+        rank = cfg.relay_for(name).rank
+        if rank is None:
+            err(f"{at}.rank: required: the stage sends or receives over torchdist ({edges[0][0]})")
+        for edge, relay in edges:
+            if relay.world_size is None:
+                err(f"{at}: edge {edge} uses torchdist but sets no world_size")
+            elif rank is not None and rank >= relay.world_size:
+                err(f"{at}.rank: rank {rank} must be < world_size {relay.world_size} ({edge})")
+            if not relay.options.get("init_method"):
+                err(f"{at}: edge {edge} uses torchdist but sets no options.init_method")
+        if s.replicas != 1:
+            err(f"stages[{name}].replicas: torchdist ranks are static; replicas must be 1")
+        group = s.process or name
+        owner = ranks.get(rank) if rank is not None else None
+        if owner is not None and owner != group:
+            err(f"{at}.rank: rank {rank} is also used by process {owner!r}")
+        if rank is not None:
+            ranks.setdefault(rank, group)
 
 
 def _backend_problem(backend: str) -> str | None:
