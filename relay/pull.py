@@ -2,8 +2,9 @@
 
 Sender: `put` takes edge credit, copies the payload once into a private `HostPool` extent
 and returns a handle whose descriptor names this relay (`region` = its peer id) and the
-extent. The backend releases the handle when it knows the receiver has the bytes (`served`:
-a nixl notification, a completed UCX or gloo send); `cleanup` releases what an abort left.
+extent. The backend releases the handle when the receiver has released its view (`served`:
+a release message over nixl notifications, UCX or gloo), so, as with shm, an edge's credit
+stays taken while the receiver holds the bytes; `cleanup` releases what an abort left.
 An extent that is being sent when it is released is freed only once that send ends.
 
 Receiver: `get` checks the descriptor, finds the sender among the peers the mesh announced
@@ -314,7 +315,7 @@ class PullRelay(Relay):
             self._credits.give_back(handle._credit, handle.nbytes)
 
     def served(self, tid: int) -> bool:
-        """The receiver has the bytes of transfer `tid`: release it (False: not live)."""
+        """The receiver is done with transfer `tid`: release it (False: not live)."""
         handle = self._live.get(tid)
         if handle is None:
             return False

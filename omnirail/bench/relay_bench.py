@@ -380,7 +380,11 @@ def run_relay_bench(
     from relay.shm import sweep_segments
 
     prefix = f"omnirail-bench{os.getpid()}"
-    settings = RelaySettings(name_prefix=prefix, options=dict(options or {}))
+    options = dict(options or {})
+    if backend == "torchdist":
+        # Two ranks of a fresh group; rank 0 (this process) picks the store's port.
+        options = {"rank": 0, "world_size": 2, "init_method": "tcp://127.0.0.1:0", **options}
+    settings = RelaySettings(name_prefix=prefix, options=options)
     try:
         return asyncio.run(
             _bench(

@@ -1,5 +1,35 @@
 """What the conformance suite knows about the `torchdist` relay backend."""
 
+from __future__ import annotations
+
+from relay.base import Relay, RelaySettings
 from tests.relay_conformance.backends import BackendSpec
 
-TORCHDIST = BackendSpec("torchdist", options={"peer_wait_s": 1.0})
+
+def _pair(first: Relay, settings: RelaySettings, index: int) -> RelaySettings:
+    # Imported here: importing torch for a spec would slow every backend's collection.
+    from relay.torchdist import pair_settings
+
+    return pair_settings(first, settings, index)
+
+
+def _footprint(relay: Relay) -> int:
+    return sum(seg.size for seg in relay.pool.segments)  # type: ignore[attr-defined]
+
+
+TORCHDIST = BackendSpec(
+    "torchdist",
+    options={
+        "peer_wait_s": 1.0,
+        # The first relay of a test is rank 0 of 2 on a free port; `_pair` makes the other.
+        "rank": 0,
+        "world_size": 2,
+        "init_method": "tcp://127.0.0.1:0",
+        # Short: a rendezvous nobody joins (the availability probe) gives up soon, and
+        # sends to a killed receiver fail soon; still far above any transfer here.
+        "timeout_s": 30.0,
+        "fetch_timeout_s": 20.0,
+    },
+    footprint=_footprint,
+    pair_settings=_pair,
+)

@@ -1,0 +1,441 @@
+"""`nixl` relay: the receiver READs the sender's pool extent through a NIXL agent (UCX).
+
+One NIXL agent per relay, named by its peer id: UCX backend, no listener, by default no
+progress thread; every call is made from the event loop, which polls. The peer info carries
+the agent's connection metadata only (stable: it does not change as pools grow).
+
+Sender: `put` copies into the `HostPool` (each segment registered once); the descriptor
+names this agent (`region`) and the extent (`offset` = segment << 40 | offset within). The
+handle is released by the receiver's release notification ("R" tid offset: credit is held
+until the receiver lets go of its view, as with shm) or by `cleanup`. A receiver asks for
+a segment it does not know ("?" index); the sender answers with its bounds and partial
+metadata ("M"), or "N". Notifications are parsed with `struct`, never unpickled.
+
+Receiver: `get` checks the extent against the bounds the sender itself answered, READs it
+into its own registered receive pool (chunked, so one large fetch does not stall the loop
+for long; transfer handles cached per extent pair) and notifies the sender on release.
+
+Options (`RelaySettings.options`): `ucx_error_handling_mode` ("none" default, "peer" for
+multi-host), `progress_thread` (False), `num_threads` (0), `fetch_timeout_s` (30),
+`chunk_bytes` (8 MiB), `spin_us` (30: busy polling before yielding), `handle_cache` (128
+per peer), plus the PullRelay ones (`peer_wait_s`, `copy_thread_bytes`). GPU memory is
+not moved yet: pools are host memory, as `omnirail.payload.pack` refuses CUDA tensors.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import struct
+import time
+from collections import OrderedDict
+from collections.abc import Callable
+from typing import Any
+
+from omnirail.payload import Packed
+from omnirail.v1 import common_pb2
+from relay.base import RelayError, RelaySettings, register_relay
+from relay.host_pool import HostExtent, HostSegment
+from relay.pull import OFFSET_BITS, OFFSET_MASK, PulledHandle, PulledReceived, PullRelay
+
+# Importing nixl configures logging process-wide; keep the process's own choices.
+_raise_exceptions = logging.raiseExceptions
+try:
+    from nixl import _api as nixl_api
+except ImportError:
+    from nixl_cu12 import _api as nixl_api  # the CUDA 12 wheel's name
+finally:
+    logging.raiseExceptions = _raise_exceptions
+if not os.environ.get("NIXL_LOG_LEVEL"):
+    # Its INFO lines go to stdout for every agent and backend made: not ours to print.
+    logging.getLogger("nixl").setLevel(logging.WARNING)
+
+__all__ = ["NixlReceived", "NixlRelay"]
+
+BACKEND = "nixl"
+# After the spin, polls yield to the loop without sleeping for this long, then back off
+# (a sleep rounds up to the selector's 1 ms anyway).
+_YIELD_S = 200e-6
+_POLL_MIN_S = 50e-6
+_POLL_MAX_S = 2e-3
+# Notification messages: release (kind, tid, offset), ask / no such segment (kind, index),
+# segment (kind, index, base, size) followed by the segment's partial metadata.
+_RELEASE = struct.Struct("<cQQ")
+_ASK = struct.Struct("<cH")
+_SEGMENT = struct.Struct("<cHQQ")
+
+
+class _Peer:
+    """What a receiver knows of one sender agent."""
+
+    __slots__ = ("asked", "dropped", "handles", "name", "segments")
+
+    def __init__(self, name: str) -> None:
+        self.name = name
+        self.segments: dict[int, tuple[int, int]] = {}  # index -> (base address, size)
+        self.asked: dict[int, asyncio.Future[tuple[int, int]]] = {}
+        # (local, remote, nbytes) -> idle transfer handle; a handle in use is out of it.
+        self.handles: OrderedDict[tuple[int, int, int], Any] = OrderedDict()
+        self.dropped = False
+
+
+class NixlReceived(PulledReceived):
+    """A received view whose release also tells the sender it may reuse the extent."""
+
+    __slots__ = ("_ack", "_peer_id", "_relay")
+
+    def __init__(self, received: PulledReceived, relay: NixlRelay, peer_id: str, ack: bytes):
+        super().__init__(received.buffer, received._pool, received._extent)
+        received._pool = received._extent = None  # owned here now
+        self._relay = relay
+        self._peer_id = peer_id
+        self._ack = ack
+
+    def release(self) -> None:
+        ack, self._ack = self._ack, None
+        super().release()
+        if ack is not None:
+            self._relay._notify(self._peer_id, ack)
+
+
+class NixlRelay(PullRelay):
+    name = BACKEND
+
+    def __init__(self, settings: RelaySettings | None = None) -> None:
+        super().__init__(settings)
+        opts = self.settings.options
+        self._fetch_timeout = float(opts.get("fetch_timeout_s", 30.0))
+        self._chunk = max(int(opts.get("chunk_bytes", 8 << 20)), 64 << 10)
+        self._spin_s = float(opts.get("spin_us", 30.0)) * 1e-6
+        self._cache_size = max(int(opts.get("handle_cache", 128)), 0)
+        self._regs: list[Any] = []  # registered descriptor lists, deregistered on close
+        self._segments: dict[int, tuple[int, int, bytes]] = {}  # sender: base, size, meta
+        self._stuck: list[Any] = []  # transfer handles NIXL would not release yet
+        self._agent: Any = self._make_agent(opts)
+        # Connection info without memory: registrations travel on request ("?").
+        empty = nixl_api.nixlBind.nixlRegDList(nixl_api.nixlBind.DRAM_SEG)
+        self._meta: bytes = self._agent.get_partial_agent_metadata(empty, True)
+
+    def _make_agent(self, opts: dict[str, Any]) -> Any:
+        # "peer": UCX detects dead peers (multi-host); "none" lets same-host transports
+        # run without the wireup handshake that needs the other side's progress.
+        mode = str(opts.get("ucx_error_handling_mode", "none"))
+        if mode not in ("none", "peer"):
+            raise RelayError(f"nixl relay: ucx_error_handling_mode {mode!r} is not none|peer")
+        threads = int(opts.get("num_threads", 0))
+        config = nixl_api.nixl_agent_config(
+            enable_prog_thread=bool(opts.get("progress_thread", False)),
+            enable_listen_thread=False,  # metadata travels in peer infos, not sockets
+            num_threads=threads,
+            backends=[],  # made below, with our init parameters
+        )
+        init = {"ucx_error_handling_mode": mode}
+        if threads > 0:
+            init["num_threads"] = str(threads)
+        try:
+            agent = nixl_api.nixl_agent(self.peer_id, config)
+            agent.create_backend("UCX", init)
+        except Exception as e:
+            raise RelayError(f"nixl relay: cannot start a NIXL agent with UCX: {e}") from e
+        return agent
+
+    @property
+    def agent(self) -> Any:
+        if self._agent is None:
+            raise RelayError("nixl relay is closed")
+        return self._agent
+
+    async def connect(self, timeout: float) -> None:
+        # The agent and its UCX backend exist since __init__ (which raised otherwise);
+        # endpoints to peers are made by the first transfer or notification.
+        if "UCX" not in self.agent.backends:
+            raise RelayError("nixl relay: the UCX backend is not up")
+
+    # ---------------------------------------------------------------- PullRelay hooks
+
+    def _info(self) -> dict[str, Any]:
+        return {"meta": self._meta}
+
+    def _add_peer(self, peer_id: str, info: dict[str, Any]) -> _Peer:
+        meta = info.get("meta")
+        if not isinstance(meta, bytes):
+            raise ValueError("no nixl metadata")
+        name = self.agent.add_remote_agent(meta)
+        name = name.decode() if isinstance(name, bytes) else str(name)
+        if name != peer_id:
+            if name not in self._peers:
+                self.agent.remove_remote_agent(name)
+            raise ValueError(f"metadata of agent {name!r} announced as {peer_id!r}")
+        return _Peer(peer_id)
+
+    def _drop_peer(self, peer_id: str, state: Any) -> None:
+        if not isinstance(state, _Peer):
+            return
+        state.dropped = True
+        for handle in state.handles.values():
+            self._discard(handle)
+        state.handles.clear()
+        for fut in state.asked.values():
+            if not fut.done():
+                fut.set_exception(RelayError(f"nixl relay: peer {peer_id!r} left"))
+        state.asked.clear()
+        try:
+            self.agent.remove_remote_agent(peer_id)
+        except Exception:
+            pass  # already gone (closed agent, failed endpoint): nothing to undo
+
+    def _on_segment(self, segment: HostSegment, receive: bool) -> None:
+        agent = self.agent
+        try:
+            reg = agent.register_memory([(segment.address, segment.size, 0, "")], "DRAM")
+        except Exception as e:
+            raise RelayError(f"nixl relay: cannot register {segment.size} bytes: {e}") from e
+        self._regs.append(reg)
+        if not receive:
+            # What a receiver needs to READ this segment, handed out when it asks.
+            meta = agent.get_partial_agent_metadata(reg, False)
+            self._segments[segment.index] = (segment.address, segment.size, meta)
+
+    def _progress(self) -> int:
+        return self._drain()
+
+    def _close_backend(self) -> None:
+        agent, self._agent = self._agent, None
+        if agent is None:
+            return
+        for release, items in (
+            (lambda h: h.release(), self._stuck),
+            (agent.deregister_memory, self._regs),
+        ):
+            for item in items:
+                try:
+                    release(item)
+                except Exception:
+                    pass  # a stuck handle keeps the agent alive until NIXL lets it go
+            items.clear()
+        # The agent (UCX workers, endpoints) goes with its last reference.
+
+    # ---------------------------------------------------------------- notifications
+
+    def _drain(self) -> int:
+        """Handles every notification that arrived; returns how many."""
+        agent = self._agent
+        if agent is None:
+            return 0
+        try:
+            notifs = agent.get_new_notifs()
+        except Exception:
+            return 0
+        count = 0
+        for name, messages in notifs.items():
+            for msg in messages:
+                count += 1
+                kind = msg[:1]
+                if kind == b"R" and len(msg) == _RELEASE.size:
+                    _, tid, offset = _RELEASE.unpack(msg)
+                    handle = self._live.get(tid)
+                    # The offset must match too: a stray tid cannot free another extent.
+                    if handle is not None and handle.descriptor.offset == offset:
+                        handle.release()
+                elif kind == b"?" and len(msg) == _ASK.size:
+                    self._answer(name, _ASK.unpack(msg)[1])
+                elif kind in (b"M", b"N"):
+                    self._learn(name, msg)
+        return count
+
+    def _notify(self, peer_id: str, msg: bytes) -> None:
+        if self._agent is None:
+            return
+        try:
+            self._agent.send_notif(peer_id, msg)
+        except Exception:
+            pass  # the sender is gone: nothing waits for this release any more
+
+    def _answer(self, name: str, index: int) -> None:
+        seg = self._segments.get(index)
+        if seg is None:
+            self._notify(name, _ASK.pack(b"N", index))
+        else:
+            self._notify(name, _SEGMENT.pack(b"M", index, seg[0], seg[1]) + seg[2])
+
+    def _learn(self, name: str, msg: bytes) -> None:
+        peer = self._peers.get(name)
+        if not isinstance(peer, _Peer):
+            return
+        found = msg[:1] == b"M"
+        if len(msg) != _ASK.size and (not found or len(msg) <= _SEGMENT.size):
+            return
+        index = _ASK.unpack_from(msg)[1]
+        fut = peer.asked.pop(index, None)
+        if fut is None or fut.done():
+            return  # unasked: never load metadata nobody requested
+        try:
+            if not found:
+                raise RelayError(f"nixl relay: {name!r} has no pool segment {index}")
+            _, _, base, size = _SEGMENT.unpack_from(msg)
+            if size <= 0 or base <= 0 or base + size >= 1 << 64:
+                raise ValueError(f"bounds [{base:#x}, +{size})")
+            loaded = self.agent.add_remote_agent(msg[_SEGMENT.size :])
+            if (loaded.decode() if isinstance(loaded, bytes) else loaded) != name:
+                raise ValueError(f"metadata of agent {loaded!r}")
+        except Exception as e:
+            if not isinstance(e, RelayError):
+                e = RelayError(f"nixl relay: bad segment {index} from {name!r}: {e}")
+            fut.set_exception(e)
+            return
+        peer.segments[index] = (base, size)
+        fut.set_result((base, size))
+
+    # ---------------------------------------------------------------- sender side
+
+    def put_nowait(self, packed: Packed, request_id: str, edge: str) -> PulledHandle | None:
+        if self._live:
+            self._drain()  # take releases in first, so credit and extents are reused
+        return super().put_nowait(packed, request_id, edge)
+
+    # ---------------------------------------------------------------- receiver side
+
+    async def get(self, descriptor: common_pb2.RelayDescriptor) -> PulledReceived:
+        received = await super().get(descriptor)
+        if not descriptor.nbytes:
+            return received  # the sender holds nothing for an empty transfer
+        ack = _RELEASE.pack(b"R", descriptor.transfer_id, descriptor.offset)
+        return NixlReceived(received, self, descriptor.region, ack)
+
+    async def _fetch(
+        self, peer: Any, descriptor: common_pb2.RelayDescriptor, target: HostExtent
+    ) -> None:
+        index, offset = descriptor.offset >> OFFSET_BITS, descriptor.offset & OFFSET_MASK
+        nbytes = descriptor.nbytes
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + self._fetch_timeout
+        seg = peer.segments.get(index)
+        if seg is None:
+            seg = await self._segment(peer, index, min(deadline, loop.time() + self._peer_wait_s))
+        base, size = seg
+        if offset + nbytes > size:
+            raise RelayError(
+                f"nixl relay: extent [{offset}, +{nbytes}) is outside segment {index} "
+                f"({size} bytes) of {peer.name!r}"
+            )
+        local = target.segment.address + target.offset
+        remote = base + offset
+        done = 0
+        while True:
+            n = min(self._chunk, nbytes - done)
+            key, handle, state = self._post(peer, local + done, remote + done, n)
+            # Same-host READs (CMA) finish inside the post: no coroutine, no wait.
+            if state != "DONE":
+                await self._complete(peer, handle, state, deadline)
+            self._keep(peer, key, handle)
+            done += n
+            if done >= nbytes:
+                return
+            await asyncio.sleep(0)  # that chunk was copied by this thread: let others run
+
+    async def _segment(self, peer: _Peer, index: int, deadline: float) -> tuple[int, int]:
+        """Asks the sender for a segment's bounds and metadata (once per segment)."""
+        fut = peer.asked.get(index)
+        if fut is None:
+            fut = asyncio.get_running_loop().create_future()
+            peer.asked[index] = fut
+            try:
+                self.agent.send_notif(peer.name, _ASK.pack(b"?", index))
+            except Exception as e:
+                del peer.asked[index]
+                fut.cancel()
+                raise RelayError(f"nixl relay: {peer.name!r} is unreachable: {e}") from e
+
+        def answered() -> bool:
+            self._drain()
+            return fut.done()
+
+        try:
+            await self._until(answered, deadline, f"segment {index} of {peer.name!r}")
+        except RelayError as e:
+            if not fut.done():
+                fut.set_exception(e)  # the other waiters on it fail alike
+            if peer.asked.get(index) is fut:
+                del peer.asked[index]
+        return fut.result()
+
+    def _post(self, peer: _Peer, local: int, remote: int, n: int) -> tuple[Any, Any, str]:
+        """Posts a READ of `n` bytes, reusing the idle handle of the same extents."""
+        key = (local, remote, n)
+        handle = peer.handles.pop(key, None)
+        agent = self.agent
+        try:
+            if handle is None:
+                handle = agent.initialize_xfer(
+                    "READ",
+                    agent.get_xfer_descs([(local, n, 0)], "DRAM"),
+                    agent.get_xfer_descs([(remote, n, 0)], "DRAM"),
+                    peer.name,
+                )
+            return key, handle, agent.transfer(handle)
+        except Exception as e:
+            if handle is not None:
+                self._discard(handle)
+            raise RelayError(f"nixl relay: READ from {peer.name!r} failed: {e}") from e
+
+    async def _complete(self, peer: _Peer, handle: Any, state: str, deadline: float) -> None:
+        """Waits for a posted READ; on failure (or cancellation) lets its handle go."""
+        agent, box = self.agent, [state]
+
+        def finished() -> bool:
+            if box[0] == "PROC":
+                box[0] = agent.check_xfer_state(handle)
+            if box[0] not in ("PROC", "DONE"):
+                raise RelayError(f"nixl relay: READ from {peer.name!r} failed (peer gone?)")
+            return box[0] == "DONE"
+
+        try:
+            await self._until(finished, deadline, f"READ from {peer.name!r}")
+        except BaseException:
+            self._discard(handle)
+            raise
+
+    def _keep(self, peer: _Peer, key: tuple[int, int, int], handle: Any) -> None:
+        """Caches an idle handle: a steady stream reuses the same extents, skipping setup."""
+        if peer.dropped or self._agent is None or not self._cache_size:
+            self._discard(handle)
+            return
+        peer.handles[key] = handle
+        if len(peer.handles) > self._cache_size:
+            self._discard(peer.handles.popitem(last=False)[1])
+
+    async def _until(self, check: Callable[[], bool], deadline: float, what: str) -> None:
+        """Returns once `check()`: spins briefly (small READs finish in microseconds),
+        then yields to the loop between checks, then backs off up to 2 ms."""
+        if check():
+            return
+        now = time.perf_counter()
+        spin_end, yield_end = now + self._spin_s, now + self._spin_s + _YIELD_S
+        while time.perf_counter() < spin_end:
+            if check():
+                return
+        loop = asyncio.get_running_loop()
+        delay = 0.0
+        while True:
+            await asyncio.sleep(delay)
+            if self._agent is None:
+                raise RelayError("nixl relay is closed")
+            if check():
+                return
+            if loop.time() > deadline:
+                raise RelayError(f"nixl relay: timed out waiting for the {what}")
+            if time.perf_counter() > yield_end:
+                delay = min(max(delay * 2, _POLL_MIN_S), _POLL_MAX_S)
+
+    def _discard(self, handle: Any) -> None:
+        # NIXL cancels a READ still in flight; one it cannot cancel is kept (retried at
+        # close). Its target extent is freed by PullRelay.get all the same: a READ stuck
+        # past `fetch_timeout_s` and then landing late is the one case left unguarded.
+        try:
+            handle.release()
+        except Exception:
+            self._stuck.append(handle)
+
+
+register_relay(BACKEND, NixlRelay)

@@ -1,0 +1,229 @@
+"""ucx relay: what the conformance suite does not reach (its receiver gets one at a time and
+its senders never die): concurrent gets on one endpoint, not-live transfers, a sender that
+dies or stalls, credit returned on release, use from a loop other than the creating one."""
+
+from __future__ import annotations
+
+import asyncio
+import gc
+import os
+import signal
+import subprocess
+import sys
+import time
+import zlib
+from collections.abc import AsyncIterator, Iterator
+from pathlib import Path
+
+import msgpack
+import numpy as np
+import pytest
+
+pytest.importorskip("ucxx")
+
+from omnirail.payload import pack
+from omnirail.v1 import common_pb2
+from relay.base import Relay, RelayError, RelaySettings, create_relay
+from relay.ucx import UcxRelay
+
+MiB = 1 << 20
+ROOT = Path(__file__).resolve().parents[2]
+Remote = tuple[subprocess.Popen[str], bytes, list[common_pb2.RelayDescriptor]]
+
+# A sender in its own process: prints its info, then the descriptors of three puts (hex).
+SENDER = """
+import asyncio, sys
+import numpy as np
+from omnirail.payload import pack
+from relay.base import RelaySettings, create_relay
+
+async def main():
+    relay = create_relay("ucx", RelaySettings(pool_bytes=1 << 20))
+    print(relay.local_info().hex(), flush=True)
+    for i, n in enumerate((1000, 3 << 20, 3 << 20)):
+        handle = await relay.put(pack(np.full(n, 7, np.uint8)), "req", f"edge{i}")
+        print(handle.descriptor.SerializeToString().hex(), flush=True)
+    await asyncio.sleep(3600)
+
+asyncio.run(main())
+"""
+
+
+def make(**options: object) -> UcxRelay:
+    relay = create_relay("ucx", RelaySettings(pool_bytes=MiB, options=dict(options)))
+    assert isinstance(relay, UcxRelay)
+    return relay
+
+
+@pytest.fixture
+async def pair() -> AsyncIterator[tuple[UcxRelay, UcxRelay]]:
+    sender, receiver = make(), make(peer_wait_s=0.5)
+    infos = [sender.local_info(), receiver.local_info()]
+    for relay in (sender, receiver):
+        relay.set_peers(infos)
+        await relay.connect(10)
+    yield sender, receiver
+    sender.close()
+    receiver.close()
+
+
+@pytest.fixture
+def remote() -> Iterator[Remote]:
+    env = dict(os.environ, PYTHONPATH=str(ROOT))
+    proc = subprocess.Popen(
+        [sys.executable, "-c", SENDER], stdout=subprocess.PIPE, text=True, cwd=ROOT, env=env
+    )
+    try:
+        assert proc.stdout is not None
+        info = bytes.fromhex(proc.stdout.readline())
+        descs = [
+            common_pb2.RelayDescriptor.FromString(bytes.fromhex(proc.stdout.readline()))
+            for _ in range(3)
+        ]
+        yield proc, info, descs
+    finally:
+        if proc.poll() is None:
+            proc.send_signal(signal.SIGCONT)
+            proc.kill()
+        proc.wait()
+
+
+def pattern(nbytes: int, seed: int) -> np.ndarray:
+    return np.frombuffer(np.random.default_rng(seed).bytes(nbytes), np.uint8)
+
+
+async def test_concurrent_gets_share_one_endpoint(pair: tuple[UcxRelay, UcxRelay]) -> None:
+    sender, receiver = pair
+    sizes = [1, 4096, 8191, 8193, 65536, MiB + 3, 3 * MiB] * 4
+    values = [pattern(n, i) for i, n in enumerate(sizes)]
+    handles = [await sender.put(pack(v), "req", f"edge{i}") for i, v in enumerate(values)]
+    got = await asyncio.gather(*(receiver.get(h.descriptor) for h in handles))
+    for value, received in zip(values, got, strict=True):
+        assert zlib.crc32(received.buffer) == zlib.crc32(value.tobytes())
+        received.release()
+    (peer,) = receiver._peers.values()
+    assert peer.gen == 1, "one endpoint carried every get"
+
+
+async def test_release_returns_credit(pair: tuple[UcxRelay, UcxRelay]) -> None:
+    sender, receiver = pair
+    first = await sender.put(pack(pattern(5000, 1)), "req", "edge")
+    received = await receiver.get(first.descriptor)
+    assert sender.outstanding("edge") == (1, first.nbytes), "credit held while the view is"
+    received.release()
+    deadline = time.monotonic() + 10
+    while sender.outstanding("edge") != (0, 0) and time.monotonic() < deadline:
+        await asyncio.sleep(0.01)
+    assert sender.outstanding("edge") == (0, 0)
+
+
+async def test_not_live_transfer_raises_and_endpoint_survives(
+    pair: tuple[UcxRelay, UcxRelay],
+) -> None:
+    sender, receiver = pair
+    handle = await sender.put(pack(pattern(70_000, 2)), "req", "edge")
+    (await receiver.get(handle.descriptor)).release()
+    sender.cleanup("req")  # in case the release has not arrived yet
+    with pytest.raises(RelayError, match="not live"):
+        await asyncio.wait_for(receiver.get(handle.descriptor), 10)
+    again = await sender.put(pack(pattern(70_000, 3)), "req", "edge")
+    (await receiver.get(again.descriptor)).release()
+    (peer,) = receiver._peers.values()
+    assert peer.gen == 1, "a refused transfer must not cost the endpoint"
+
+
+async def test_dead_sender_fails_fetches_at_once(remote: Remote) -> None:
+    proc, info, descs = remote
+    receiver = make(fetch_timeout_s=60)
+    try:
+        receiver.set_peers([info])
+        received = await receiver.get(descs[0])
+        assert bytes(received.buffer[:3]) == b"\x07\x07\x07"
+        received.release()
+        proc.send_signal(signal.SIGSTOP)
+        pending = asyncio.create_task(receiver.get(descs[1]))  # asked, never answered
+        await asyncio.sleep(0.5)
+        proc.kill()
+        t0 = time.monotonic()
+        for fetch in (pending, receiver.get(descs[2])):
+            with pytest.raises(RelayError):
+                await asyncio.wait_for(fetch, 30)
+        assert time.monotonic() - t0 < 15, "a dead peer must not wait for the fetch timeout"
+    finally:
+        receiver.close()
+
+
+async def test_stalled_sender_times_out_then_recovers(remote: Remote) -> None:
+    proc, info, descs = remote
+    receiver = make(fetch_timeout_s=1.0)
+    try:
+        receiver.set_peers([info])
+        proc.send_signal(signal.SIGSTOP)
+        t0 = time.monotonic()
+        with pytest.raises(RelayError, match="no answer"):
+            await receiver.get(descs[1])
+        assert time.monotonic() - t0 < 10
+        proc.send_signal(signal.SIGCONT)
+        received = await asyncio.wait_for(receiver.get(descs[2]), 30)  # a fresh endpoint
+        assert len(received.buffer) == 3 << 20 and received.buffer[-1] == 7
+        received.release()
+    finally:
+        receiver.close()
+
+
+def test_created_outside_a_loop() -> None:
+    sender, receiver = make(), make()
+    infos = [sender.local_info(), receiver.local_info()]
+    for relay in (sender, receiver):
+        relay.set_peers(infos)
+
+    async def transfer(relays: tuple[Relay, Relay]) -> int:
+        handle = await relays[0].put(pack(pattern(MiB, 4)), "req", "edge")
+        received = await relays[1].get(handle.descriptor)
+        crc = zlib.crc32(received.buffer)
+        received.release()
+        return crc
+
+    want = zlib.crc32(pattern(MiB, 4).tobytes())
+    assert asyncio.run(transfer((sender, receiver))) == want
+    assert asyncio.run(transfer((sender, receiver))) == want  # a second loop takes over
+    sender.close()
+    receiver.close()
+
+
+def test_closed_relays_free_their_workers() -> None:
+    """Closing frees every UCX resource (a posted stream or AM receive would pin them)."""
+
+    async def cycle() -> None:
+        sender, receiver = make(), make()
+        infos = [sender.local_info(), receiver.local_info()]
+        for relay in (sender, receiver):
+            relay.set_peers(infos)
+        handle = await sender.put(pack(pattern(100_000, 5)), "req", "edge")
+        (await receiver.get(handle.descriptor)).release()
+        sender.close()
+        receiver.close()
+
+    def fds() -> int:
+        gc.collect()
+        return len(os.listdir("/proc/self/fd"))
+
+    asyncio.run(cycle())
+    before = fds()
+    for _ in range(5):
+        asyncio.run(cycle())
+    assert fds() <= before + 2, "file descriptors of closed relays stay open"
+
+
+def test_options_and_info() -> None:
+    with pytest.raises(RelayError, match="progress"):
+        make(progress="sometimes")
+    relay = make(host="10.1.2.3")
+    try:
+        info = msgpack.unpackb(relay.local_info())
+        assert info["host"] == "10.1.2.3" and 0 < info["port"] < 65536
+        bad = {"backend": "ucx", "id": "x-1", "host": 5, "port": "no"}
+        relay.set_peers([msgpack.packb(bad), b"\xff", relay.local_info()])
+        assert relay._peers == {}
+    finally:
+        relay.close()
