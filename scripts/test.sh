@@ -1,8 +1,21 @@
 #!/usr/bin/env bash
 # Sets up .venv and runs everything CI runs: lint, generated-code freshness, all tests.
+# Each relay backend's conformance run gets its own pytest process: nixl and ucxx each
+# bring their own UCX build, and tests need not load both into one interpreter (stage
+# processes load only the backends their edges use).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 ./scripts/setup.sh
+command -v ip >/dev/null || { apt-get install -y -q iproute2 >/dev/null 2>&1 || true; }
 .venv/bin/ruff check .
 .venv/bin/ruff format --check .
-.venv/bin/python -m pytest -q -ra "$@"
+pytest=(.venv/bin/python -m pytest -q -ra -p no:cacheprovider)
+backends=(shm nixl ucx torchdist)
+ignore=(--ignore=tests/relay_conformance)
+for backend in "${backends[@]}"; do ignore+=("--ignore=tests/unit/test_relay_$backend.py"); done
+"${pytest[@]}" "${ignore[@]}" "$@"
+for backend in "${backends[@]}"; do
+  unit=()
+  [[ -f tests/unit/test_relay_$backend.py ]] && unit=("tests/unit/test_relay_$backend.py")
+  "${pytest[@]}" tests/relay_conformance "${unit[@]}" -k "$backend"
+done
