@@ -35,7 +35,7 @@ _LEN = struct.Struct("<I")
 _MIN_TRANSFERS = 5
 _LATENCY_SAMPLES = 50
 _EDGE = "bench"
-_DATA, _STOP, _PEERS = 0, 1, 2
+_DATA, _STOP, _PEERS, _STATS = 0, 1, 2, 3
 _CONNECT_TIMEOUT_S = 120.0
 # Descriptors per frame, and payload bytes after which a frame goes out anyway (so large
 # transfers are not held back). Acks: at most this many per frame.
@@ -74,6 +74,7 @@ async def _receiver_main(sock: socket.socket, backend: str, settings: Any) -> No
     sock.sendall(_frame([relays[backend].local_info()]))
     buf = bytearray()
     acks: list[int] = []
+    gets: list[float] = []
     try:
         while True:
             # Ack when nothing more is waiting (or enough is done): every ack frame wakes
@@ -96,13 +97,21 @@ async def _receiver_main(sock: socket.socket, backend: str, settings: Any) -> No
                     await relays[backend].connect(_CONNECT_TIMEOUT_S)
                     sock.sendall(_frame([]))  # ready (an empty ack list)
                     continue
+                if kind == _STATS:
+                    # The relay's own share of a transfer: get + release, as this side saw it.
+                    get_us = statistics.median(gets) * 1e6 if gets else 0.0
+                    gets.clear()
+                    sock.sendall(_frame({"get_us": get_us}))
+                    continue
                 for raw in items:
                     pb = common_pb2.Payload.FromString(raw)
+                    t0 = time.perf_counter()
                     received = await receive_payload(pb, relays)
                     value = received.value
                     # Touch one byte so the data is really reachable from this process.
                     _ = value.numpy()[0] if hasattr(value, "numpy") else value[0]
                     received.release()
+                    gets.append(time.perf_counter() - t0)
                     acks.append(pb.relay.transfer_id)
             if len(acks) >= _ACK_EVERY:
                 sock.sendall(_frame(acks))
@@ -135,6 +144,7 @@ class _Link:
         self.flush_scheduled = False
         self.idle: asyncio.Future[None] | None = None
         self.lost: BaseException | None = None
+        self.stats: asyncio.Future[dict] | None = None
         asyncio.get_running_loop().add_reader(sock.fileno(), self.poll)
 
     def close(self) -> None:
@@ -186,6 +196,10 @@ class _Link:
             return
         self.buf += data
         for ids in _split_frames(self.buf):
+            if isinstance(ids, dict):  # the answer to a stats request
+                if self.stats is not None and not self.stats.done():
+                    self.stats.set_result(ids)
+                continue
             for tid in ids:
                 self.handles.pop(tid).release()
         if not self.handles and self.idle is not None and not self.idle.done():
@@ -200,6 +214,12 @@ class _Link:
         assert handle is not None
         self.handles[handle.descriptor.transfer_id] = handle
         self.queue(pb.SerializeToString(), pb.relay.nbytes)
+
+    async def receiver_stats(self) -> dict:
+        """The receiver's figures since the last call (and resets them)."""
+        self.stats = asyncio.get_running_loop().create_future()
+        self.write(_frame([_STATS, []]))
+        return await asyncio.wait_for(self.stats, 60)
 
     async def drained(self) -> None:
         self.flush()
@@ -339,13 +359,17 @@ async def _bench(
                     best, transfers = gbps, n
                 memcpy.measure(min(min_seconds, 0.2))
             samples = max(3, min(_LATENCY_SAMPLES, int(min_seconds * 2e9 / size)))
+            await link.receiver_stats()  # drop the throughput runs' figures
             latency = await _latency(link, relay, value, samples)
+            get_us = (await link.receiver_stats())["get_us"]
             results[str(size)] = {
                 "bytes": size,
                 "gbps": round(best, 3),
                 "memcpy_gbps": round(memcpy.best, 3),
                 "ratio": round(best / memcpy.best, 3),
                 "latency_us": round(latency, 1),
+                # Receiver-side get + release alone (no descriptor or ack hop).
+                "get_us": round(get_us, 1),
                 "transfers": transfers,
             }
             del value, memcpy
