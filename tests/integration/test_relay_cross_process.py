@@ -166,13 +166,19 @@ def test_killed_sender_leftovers_are_swept(prefix):
     assert leftovers(prefix) == []
 
 
-def test_relay_bench_smoke():
+ROW_KEYS = {"bytes", "gbps", "memcpy_gbps", "ratio", "latency_us", "get_us", "transfers"}
+
+
+@pytest.mark.parametrize("backend", ["shm", "torchdist"])
+def test_relay_bench_smoke(backend: str):
     from omnirail.bench.relay_bench import run_relay_bench
 
-    out = run_relay_bench("shm", sizes=[4096, 3 << 20], min_seconds=0.02, repeat=1)
-    assert out["backend"] == "shm"
+    out = run_relay_bench(backend, sizes=[4096, 3 << 20], min_seconds=0.02, repeat=1)
+    assert out["backend"] == backend
     assert set(out["sizes"]) == {"4096", str(3 << 20)}
     for row in out["sizes"].values():
-        assert set(row) == {"bytes", "gbps", "memcpy_gbps", "ratio", "latency_us", "transfers"}
+        assert set(row) == ROW_KEYS
         assert row["gbps"] > 0 and row["memcpy_gbps"] > 0 and row["transfers"] >= 5
+        # The receiver's own share is part of the round trip it answers.
+        assert 0 < row["get_us"] <= row["latency_us"]
     assert not [n for n in os.listdir(SHM_DIR) if n.startswith(f"omnirail-bench{os.getpid()}-")]
