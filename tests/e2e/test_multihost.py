@@ -68,7 +68,12 @@ def _pipeline(path: Path, hosts: list[Host], error_mode: str) -> None:
                 "name": "middle",
                 "factory": "tests.e2e.multihost_stages:make_middle",
                 "next": "sink",
-                "relay_to": {"sink": {"backend": "ucx", "options": cross}},
+                # UCX sees one machine and would pick shared-memory transports, whose
+                # signalling does not cross network namespaces (README): use TCP, as
+                # between real hosts.
+                "relay_to": {
+                    "sink": {"backend": "ucx", "options": {**cross, "ucx_config": {"TLS": "tcp"}}}
+                },
             },
             {
                 "name": "sink",
