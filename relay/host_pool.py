@@ -75,9 +75,6 @@ class HostPool:
         self._on_segment = on_segment
         self.closed = False
 
-    def segment(self, index: int) -> HostSegment | None:
-        return self.segments[index] if 0 <= index < len(self.segments) else None
-
     def alloc(self, nbytes: int) -> HostExtent:
         size = _round_up(max(nbytes, 1), ALIGN)
         for seg in self.segments:

@@ -38,10 +38,6 @@ class EdgeRelays:
             )
         return edges
 
-    @property
-    def default(self) -> Relay:
-        return self._default
-
     def __getitem__(self, target: str) -> EdgeRelay:
         edge = self._edges.get(target)
         if edge is None:  # a target outside the static edges: the stage's own relay
@@ -49,6 +45,3 @@ class EdgeRelays:
                 f"{self._stage}->{target}", self._default, self._inline_bytes
             )
         return edge
-
-    def backends(self) -> set[str]:
-        return {e.relay.name for e in self._edges.values()} | {self._default.name}

@@ -46,7 +46,8 @@ class BackendSpec:
     pair_settings: Callable[[Relay, RelaySettings, int], RelaySettings] | None = None
 
 
-def _with(good: Descriptor, **fields: Any) -> Descriptor:
+def with_fields(good: Descriptor, **fields: Any) -> Descriptor:
+    """A copy of `good` with `fields` changed (garbage cases derive from good descriptors)."""
     bad = Descriptor()
     bad.CopyFrom(good)
     for key, value in fields.items():
@@ -58,23 +59,30 @@ def _with(good: Descriptor, **fields: Any) -> Descriptor:
 # backend, so these only use what no backend may accept: names it never handed out,
 # path syntax, and offsets or sizes no pool can have.
 GENERIC_GARBAGE = (
-    Garbage("wrong-backend", lambda d, p: _with(d, backend="no-such-backend")),
-    Garbage("empty-backend", lambda d, p: _with(d, backend="")),
-    Garbage("unknown-region", lambda d, p: _with(d, region=f"{p}-no-such-region")),
-    Garbage("region-suffix", lambda d, p: _with(d, region=d.region + "9")),
-    Garbage("empty-region", lambda d, p: _with(d, region="")),
-    Garbage("traversal-relative", lambda d, p: _with(d, region="../../../../etc/passwd")),
-    Garbage("traversal-absolute", lambda d, p: _with(d, region="/etc/passwd")),
-    Garbage("traversal-dotdot", lambda d, p: _with(d, region="..")),
-    Garbage("traversal-dot", lambda d, p: _with(d, region=".")),
-    Garbage("traversal-inside", lambda d, p: _with(d, region=d.region + "/../../etc/hostname")),
-    Garbage("nul-in-region", lambda d, p: _with(d, region=d.region + "\x00")),
-    Garbage("huge-region-name", lambda d, p: _with(d, region="a" * 100_000)),
-    Garbage("offset-past-pool", lambda d, p: _with(d, offset=d.offset + (1 << 40))),
-    Garbage("absurd-nbytes", lambda d, p: _with(d, nbytes=1 << 62)),
-    Garbage("offset-wraps", lambda d, p: _with(d, offset=2**64 - 1, nbytes=2)),
-    Garbage("all-max", lambda d, p: _with(d, offset=2**64 - 1, nbytes=2**64 - 1)),
+    Garbage("wrong-backend", lambda d, p: with_fields(d, backend="no-such-backend")),
+    Garbage("empty-backend", lambda d, p: with_fields(d, backend="")),
+    Garbage("unknown-region", lambda d, p: with_fields(d, region=f"{p}-no-such-region")),
+    Garbage("region-suffix", lambda d, p: with_fields(d, region=d.region + "9")),
+    Garbage("empty-region", lambda d, p: with_fields(d, region="")),
+    Garbage("traversal-relative", lambda d, p: with_fields(d, region="../../../../etc/passwd")),
+    Garbage("traversal-absolute", lambda d, p: with_fields(d, region="/etc/passwd")),
+    Garbage("traversal-dotdot", lambda d, p: with_fields(d, region="..")),
+    Garbage("traversal-dot", lambda d, p: with_fields(d, region=".")),
+    Garbage(
+        "traversal-inside", lambda d, p: with_fields(d, region=d.region + "/../../etc/hostname")
+    ),
+    Garbage("nul-in-region", lambda d, p: with_fields(d, region=d.region + "\x00")),
+    Garbage("huge-region-name", lambda d, p: with_fields(d, region="a" * 100_000)),
+    Garbage("offset-past-pool", lambda d, p: with_fields(d, offset=d.offset + (1 << 40))),
+    Garbage("absurd-nbytes", lambda d, p: with_fields(d, nbytes=1 << 62)),
+    Garbage("offset-wraps", lambda d, p: with_fields(d, offset=2**64 - 1, nbytes=2)),
+    Garbage("all-max", lambda d, p: with_fields(d, offset=2**64 - 1, nbytes=2**64 - 1)),
 )
+
+
+def pool_footprint(relay: Relay) -> int:
+    """Pool bytes of a receiver-pulled relay (`relay.pull.PullRelay`)."""
+    return relay.pool.nbytes  # type: ignore[attr-defined]
 
 
 # ----------------------------------------------------------------------------- shm
@@ -99,7 +107,7 @@ def _shm_sweep(prefix: str) -> int:
 def _shm_marks_region(d: Descriptor, prefix: str) -> Descriptor:
     from relay.shm_pool import marks_name
 
-    return _with(d, region=marks_name(d.region), offset=0, nbytes=8)
+    return with_fields(d, region=marks_name(d.region), offset=0, nbytes=8)
 
 
 SHM = BackendSpec(
@@ -109,7 +117,7 @@ SHM = BackendSpec(
     sweep=_shm_sweep,
     garbage=(
         # shm returns credit through the transfer id's release slot; slot 0 names none.
-        Garbage("no-release-slot", lambda d, p: _with(d, transfer_id=0)),
+        Garbage("no-release-slot", lambda d, p: with_fields(d, transfer_id=0)),
         Garbage("marks-segment-as-region", _shm_marks_region),
     ),
 )

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from relay.base import Relay, RelaySettings
-from tests.relay_conformance.backends import BackendSpec
+from tests.relay_conformance.backends import BackendSpec, pool_footprint
 
 
 def _pair(first: Relay, settings: RelaySettings, index: int) -> RelaySettings:
@@ -11,10 +11,6 @@ def _pair(first: Relay, settings: RelaySettings, index: int) -> RelaySettings:
     from relay.torchdist import pair_settings
 
     return pair_settings(first, settings, index)
-
-
-def _footprint(relay: Relay) -> int:
-    return sum(seg.size for seg in relay.pool.segments)  # type: ignore[attr-defined]
 
 
 TORCHDIST = BackendSpec(
@@ -30,6 +26,6 @@ TORCHDIST = BackendSpec(
         "timeout_s": 30.0,
         "fetch_timeout_s": 20.0,
     },
-    footprint=_footprint,
+    footprint=pool_footprint,
     pair_settings=_pair,
 )
