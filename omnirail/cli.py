@@ -197,7 +197,8 @@ def cmd_run(args: argparse.Namespace) -> int:
         with Client(mesh.address) as client:
             started = time.perf_counter()
             if args.stream:
-                result = _print_stream(client.stream(inputs, timeout=args.timeout), started)
+                events = client.stream(inputs, timeout=args.timeout)
+                result = _print_stream(events, started, args)
             else:
                 result = client.generate(inputs, timeout=args.timeout)
             elapsed = time.perf_counter() - started
@@ -218,29 +219,31 @@ def cmd_generate(args: argparse.Namespace) -> int:
             "traceparent": args.traceparent,
         }
         if args.stream:
-            result = _print_stream(client.stream(inputs, **options), time.perf_counter())
+            result = _print_stream(client.stream(inputs, **options), time.perf_counter(), args)
         else:
             result = client.generate(inputs, **options)
     print(dumps(result.outputs))
     return 0
 
 
-def _print_stream(events: Iterator[Any], started: float) -> Any:
-    """Prints each chunk as one JSON line as it arrives; returns the final result."""
+def _print_stream(events: Iterator[Any], started: float, args: argparse.Namespace) -> Any:
+    """Shows chunks as they arrive (see omnirail/stream_render.py); returns the result."""
     from omnirail.client import Chunk
-    from omnirail.jsonio import to_jsonable
+    from omnirail.stream_render import StreamRenderer
 
-    for event in events:
-        if not isinstance(event, Chunk):
+    render = StreamRenderer(started, audio_out=args.audio_out, jsonl=args.jsonl)
+    try:
+        for event in events:
+            if isinstance(event, Chunk):
+                render.chunk(event)
+                continue
+            render.close()
+            if not getattr(args, "quiet", False):
+                summary = render.summary(time.perf_counter() - started)
+                print(f"[omnirail] {summary}", file=sys.stderr, flush=True)
             return event
-        line = {
-            "t_ms": round((time.perf_counter() - started) * 1000, 1),
-            "stage": event.stage,
-            "chunk_id": event.chunk_id,
-            "modality": event.modality,
-            "data": to_jsonable(event.data),
-        }
-        print(json.dumps(line), flush=True)
+    finally:
+        render.close()
     raise OmniError(Code.INTERNAL, "the stream ended without a result")
 
 
@@ -394,7 +397,18 @@ def build_parser() -> argparse.ArgumentParser:
         sp.add_argument("--input-file", default=None, help="file holding the JSON object")
         sp.add_argument("--timeout", type=float, default=None, help="seconds")
         sp.add_argument(
-            "--stream", action="store_true", help="print stream chunks as JSON lines as they come"
+            "--stream",
+            action="store_true",
+            help="show stream chunks as they come: text inline, audio into a WAV file",
+        )
+        sp.add_argument(
+            "--audio-out",
+            default=None,
+            metavar="PATH",
+            help="with --stream: the WAV file for audio chunks (default omnirail-<id>.wav)",
+        )
+        sp.add_argument(
+            "--jsonl", action="store_true", help="with --stream: every chunk as one JSON line"
         )
 
     r = sub.add_parser("run", help="start the mesh, run one request, print the result, stop")

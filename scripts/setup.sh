@@ -5,4 +5,4 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 python3 -m venv .venv
 .venv/bin/pip install --quiet --upgrade pip
-.venv/bin/pip install --quiet -c constraints.txt -e '.[dev,nixl,ucx]'
+.venv/bin/pip install --quiet -c constraints.txt -e '.[dev,nixl,ucx,hf]'

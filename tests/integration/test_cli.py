@@ -178,6 +178,7 @@ def test_run_streaming_example_prints_chunks_as_they_come() -> None:
         "--input",
         '{"text": "stream me"}',
         "--stream",
+        "--jsonl",
         "--quiet",
     )
     assert proc.returncode == 0, explain(proc)

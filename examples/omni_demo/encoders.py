@@ -1,0 +1,113 @@
+"""`image_encoder`, `audio_encoder` and `mm_aggregate` (toy models, seeded weights).
+
+Each encoder turns its modality into a short sequence of embeddings in the thinker's
+width; `mm_aggregate` waits for exactly the encoders a request used (`wait_for_fn`) and
+lays out the thinker's prompt: `<image>` embeddings, `<audio>` embeddings, then text.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import torch
+from torch import nn
+
+from examples.omni_demo.thinker import DIM
+
+
+def _seeded(module: nn.Module, seed: int, scale: float = 0.1) -> nn.Module:
+    gen = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for p in module.parameters():
+            p.copy_(torch.randn(p.shape, generator=gen) * scale)
+    return module.eval()
+
+
+def create_image_encoder(tokens: int = 16, seed: int = 11) -> Callable[[Any], Any]:
+    """Patches → an MLP per patch → pooled to `tokens` embeddings (a 4x4 grid by default)."""
+    side = int(tokens**0.5)
+    if side * side != tokens:
+        raise ValueError(f"tokens must be a square number, got {tokens}")
+    mlp = _seeded(nn.Sequential(nn.Linear(192, 128), nn.GELU(), nn.Linear(128, DIM)), seed)
+
+    def encode(payload: dict[str, Any]) -> dict[str, Any]:
+        patches = payload["patches"]
+        grid = int(patches.shape[0] ** 0.5)
+        with torch.inference_mode():
+            feats = mlp(patches)  # P x DIM
+            feats = feats.T.reshape(1, DIM, grid, grid)
+            pooled = nn.functional.adaptive_avg_pool2d(feats, side)
+        return {"image_embeds": pooled.reshape(DIM, tokens).T.contiguous()}
+
+    return encode
+
+
+def create_audio_encoder(stride: int = 4, seed: int = 12) -> Callable[[Any], Any]:
+    """Frames → two strided 1-D convolutions: one embedding per `stride` frames (40 ms)."""
+    convs = _seeded(
+        nn.Sequential(
+            nn.Conv1d(64, 128, 3, stride=2, padding=1),
+            nn.GELU(),
+            nn.Conv1d(128, DIM, 3, stride=stride // 2, padding=1),
+        ),
+        seed,
+    )
+
+    def encode(payload: dict[str, Any]) -> dict[str, Any]:
+        with torch.inference_mode():
+            out = convs(payload["frames"].T[None])  # 1 x DIM x T/stride
+        return {"audio_embeds": out[0].T.contiguous()}
+
+    return encode
+
+
+# ---- mm_aggregate -------------------------------------------------------------------
+
+
+def wait_for(request_id: str, from_stage: str, payload: Any) -> list[str] | None:
+    """The encoders to wait for, known once preprocessing's payload is in."""
+    if from_stage != "preprocessing":
+        return None
+    active = ["preprocessing"]
+    if payload["has_image"]:
+        active.append("image_encoder")
+    if payload["has_audio"]:
+        active.append("audio_encoder")
+    return active
+
+
+def merge_for_thinker(arrived: dict[str, Any]) -> dict[str, Any]:
+    merged = dict(arrived["preprocessing"])
+    for part in ("image_encoder", "audio_encoder"):
+        if part in arrived:
+            merged.update(arrived[part])
+    return merged
+
+
+def create_mm_aggregate(seed: int = 13) -> Callable[[Any], Any]:
+    """Projects each modality's embeddings into the thinker's input space (the "merger")."""
+    proj = {
+        "image_embeds": _seeded(nn.Linear(DIM, DIM), seed),
+        "audio_embeds": _seeded(nn.Linear(DIM, DIM), seed + 1),
+    }
+
+    def aggregate(payload: dict[str, Any]) -> dict[str, Any]:
+        parts = []
+        with torch.inference_mode():
+            for key, layer in proj.items():
+                if key in payload:
+                    parts.append(layer(payload[key]))
+        mm = torch.cat(parts) if parts else torch.zeros(0, DIM)
+        return {
+            "text": payload["text"],
+            "tokens": payload["tokens"],
+            "mm_embeds": mm.contiguous(),
+            "mm_layout": {
+                "image": int(payload["image_embeds"].shape[0]) if "image_embeds" in payload else 0,
+                "audio": int(payload["audio_embeds"].shape[0]) if "audio_embeds" in payload else 0,
+            },
+            "options": payload["options"],
+        }
+
+    return aggregate
