@@ -91,14 +91,14 @@ def build_request(
     )
 
 
-def parse_result(result: client_pb2.Result) -> GenerateResult:
-    return GenerateResult(
-        result.request_id, {stage: decode_inline(p) for stage, p in result.outputs.items()}
-    )
+def parse_result(result: client_pb2.Result, numpy: bool = False) -> GenerateResult:
+    outputs = {s: decode_inline(p, numpy_only=numpy) for s, p in result.outputs.items()}
+    return GenerateResult(result.request_id, outputs)
 
 
-def parse_chunk(request_id: str, chunk: client_pb2.Chunk) -> Chunk:
-    return Chunk(request_id, chunk.stage, chunk.chunk_id, chunk.modality, decode_inline(chunk.data))
+def parse_chunk(request_id: str, chunk: client_pb2.Chunk, numpy: bool = False) -> Chunk:
+    data = decode_inline(chunk.data, numpy_only=numpy)
+    return Chunk(request_id, chunk.stage, chunk.chunk_id, chunk.modality, data)
 
 
 def is_stream_end(event: client_pb2.SessionEvent | OmniError) -> bool:
@@ -124,22 +124,24 @@ def _remaining(deadline: float | None) -> float | None:
     return None if deadline is None else max(0.0, deadline - time.monotonic())
 
 
-def stream_event(request_id: str, event: client_pb2.SessionEvent | OmniError) -> StreamEvent:
+def stream_event(
+    request_id: str, event: client_pb2.SessionEvent | OmniError, numpy: bool = False
+) -> StreamEvent:
     """A chunk or the final result of a streaming request; raises for its error."""
     if isinstance(event, OmniError):
         raise event
     if event.HasField("chunk"):
-        return parse_chunk(request_id, event.chunk)
-    return event_result(event)
+        return parse_chunk(request_id, event.chunk, numpy)
+    return event_result(event, numpy)
 
 
-def parse_status(status: client_pb2.RequestStatus) -> RequestStatus:
+def parse_status(status: client_pb2.RequestStatus, numpy: bool = False) -> RequestStatus:
     state = common_pb2.RequestState.Name(status.state).lower()
     return RequestStatus(
         request_id=status.request_id,
         state=state,
         elapsed_s=status.elapsed_s,
-        result=parse_result(status.result) if status.HasField("result") else None,
+        result=parse_result(status.result, numpy) if status.HasField("result") else None,
         error=OmniError.from_proto(status.error) if status.HasField("error") else None,
     )
 
@@ -153,24 +155,41 @@ def rpc_error(err: grpc.RpcError) -> OmniError:
     return error
 
 
-def event_result(event: client_pb2.SessionEvent) -> GenerateResult:
+def event_result(event: client_pb2.SessionEvent, numpy: bool = False) -> GenerateResult:
     if event.HasField("error"):
         raise OmniError.from_proto(event.error)
-    return parse_result(event.result)
+    return parse_result(event.result, numpy)
 
 
 def _deadline(timeout: float | None) -> float | None:
     return None if timeout is None else timeout + _DEADLINE_SLACK_S
 
 
+def _numpy_only(tensors: str) -> bool:
+    if tensors not in ("auto", "numpy"):
+        raise ValueError(f"tensors must be 'auto' or 'numpy', not {tensors!r}")
+    return tensors == "numpy"
+
+
 class Client:
-    """Blocking client. `address` is ``unix:///path`` or ``host:port``."""
+    """Blocking client. `address` is ``unix:///path`` or ``host:port``.
+
+    `tensors="auto"` returns tensors as the stage sent them (torch tensors when torch is
+    installed, imported on the first one); `"numpy"` returns numpy arrays only and never
+    imports torch (what the CLI does: importing torch mid-stream takes seconds).
+    """
 
     def __init__(
-        self, address: str, *, timeout: float | None = None, max_message_mb: int = 64
+        self,
+        address: str,
+        *,
+        timeout: float | None = None,
+        max_message_mb: int = 64,
+        tensors: str = "auto",
     ) -> None:
         self.address = address
         self.timeout = timeout
+        self._numpy = _numpy_only(tensors)
         self._channel = grpc.insecure_channel(
             address, options=channel_options(max_message_mb << 20)
         )
@@ -224,7 +243,7 @@ class Client:
             if not future.done():  # interrupted: nobody will wait for it any more
                 session.abort(request.request_id, "the client stopped waiting")
             raise
-        return event_result(event)
+        return event_result(event, self._numpy)
 
     def stream(
         self,
@@ -256,7 +275,7 @@ class Client:
                         Code.DEADLINE_EXCEEDED, f"no answer within {timeout}s"
                     ) from None
                 ended = is_stream_end(event)
-                yield stream_event(rid, event)
+                yield stream_event(rid, event, self._numpy)
         except BaseException as exc:
             error = exc
             raise
@@ -287,11 +306,12 @@ class Client:
             status = self._stub.Wait(client_pb2.RequestRef(request_id=request_id), timeout=timeout)
         except grpc.RpcError as err:
             raise rpc_error(err) from None
-        return parse_status(status)
+        return parse_status(status, self._numpy)
 
     def status(self, request_id: str) -> RequestStatus:
         try:
-            return parse_status(self._stub.GetRequest(client_pb2.RequestRef(request_id=request_id)))
+            status = self._stub.GetRequest(client_pb2.RequestRef(request_id=request_id))
+            return parse_status(status, self._numpy)
         except grpc.RpcError as err:
             raise rpc_error(err) from None
 
@@ -333,10 +353,16 @@ class AsyncClient:
     """asyncio client; the same calls as `Client`, awaited."""
 
     def __init__(
-        self, address: str, *, timeout: float | None = None, max_message_mb: int = 64
+        self,
+        address: str,
+        *,
+        timeout: float | None = None,
+        max_message_mb: int = 64,
+        tensors: str = "auto",
     ) -> None:
         self.address = address
         self.timeout = timeout
+        self._numpy = _numpy_only(tensors)
         self._channel = grpc.aio.insecure_channel(
             address, options=channel_options(max_message_mb << 20)
         )
@@ -388,7 +414,7 @@ class AsyncClient:
         except asyncio.CancelledError:
             session.abort(request.request_id, "the caller cancelled")
             raise
-        return event_result(event)
+        return event_result(event, self._numpy)
 
     async def stream(
         self,
@@ -418,7 +444,7 @@ class AsyncClient:
                         Code.DEADLINE_EXCEEDED, f"no answer within {timeout}s"
                     ) from None
                 ended = is_stream_end(event)
-                yield stream_event(rid, event)
+                yield stream_event(rid, event, self._numpy)
         except BaseException as exc:
             error = exc
             raise
@@ -450,13 +476,12 @@ class AsyncClient:
             )
         except grpc.RpcError as err:
             raise rpc_error(err) from None
-        return parse_status(status)
+        return parse_status(status, self._numpy)
 
     async def status(self, request_id: str) -> RequestStatus:
         try:
-            return parse_status(
-                await self._stub.GetRequest(client_pb2.RequestRef(request_id=request_id))
-            )
+            status = await self._stub.GetRequest(client_pb2.RequestRef(request_id=request_id))
+            return parse_status(status, self._numpy)
         except grpc.RpcError as err:
             raise rpc_error(err) from None
 

@@ -355,9 +355,10 @@ def pack(obj: Any, *, align: int = 64) -> Packed:
 
 
 class _Decoder:
-    def __init__(self, buf: memoryview, copy: bool) -> None:
+    def __init__(self, buf: memoryview, copy: bool, numpy_only: bool = False) -> None:
         self.buf = buf
         self.copy = copy
+        self.numpy_only = numpy_only
         self.ext_depth = 0
 
     def load(self, data: bytes) -> Any:
@@ -429,7 +430,7 @@ class _Decoder:
             arr = arr.copy()
         elif arr.flags.writeable:
             arr.flags.writeable = False
-        if kind == "numpy":
+        if kind == "numpy" or self.numpy_only:
             return arr
         torch = _torch()
         if torch is None:
@@ -460,17 +461,25 @@ def _check_tree(obj: Any, depth: int) -> None:
                 raise PayloadError(f"unexpected value of type {type(v).__name__}")
 
 
-def unpack(header: bytes, buffer: bytes | memoryview | None, *, copy: bool = False) -> Any:
+def unpack(
+    header: bytes,
+    buffer: bytes | memoryview | None,
+    *,
+    copy: bool = False,
+    numpy_only: bool = False,
+) -> Any:
     """Rebuilds the value `pack` encoded.
 
     copy=False: tensors are zero-copy read-only views into `buffer` (which they keep alive);
     writing to them is undefined behaviour. copy=True: owned, writable copies.
+    numpy_only: torch tensors come back as numpy arrays too, and torch is never imported
+    (bfloat16 as uint16 holding the raw bits).
     """
     try:
         buf = memoryview(buffer if buffer is not None else b"")
         if buf.ndim != 1 or buf.itemsize != 1:
             buf = buf.cast("B")
-        envelope = _Decoder(buf, copy).load(header)
+        envelope = _Decoder(buf, copy, numpy_only).load(header)
         if type(envelope) is not list or len(envelope) != 3 or envelope[0] != _VERSION:
             raise PayloadError("header is not an omnirail payload header (version 1)")
         _, nbytes, tree = envelope
@@ -498,10 +507,10 @@ def encode_inline(value: Any) -> common_pb2.Payload:
     return common_pb2.Payload(header=packed.header, inline_data=packed.to_bytes())
 
 
-def decode_inline(pb: common_pb2.Payload, copy: bool = True) -> Any:
+def decode_inline(pb: common_pb2.Payload, copy: bool = True, numpy_only: bool = False) -> Any:
     """Decodes an inline Payload; raises PayloadError when it names a relay."""
     if pb.WhichOneof("body") == "relay":
         raise PayloadError(
             f"payload uses relay backend {pb.relay.backend!r}; only inline payloads decode here"
         )
-    return unpack(pb.header, pb.inline_data, copy=copy)
+    return unpack(pb.header, pb.inline_data, copy=copy, numpy_only=numpy_only)

@@ -457,3 +457,18 @@ def test_zero_copy_torch_views_do_not_warn():
         for _ in range(3):
             unpack(packed.header, data)
     assert not [w for w in caught if "not writable" in str(w.message)]
+
+
+def test_numpy_only_decodes_torch_tensors_as_numpy() -> None:
+    packed = pack({"t": torch.arange(6, dtype=torch.float32).reshape(2, 3), "n": np.ones(2)})
+    out = unpack(packed.header, packed.to_bytes(), numpy_only=True)
+    assert type(out["t"]) is np.ndarray and out["t"].shape == (2, 3)
+    np.testing.assert_array_equal(out["t"], np.arange(6, dtype=np.float32).reshape(2, 3))
+    assert type(unpack(packed.header, packed.to_bytes())["t"]) is torch.Tensor
+
+
+def test_client_tensors_option_is_checked() -> None:
+    from omnirail.client import Client
+
+    with pytest.raises(ValueError, match="tensors must be 'auto' or 'numpy'"):
+        Client("localhost:1", tensors="torch")
