@@ -194,7 +194,7 @@ def cmd_run(args: argparse.Namespace) -> int:
         args.file, transport="tcp" if args.tcp else None, progress=_progress(args.quiet)
     ) as mesh:
         assert mesh.address is not None
-        with Client(mesh.address) as client:
+        with Client(mesh.address, tensors="numpy") as client:
             started = time.perf_counter()
             if args.stream:
                 events = client.stream(inputs, timeout=args.timeout)
@@ -212,7 +212,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
     from omnirail.jsonio import dumps
 
     inputs = _read_inputs(args)
-    with Client(args.address) as client:
+    with Client(args.address, tensors="numpy") as client:
         options = {
             "request_id": args.request_id,
             "timeout": args.timeout,
@@ -288,6 +288,37 @@ def cmd_stage(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_compose(args: argparse.Namespace) -> int:
+    from omnirail.compose import (
+        ComposeOptions,
+        EdgeRelay,
+        default_build_context,
+        generate,
+        write_bundle,
+    )
+
+    if args.build_context is None:
+        context = default_build_context()
+    else:
+        context = None if args.build_context == "none" else Path(args.build_context).resolve()
+    options = ComposeOptions(
+        image=args.image,
+        jaeger_image=args.jaeger_image,
+        prometheus_image=args.prometheus_image,
+        coordinator_port=args.coordinator_port,
+        depends_condition=args.depends_condition,
+        edge_relays=tuple(EdgeRelay.parse(e) for e in args.edge_relay),
+        build_context=context,
+        resolve=not args.no_resolve,
+    )
+    bundle = generate(args.file, Path(args.output) if args.output else None, options)
+    for path in write_bundle(bundle):
+        print(f"[omnirail] wrote {path}", file=sys.stderr)
+    if bundle.output is None:
+        sys.stdout.write(bundle.text)
+    return 0
+
+
 def cmd_trace(args: argparse.Namespace) -> int:
     from omnirail.launcher import read_states
     from omnirail.telemetry.waterfall import run_trace
@@ -334,6 +365,17 @@ def cmd_bench(args: argparse.Namespace) -> int:
             receiver_options=_parse_options(args.receiver_option),
             receiver_wrap=shlex.split(args.receiver_wrap or ""),
         )
+    elif args.what == "demo":
+        from omnirail.bench.demo_bench import run_demo_bench
+
+        report = run_demo_bench(
+            address=args.address,
+            pipeline=args.pipeline,
+            inputs=_read_inputs(args) if (args.input or args.input_file) else None,
+            runs=args.runs,
+            concurrency=1 if args.concurrency is None else args.concurrency,
+            progress=_progress(args.json),
+        )
     elif args.what == "streaming":
         from omnirail.bench.streaming_bench import run_streaming_bench
 
@@ -350,13 +392,31 @@ def cmd_bench(args: argparse.Namespace) -> int:
             stages=args.stages,
             payload_bytes=args.payload_bytes,
             requests=args.requests,
-            concurrency=args.concurrency,
+            concurrency=64 if args.concurrency is None else args.concurrency,
             throughput_requests=args.throughput_requests,
             stage_ms=args.stage_ms,
             tracing=args.tracing,
             progress=_progress(args.json),
         )
     print(json.dumps(report, indent=None if args.json else 2))
+    return 0
+
+
+def cmd_health(args: argparse.Namespace) -> int:
+    from omnirail.health_check import (
+        HealthCheckError,
+        check_health,
+        default_address,
+        default_service,
+    )
+
+    address = args.address or default_address()
+    service = default_service() if args.service is None else args.service
+    try:
+        check_health(address, service, timeout=args.timeout)
+    except HealthCheckError as exc:
+        print(f"unhealthy: {exc}", file=sys.stderr)
+        return 1
     return 0
 
 
@@ -456,6 +516,46 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--metrics-host", default=None, help="default: the pipeline's metrics.host")
     s.set_defaults(fn=cmd_stage)
 
+    from omnirail import compose as _compose
+
+    k = sub.add_parser("compose", help="write a docker compose deployment of a pipeline")
+    k.add_argument("file", help="pipeline YAML (or .py)")
+    k.add_argument("-o", "--output", default=None, help="compose file (default: stdout)")
+    k.add_argument(
+        "--edge-relay",
+        action="append",
+        default=[],
+        metavar="SRC->DST=BACKEND",
+        help="send this edge over BACKEND (e.g. ucx) in a derived pipeline, repeatable",
+    )
+    k.add_argument(
+        "--coordinator-port",
+        type=int,
+        default=_compose.GRPC_PORT,
+        help="host port the coordinator is published on (default: %(default)s)",
+    )
+    for name, image in [
+        ("image", _compose.IMAGE),
+        ("jaeger-image", _compose.JAEGER_IMAGE),
+        ("prometheus-image", _compose.PROMETHEUS_IMAGE),
+    ]:
+        k.add_argument(f"--{name}", default=image, help="default: %(default)s")
+    k.add_argument(
+        "--depends-condition",
+        choices=["service_started", "service_healthy"],
+        default="service_started",
+        help="what stages wait for of the coordinator (they retry attaching anyway)",
+    )
+    k.add_argument(
+        "--build-context",
+        default=None,
+        help="directory with the Dockerfile, or 'none' (default: this checkout, if it has one)",
+    )
+    k.add_argument(
+        "--no-resolve", action="store_true", help="do not import factories while validating"
+    )
+    k.set_defaults(fn=cmd_compose)
+
     t = sub.add_parser("trace", help="print a request's span waterfall from a local mesh")
     t.add_argument("request_id")
     t.add_argument("--name", default=None, help="mesh name (default: every running mesh)")
@@ -465,8 +565,22 @@ def build_parser() -> argparse.ArgumentParser:
     t.add_argument("--json", action="store_true", help="one JSON list of spans")
     t.set_defaults(fn=cmd_trace)
 
+    h = sub.add_parser("health", help="exit 0 if a server's grpc.health.v1 says SERVING, else 1")
+    h.add_argument(
+        "--address",
+        default=None,
+        help="host:port or unix:///path (default: $OMNIRAIL_HEALTH_ADDRESS or localhost:50051)",
+    )
+    h.add_argument(
+        "--service",
+        default=None,
+        help="e.g. omnirail.v1.Omnirail (default: $OMNIRAIL_HEALTH_SERVICE or the whole server)",
+    )
+    h.add_argument("--timeout", type=float, default=5.0, help="seconds")
+    h.set_defaults(fn=cmd_health)
+
     b = sub.add_parser("bench", help="benchmarks (JSON output)")
-    b.add_argument("what", choices=["pipeline", "relay", "streaming"])
+    b.add_argument("what", choices=["pipeline", "relay", "streaming", "demo"])
     b.add_argument("--json", action="store_true", help="one line of JSON, no progress")
     b.add_argument("--backend", default="shm")
     b.add_argument("--sizes", default=None, help="relay: comma-separated byte sizes")
@@ -492,7 +606,12 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--stages", type=int, default=3)
     b.add_argument("--payload-bytes", type=int, default=0)
     b.add_argument("--requests", type=int, default=300, help="sequential latency requests")
-    b.add_argument("--concurrency", type=int, default=64)
+    b.add_argument(
+        "--concurrency",
+        type=int,
+        default=None,
+        help="pipeline: requests in flight (default 64); demo: streams at once (default 1)",
+    )
     b.add_argument("--throughput-requests", type=int, default=2048)
     b.add_argument(
         "--stage-ms",
@@ -504,7 +623,11 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument(
         "--interval-ms", type=float, default=10.0, help="streaming: producer time per chunk"
     )
-    b.add_argument("--runs", type=int, default=5, help="streaming: timed requests")
+    b.add_argument("--runs", type=int, default=5, help="streaming, demo: timed requests")
+    b.add_argument("--address", default=None, help="demo: a running mesh (default: start one)")
+    b.add_argument("--pipeline", default=None, help="demo: pipeline file (default: omni demo)")
+    b.add_argument("--input", default=None, help="demo: JSON object of inputs")
+    b.add_argument("--input-file", default=None, help="demo: file holding the JSON object")
     b.add_argument(
         "--tracing",
         choices=["off", "on", "compare"],

@@ -34,7 +34,8 @@ def main() -> None:
         t = np.arange(16000) / 16000
         inputs["audio"] = (0.3 * np.sin(2 * np.pi * 330 * t)).astype(np.float32)
 
-    with Client(args.address, timeout=120) as client, WavSink(args.wav) as wav:
+    # tensors="numpy": audio arrives as numpy arrays, and torch is never imported here.
+    with Client(args.address, timeout=120, tensors="numpy") as client, WavSink(args.wav) as wav:
         for event in client.stream(inputs):
             if isinstance(event, Chunk) and event.modality == "text":
                 print(event.data, end="", flush=True)

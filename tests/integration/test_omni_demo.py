@@ -283,3 +283,34 @@ def test_hugging_face_thinker_from_a_local_directory(tmp_path: Path) -> None:
     assert text == again.outputs["decode"]["text"]  # the seed decides
     pcm = np.concatenate([np.asarray(c.data["pcm"]) for c in chunks["audio"]])
     assert pcm.size == result.outputs["code2wav"]["samples"] == tokens * 4 * 320
+
+
+def test_bench_demo_against_a_running_mesh(demo: Mesh) -> None:
+    proc = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "omnirail",
+            "bench",
+            "demo",
+            "--address",
+            demo.address or "",
+            "--runs",
+            "2",
+            "--concurrency",
+            "2",
+            "--input",
+            '{"text": "bench", "max_new_tokens": 6}',
+            "--json",
+        ],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert proc.returncode == 0, proc.stderr
+    report = __import__("json").loads(proc.stdout)
+    assert report["concurrency"] == 2 and len(report["rtf_runs"]) == 4
+    assert report["audio_s"] == 6 * 4 * 0.02  # 6 tokens, 4 frames of 20 ms each
+    assert 0 < report["ttft_ms"] and 0 < report["ttfa_ms"] < report["total_ms"]
+    assert report["rtf"] == pytest.approx(report["total_ms"] / 1000 / report["audio_s"], rel=0.5)

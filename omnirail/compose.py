@@ -1,0 +1,294 @@
+"""`omnirail compose`: a docker compose deployment of any pipeline.
+
+One service per stage process (and replica), the coordinator, Jaeger (every service's
+spans over OTLP) and Prometheus (every service's /metrics). Services joined by `shm` edges
+share an IPC namespace; `--edge-relay SRC->DST=BACKEND` moves edges onto a cross-container
+backend in a derived pipeline file so they need not. Everything is checked and built in
+memory (`generate`) before anything is written (`write_bundle`); the output is the same for
+the same inputs. Pure config work: importable without torch.
+"""
+
+from __future__ import annotations
+
+import os
+import shlex
+from dataclasses import dataclass, field, replace
+from pathlib import Path
+from typing import Any, Literal
+
+import yaml
+
+from omnirail.compose_edges import EdgeRelay, derive_pipeline
+from omnirail.compose_groups import (
+    ComposeError,
+    IpcGroup,
+    StageService,
+    ipc_groups,
+    plan_services,
+)
+from omnirail.config import load_pipeline
+
+__all__ = [
+    "ComposeBundle",
+    "ComposeError",
+    "ComposeOptions",
+    "EdgeRelay",
+    "default_build_context",
+    "generate",
+    "write_bundle",
+]
+
+IMAGE = "omnirail:latest"
+JAEGER_IMAGE = "jaegertracing/all-in-one:1.62.0"
+PROMETHEUS_IMAGE = "prom/prometheus:v2.55.1"
+GRPC_PORT = 50051  # every omnirail service, in its own container (the image's HEALTHCHECK)
+METRICS_PORT = 9464
+PIPELINE_MOUNT = "/pipeline"
+DependsCondition = Literal["service_started", "service_healthy"]
+
+
+@dataclass(frozen=True)
+class ComposeOptions:
+    image: str = IMAGE
+    jaeger_image: str = JAEGER_IMAGE
+    prometheus_image: str = PROMETHEUS_IMAGE
+    coordinator_port: int = GRPC_PORT  # published on the host
+    depends_condition: DependsCondition = "service_started"
+    edge_relays: tuple[EdgeRelay, ...] = ()
+    # Directory holding the Dockerfile; None: no service builds, the image must exist.
+    build_context: Path | None = None
+    # Import factories and hooks while validating (off where the models' deps are missing).
+    resolve: bool = True
+
+
+@dataclass
+class ComposeBundle:
+    compose: dict[str, Any]
+    text: str  # the compose file, header comment included
+    output: Path | None  # None: stdout
+    side_files: dict[Path, str] = field(default_factory=dict)  # written before the output
+
+
+def default_build_context() -> Path | None:
+    """This checkout's root when it holds the Dockerfile (not so for an installed wheel)."""
+    root = Path(__file__).resolve().parents[1]
+    return root if (root / "Dockerfile").is_file() else None
+
+
+def generate(
+    pipeline: str | os.PathLike[str], output: Path | None, options: ComposeOptions
+) -> ComposeBundle:
+    """Checks everything and builds the compose file and its side files; writes nothing."""
+    source = Path(pipeline)
+    _check_request(output, options)
+    # Relative bind sources in a compose file start at its directory.
+    base = Path.cwd() if output is None else output.resolve().parent
+    cfg = load_pipeline(source, resolve=options.resolve)
+    services = plan_services(cfg)
+    pipeline_dir = source.resolve().parent
+    paths = _Paths(
+        base,
+        pipeline_dir,
+        pipeline_file=source.resolve(),
+        prometheus_file=pipeline_dir / f"{source.stem}.prometheus.yml",
+    )
+    side_files = {paths.prometheus_file: _prometheus_config(services)}
+    derived = derive_pipeline(cfg, source, options.edge_relays, options.resolve)
+    if derived is not None:
+        cfg, text = derived
+        paths = replace(paths, pipeline_file=pipeline_dir / f"{source.stem}.compose.yaml")
+        side_files[paths.pipeline_file] = text
+    clash = {source.resolve(), output.resolve() if output else None} & set(side_files)
+    if clash:
+        raise ComposeError(f"{clash.pop()}: would be overwritten by a generated side file")
+    doc = _compose_doc(services, ipc_groups(cfg, services), paths, options)
+    header = _header(source, output, options, base)
+    text = header + yaml.safe_dump(doc, sort_keys=False, default_flow_style=False, width=100)
+    return ComposeBundle(doc, text, output, side_files)
+
+
+def _check_request(output: Path | None, options: ComposeOptions) -> None:
+    """Flag problems, found before the pipeline is even loaded."""
+    if output is not None and not output.resolve().parent.is_dir():
+        raise ComposeError(f"-o {output}: directory {output.parent} does not exist")
+    if output is not None and output.is_dir():
+        raise ComposeError(f"-o {output}: is a directory; name the compose file")
+    if options.depends_condition not in ("service_started", "service_healthy"):
+        raise ComposeError(f"--depends-condition {options.depends_condition!r}: not supported")
+    if not 0 < options.coordinator_port < 65536:
+        raise ComposeError(f"--coordinator-port {options.coordinator_port}: not in 1-65535")
+    if options.build_context is not None and not options.build_context.is_dir():
+        raise ComposeError(f"--build-context {options.build_context}: not a directory")
+
+
+def write_bundle(bundle: ComposeBundle) -> list[Path]:
+    """Writes the side files, then the compose file (unless it goes to stdout)."""
+    files = dict(bundle.side_files)
+    if bundle.output is not None:
+        files[bundle.output] = bundle.text
+    for path, text in files.items():
+        try:
+            path.write_text(text, encoding="utf-8")
+        except OSError as exc:
+            raise ComposeError(f"cannot write {path}: {exc.strerror or exc}") from None
+    return list(files)
+
+
+# -- the compose document -------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class _Paths:
+    base: Path  # the compose file's directory: relative bind sources start here
+    pipeline_dir: Path
+    pipeline_file: Path
+    prometheus_file: Path
+
+    def rel(self, path: Path) -> str:
+        rel = os.path.relpath(path, self.base)
+        # Compose reads a bare name as a named volume; "./" makes it a path.
+        return rel if rel == "." or rel.startswith("..") else f"./{rel}"
+
+    @property
+    def in_container(self) -> str:
+        return f"{PIPELINE_MOUNT}/{self.pipeline_file.relative_to(self.pipeline_dir)}"
+
+
+def _compose_doc(
+    services: list[StageService], groups: list[IpcGroup], paths: _Paths, options: ComposeOptions
+) -> dict[str, Any]:
+    coordinator = _omnirail_service("coordinator", options, paths)
+    if options.build_context is not None:
+        # One service builds the image; the others use it by name.
+        coordinator = {"build": {"context": paths.rel(options.build_context)}, **coordinator}
+    coordinator["command"] = [
+        "coordinator",
+        *("--pipeline", paths.in_container),
+        *("--listen", f"0.0.0.0:{GRPC_PORT}"),
+        *_metrics_flags(),
+    ]
+    coordinator["ports"] = [f"{options.coordinator_port}:{GRPC_PORT}"]
+    coordinator["depends_on"] = {"jaeger": {"condition": "service_started"}}
+    out: dict[str, Any] = {"coordinator": _ordered(coordinator)}
+    ipc_of = {m: g for g in groups for m in g.members}
+    for svc in services:
+        out[svc.name] = _stage_service(svc, ipc_of.get(svc.name), paths, options)
+    out["jaeger"] = {
+        "image": options.jaeger_image,
+        "environment": {"COLLECTOR_OTLP_ENABLED": "true"},
+        "ports": ["16686:16686"],  # the UI; OTLP (4317) stays inside the network
+    }
+    out["prometheus"] = {
+        "image": options.prometheus_image,
+        "ports": ["9090:9090"],
+        "volumes": [_bind(paths.rel(paths.prometheus_file), "/etc/prometheus/prometheus.yml")],
+    }
+    return {"services": out}
+
+
+def _stage_service(
+    svc: StageService, ipc: IpcGroup | None, paths: _Paths, options: ComposeOptions
+) -> dict[str, Any]:
+    service = _omnirail_service(svc.name, options, paths)
+    service["command"] = [
+        "stage",
+        *("--pipeline", paths.in_container),
+        *("--stage", ",".join(svc.stages)),
+        *("--coordinator", f"coordinator:{GRPC_PORT}"),
+        *("--listen", f"0.0.0.0:{GRPC_PORT}"),
+        *("--advertise", f"{svc.name}:{GRPC_PORT}"),
+        *_metrics_flags(),
+        # Processes in containers sharing an IPC namespace all tend to be pid 1, and shm
+        # pool names are prefix-pid: the service name keeps them apart.
+        *("--shm-prefix", f"omnirail-{svc.name}"),
+    ]
+    # Stages retry attaching (stage_service/attach.py): a started coordinator is enough.
+    depends = {"coordinator": {"condition": options.depends_condition}}
+    if ipc is not None and ipc.owner == svc.name:
+        service["ipc"] = "shareable"
+        service["shm_size"] = f"{ipc.shm_mb}m"
+    elif ipc is not None:
+        service["ipc"] = f"service:{ipc.owner}"
+        depends[ipc.owner] = {"condition": "service_started"}
+    service["depends_on"] = depends
+    if svc.gpus:
+        device = {"driver": "nvidia", "device_ids": [str(g) for g in svc.gpus]}
+        device["capabilities"] = ["gpu"]
+        service["deploy"] = {"resources": {"reservations": {"devices": [device]}}}
+    return _ordered(service)
+
+
+def _omnirail_service(name: str, options: ComposeOptions, paths: _Paths) -> dict[str, Any]:
+    return {
+        "image": options.image,
+        "environment": {
+            "OTEL_EXPORTER_OTLP_ENDPOINT": "http://jaeger:4317",
+            "OTEL_SERVICE_NAME": f"omnirail-{name}",
+        },
+        # The whole directory: the pipeline may import modules next to it.
+        "volumes": [_bind(paths.rel(paths.pipeline_dir), PIPELINE_MOUNT)],
+    }
+
+
+_KEY_ORDER = ("build", "image", "command", "environment", "ports", "volumes", "ipc")
+
+
+def _ordered(service: dict[str, Any]) -> dict[str, Any]:
+    """Keys in one order for every service, so files diff well."""
+    first = [k for k in _KEY_ORDER if k in service]
+    return {k: service[k] for k in [*first, *(k for k in service if k not in first)]}
+
+
+def _metrics_flags() -> list[str]:
+    # Always on: the deployment ships a Prometheus that scrapes every service.
+    return ["--metrics-host", "0.0.0.0", "--metrics-port", str(METRICS_PORT)]
+
+
+def _bind(source: str, target: str) -> dict[str, Any]:
+    return {"type": "bind", "source": source, "target": target, "read_only": True}
+
+
+def _prometheus_config(services: list[StageService]) -> str:
+    names = ["coordinator", *(s.name for s in services)]
+    config = {
+        "global": {"scrape_interval": "5s"},
+        "scrape_configs": [
+            {
+                "job_name": "omnirail",
+                "static_configs": [
+                    {"targets": [f"{n}:{METRICS_PORT}"], "labels": {"service": n}} for n in names
+                ],
+            }
+        ],
+    }
+    header = "# Generated by `omnirail compose`: every omnirail service's /metrics.\n"
+    return header + yaml.safe_dump(config, sort_keys=False, default_flow_style=False)
+
+
+def _header(source: Path, output: Path | None, options: ComposeOptions, base: Path) -> str:
+    """The comment opening the file: what made it and the command that remakes it, with
+    paths relative to the compose file's directory (where it must be run)."""
+    argv = ["omnirail", "compose", os.path.relpath(source.resolve(), base)]
+    if output is not None:
+        argv += ["-o", output.name]
+    argv += [a for e in sorted(options.edge_relays) for a in ("--edge-relay", str(e))]
+    defaults = ComposeOptions(build_context=default_build_context())
+    for flag, attr in [
+        ("--image", "image"),
+        ("--jaeger-image", "jaeger_image"),
+        ("--prometheus-image", "prometheus_image"),
+        ("--coordinator-port", "coordinator_port"),
+        ("--depends-condition", "depends_condition"),
+    ]:
+        if getattr(options, attr) != getattr(defaults, attr):
+            argv += [flag, str(getattr(options, attr))]
+    if options.build_context != defaults.build_context:
+        ctx = options.build_context
+        argv += ["--build-context", "none" if ctx is None else os.path.relpath(ctx, base)]
+    if not options.resolve:
+        argv.append("--no-resolve")
+    where = "this file's directory" if output is not None else "the directory it was made in"
+    return (
+        "# Generated by `omnirail compose`: edit the pipeline or the flags, not this file.\n"
+        f"# Regenerate (in {where}):\n#   {shlex.join(argv)}\n"
+    )

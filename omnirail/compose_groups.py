@@ -1,0 +1,142 @@
+"""Compose services for a pipeline: one per stage process (and replica), their DNS-safe
+names, and the IPC namespaces that `shm` edges between them need.
+
+Pure topology over `PipelineConfig`; `omnirail.compose` turns it into a compose file.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+
+from omnirail.config import PipelineConfig
+
+# Services the deployment adds beside the stages; a stage service may not take these names.
+RESERVED_SERVICES = ("coordinator", "jaeger", "prometheus")
+
+_DNS_LABEL = re.compile(r"^[a-z0-9]([a-z0-9-]{0,61}[a-z0-9])?$")
+# tmpfs headroom for the marks segments and page rounding of every pool.
+_SHM_SLACK_MB = 64
+
+
+class ComposeError(ValueError):
+    """A deployment that cannot be generated; the message is one line naming the cause."""
+
+
+@dataclass(frozen=True)
+class StageService:
+    """One container: a stage process group, or one replica of it."""
+
+    name: str
+    group: str
+    stages: tuple[str, ...]
+    replica: int | None = None  # None when the group has one replica
+    gpus: tuple[int, ...] = ()
+
+
+@dataclass(frozen=True)
+class IpcGroup:
+    """Services that must share an IPC namespace; `owner` creates it (`ipc: shareable`)."""
+
+    owner: str
+    members: tuple[str, ...]  # the owner first, then the others in service order
+    shm_mb: int  # /dev/shm size the owner needs for every sender's shm pool
+
+
+def dns_label(name: str) -> str:
+    """A stage or process name as a DNS label: lower case, '_' becomes '-'."""
+    label = name.lower().replace("_", "-")
+    if not _DNS_LABEL.match(label):
+        raise ComposeError(
+            f"{name!r} cannot be a compose service name ({label!r} is not a DNS label: "
+            "letters, digits and inner '-', at most 63); rename it"
+        )
+    return label
+
+
+def plan_services(cfg: PipelineConfig) -> list[StageService]:
+    """One service per process group and replica, in the pipeline's declaration order."""
+    services: list[StageService] = []
+    taken: dict[str, str] = {name: f"the {name} service" for name in RESERVED_SERVICES}
+    for group, stages in cfg.process_groups().items():
+        base = dns_label(group)
+        # Stages sharing a process have equal replicas (config validation). Each replica is
+        # its own service, as the launcher starts one process each: a stage advertises one
+        # address, which compose's `deploy.replicas` would give to every replica.
+        replicas = cfg.stage(stages[0]).replicas
+        gpus = tuple(sorted({g for s in stages for g in cfg.stage(s).gpus}))
+        for r in range(replicas) if replicas > 1 else [None]:
+            name = base if r is None else f"{base}-{r}"
+            owner = f"process {group!r}" + ("" if r is None else f" replica {r}")
+            if len(name) > 63:
+                raise ComposeError(f"service name {name!r} for {owner} is longer than 63")
+            if name in taken:
+                raise ComposeError(
+                    f"{owner} and {taken[name]} both map to compose service {name!r}; "
+                    "rename one (service names are lower case, '_' becomes '-')"
+                )
+            taken[name] = owner
+            services.append(StageService(name, group, tuple(stages), r, gpus))
+    return services
+
+
+def ipc_groups(cfg: PipelineConfig, services: list[StageService]) -> list[IpcGroup]:
+    """Services joined by `shm` edges (next and stream_to), as groups of two or more.
+
+    An shm receiver maps the sender's /dev/shm pool by name, so both must see one IPC
+    namespace. Edges inside a process never touch a relay; other backends cross
+    containers on their own.
+    """
+    order = {s.name: i for i, s in enumerate(services)}
+    by_group: dict[str, list[str]] = {}
+    for s in services:
+        by_group.setdefault(s.group, []).append(s.name)
+    parent = {s.name: s.name for s in services}
+
+    def find(n: str) -> str:
+        while parent[n] != n:
+            parent[n] = parent[parent[n]]
+            n = parent[n]
+        return n
+
+    for src, dst in shm_edges(cfg):
+        members = by_group[cfg.process_of(src)] + by_group[cfg.process_of(dst)]
+        roots = sorted({find(m) for m in members}, key=order.__getitem__)
+        for r in roots[1:]:
+            parent[r] = roots[0]
+    grouped: dict[str, list[str]] = {}
+    for s in services:
+        grouped.setdefault(find(s.name), []).append(s.name)
+    budgets = _shm_budgets(cfg, services)
+    return [
+        IpcGroup(members[0], tuple(members), _SHM_SLACK_MB + sum(budgets[m] for m in members))
+        for members in grouped.values()
+        if len(members) > 1
+    ]
+
+
+def shm_edges(cfg: PipelineConfig) -> list[tuple[str, str]]:
+    """Edges between different processes whose relay is `shm`, in declaration order."""
+    return [
+        (s.name, t)
+        for s in cfg.stages
+        for t in cfg.edges_of(s.name)
+        if cfg.process_of(s.name) != cfg.process_of(t) and cfg.relay_for(s.name, t).backend == "shm"
+    ]
+
+
+def _shm_budgets(cfg: PipelineConfig, services: list[StageService]) -> dict[str, int]:
+    """MiB of /dev/shm each service's sender pool may fill.
+
+    A pool's first segment (`pool_mb`) is sparse, and it only grows while the bytes in
+    flight (at most `credit_mb` per edge) do not fit, so the larger of the two bounds the
+    pages it can touch. Docker's default /dev/shm is 64 MiB: a write past the size kills
+    the sender with SIGBUS, so the owner of each namespace is sized for all its senders.
+    """
+    budgets = {s.name: 0 for s in services}
+    edges = shm_edges(cfg)
+    for s in services:
+        mine = [cfg.relay_for(src, dst) for src, dst in edges if src in s.stages]
+        if mine:
+            budgets[s.name] = max(max(r.pool_mb for r in mine), sum(r.credit_mb for r in mine))
+    return budgets
