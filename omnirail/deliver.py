@@ -12,7 +12,7 @@ from __future__ import annotations
 import asyncio
 import logging
 from collections import deque
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from typing import Any, Protocol
 
@@ -92,22 +92,32 @@ class DeliverChannel:
             self._pending[self._seq] = _Pending(item.request_id, handle)
         self._queue.append(item)
         self._wake.set()
-        if self._task is None:
+        if self._task is None or self._task.done():
             self._task = asyncio.get_running_loop().create_task(self._run())
+            self._task.add_done_callback(self._ended)
+
+    def _ended(self, task: asyncio.Task[None]) -> None:
+        # Never expected: say so loudly; the next send() starts a new task.
+        if not task.cancelled() and task.exception() is not None:
+            log.error("deliver channel to %s stopped: %r", self.address, task.exception())
 
     def forget_request(self, request_id: str) -> None:
         """Drops queued, unsent items of an aborted request and releases their handles."""
         kept: deque[mesh_pb2.DeliverItem] = deque()
+        dropped: list[_Pending] = []
         for item in self._queue:
             if item.request_id == request_id:
                 pending = self._pending.pop(item.seq, None)
-                if pending is not None and pending.handle is not None:
-                    pending.handle.release()
+                if pending is not None:
+                    dropped.append(pending)
             else:
                 kept.append(item)
         self._queue = kept
+        # Only now: a release may hand its credit to a waiting chunk, which calls send().
+        _release(dropped)
 
-    async def close(self) -> None:
+    async def close(self, reason: str = "sender is shutting down") -> None:
+        """Stops the channel; items not yet acked fail with `reason`."""
         self._closed = True
         if self._task is not None:
             self._task.cancel()
@@ -116,7 +126,7 @@ class DeliverChannel:
             except (asyncio.CancelledError, Exception):
                 pass
             self._task = None
-        self._fail_all("sender is shutting down")
+        self._fail_all(reason)
         if self._channel is not None:
             await self._channel.close()
             self._channel = None
@@ -186,17 +196,23 @@ class DeliverChannel:
         raise ConnectionError(f"receiver {self.address} closed the stream")
 
     def _fail_all(self, reason: str) -> None:
-        if not self._pending:
-            self._queue.clear()
+        # Swap before releasing: a release may hand its credit to a waiting chunk, whose
+        # send() lands in the fresh queue (mutating these while iterating them would kill
+        # this channel's task and strand every credit it holds).
+        pending, self._pending = self._pending, {}
+        self._queue = deque()
+        if not pending:
             return
-        lost = sorted({p.request_id for p in self._pending.values()})
-        for pending in self._pending.values():
-            if pending.handle is not None:
-                pending.handle.release()
-        self._pending.clear()
-        self._queue.clear()
+        lost = sorted({p.request_id for p in pending.values()})
+        _release(pending.values())
         self._on_lost(lost, reason)
 
 
 def error_ack(seq: int, code: int, message: str, stage: str = "") -> mesh_pb2.Ack:
     return mesh_pb2.Ack(seq=seq, error=common_pb2.Error(code=code, message=message, stage=stage))
+
+
+def _release(pending: Iterable[_Pending]) -> None:
+    for p in pending:
+        if p.handle is not None:
+            p.handle.release()

@@ -87,6 +87,9 @@ class StageHost(mesh_pb2_grpc.StageServicer):
         self._attach: dict[str, AttachClient] = {}
         self._relays: dict[str, Relay] = {}
         self._channels: dict[str, DeliverChannel] = {}
+        # The replica each channel was opened for, and the topology's replica per address.
+        self._channel_replica: dict[str, str] = {}
+        self._replica_at: dict[str, str] = {}
         self._topology: dict[str, list[str]] = {}
         self._address_stage: dict[str, str] = {}
         self._possible: dict[tuple[str, ...], frozenset[str]] = {}
@@ -198,6 +201,7 @@ class StageHost(mesh_pb2_grpc.StageServicer):
                 max_message_bytes=self._max_message,
             )
             self._channels[address] = channel
+            self._channel_replica[address] = self._replica_at.get(address, "")
         channel.send(item, handle)
 
     def possible_stages(self, terminals: tuple[str, ...]) -> frozenset[str]:
@@ -222,6 +226,10 @@ class StageHost(mesh_pb2_grpc.StageServicer):
                 for name, eps in cmd.topology.stages.items()
             }
             self._address_stage = {a: name for name, addrs in self._topology.items() for a in addrs}
+            stages = cmd.topology.stages.values()
+            self._retire_channels(
+                {e.address: e.replica_id for eps in stages for e in eps.endpoints}
+            )
             infos = list(
                 dict.fromkeys(
                     info
@@ -242,6 +250,21 @@ class StageHost(mesh_pb2_grpc.StageServicer):
         if cmd.HasField("shutdown"):
             log.info("stage %s: shutdown requested (%s)", stage_name, cmd.shutdown.reason)
             self.shutdown_requested.set()
+
+    def _retire_channels(self, replicas: dict[str, str]) -> None:
+        """Closes channels whose address lost its replica or got a new one (a restart at
+        the same address): what they still hold went to the old process, and a stream
+        opened while the address was down must not carry the new replica's traffic."""
+        for address in list(self._channels):
+            if self._channel_replica.get(address) == replicas.get(address):
+                continue
+            channel = self._channels.pop(address)
+            self._channel_replica.pop(address, None)
+            gone = f"replica at {address} was replaced or went away"
+            task = asyncio.get_running_loop().create_task(channel.close(gone))
+            self._tasks.append(task)
+            task.add_done_callback(self._tasks.remove)
+        self._replica_at = replicas
 
     # ---- Deliver server --------------------------------------------------------
 

@@ -98,7 +98,7 @@ class Project:
             time.sleep(1)
 
     def logs(self) -> str:
-        return self.compose("logs", "--no-color", "--tail", "40", check=False)
+        return self.compose("logs", "--no-color", "--tail", "80", check=False)
 
 
 def http_json(url: str, timeout: float = 5.0) -> Any:

@@ -8,6 +8,7 @@ query API. Everything else is the real image and the committed compose file, unc
 
 from __future__ import annotations
 
+import os
 import random
 import threading
 import time
@@ -39,6 +40,7 @@ def project() -> Iterator[Project]:
     if reason:
         pytest.skip(reason)
     env = compose_env.prepare()
+    shm_before = set(os.listdir("/dev/shm"))
     proj = Project(
         f"omnirail-e2e-{random.getrandbits(24):06x}", env, compose_env.ROOT / "docker-compose.yml"
     )
@@ -54,6 +56,9 @@ def project() -> Iterator[Project]:
         proj.down()
         assert proj.containers() == [], "containers left after docker-compose down"
         assert proj.networks() == [], "networks left after docker-compose down"
+        # The pools lived in the containers' IPC namespaces; nothing may land on the host.
+        left = {n for n in set(os.listdir("/dev/shm")) - shm_before if n.startswith("omnirail")}
+        assert not left, f"shared memory left on the host: {sorted(left)}"
 
 
 def _stream(client: Client, inputs: dict[str, Any], **kw: Any) -> tuple[dict[str, list], Any]:
@@ -184,7 +189,11 @@ def test_killed_stage_container_fails_its_requests_and_recovers(project: Project
             _check(chunks, result.outputs)
             return True
 
-        wait_for(served, 120, "a request served after the talker came back", interval=1.0)
+        try:
+            wait_for(served, 120, "a request served after the talker came back", interval=1.0)
+        except BaseException:
+            print(project.logs())
+            raise
 
 
 def test_shm_edges_share_one_ipc_namespace(project: Project) -> None:
