@@ -13,15 +13,11 @@ from typing import Any
 import torch
 from torch import nn
 
+from examples.omni_demo.preprocessing import needed_encoders
 from examples.omni_demo.thinker import DIM
+from examples.omni_demo.weights import seeded
 
-
-def _seeded(module: nn.Module, seed: int, scale: float = 0.1) -> nn.Module:
-    gen = torch.Generator().manual_seed(seed)
-    with torch.no_grad():
-        for p in module.parameters():
-            p.copy_(torch.randn(p.shape, generator=gen) * scale)
-    return module.eval()
+_SCALE = 0.1  # weight std of the toy encoders
 
 
 def create_image_encoder(tokens: int = 16, seed: int = 11) -> Callable[[Any], Any]:
@@ -29,7 +25,7 @@ def create_image_encoder(tokens: int = 16, seed: int = 11) -> Callable[[Any], An
     side = int(tokens**0.5)
     if side * side != tokens:
         raise ValueError(f"tokens must be a square number, got {tokens}")
-    mlp = _seeded(nn.Sequential(nn.Linear(192, 128), nn.GELU(), nn.Linear(128, DIM)), seed)
+    mlp = seeded(nn.Sequential(nn.Linear(192, 128), nn.GELU(), nn.Linear(128, DIM)), seed, _SCALE)
 
     def encode(payload: dict[str, Any]) -> dict[str, Any]:
         patches = payload["patches"]
@@ -45,13 +41,14 @@ def create_image_encoder(tokens: int = 16, seed: int = 11) -> Callable[[Any], An
 
 def create_audio_encoder(stride: int = 4, seed: int = 12) -> Callable[[Any], Any]:
     """Frames → two strided 1-D convolutions: one embedding per `stride` frames (40 ms)."""
-    convs = _seeded(
+    convs = seeded(
         nn.Sequential(
             nn.Conv1d(64, 128, 3, stride=2, padding=1),
             nn.GELU(),
             nn.Conv1d(128, DIM, 3, stride=stride // 2, padding=1),
         ),
         seed,
+        _SCALE,
     )
 
     def encode(payload: dict[str, Any]) -> dict[str, Any]:
@@ -69,12 +66,7 @@ def wait_for(request_id: str, from_stage: str, payload: Any) -> list[str] | None
     """The encoders to wait for, known once preprocessing's payload is in."""
     if from_stage != "preprocessing":
         return None
-    active = ["preprocessing"]
-    if payload["has_image"]:
-        active.append("image_encoder")
-    if payload["has_audio"]:
-        active.append("audio_encoder")
-    return active
+    return ["preprocessing", *needed_encoders(payload)]
 
 
 def merge_for_thinker(arrived: dict[str, Any]) -> dict[str, Any]:
@@ -88,8 +80,8 @@ def merge_for_thinker(arrived: dict[str, Any]) -> dict[str, Any]:
 def create_mm_aggregate(seed: int = 13) -> Callable[[Any], Any]:
     """Projects each modality's embeddings into the thinker's input space (the "merger")."""
     proj = {
-        "image_embeds": _seeded(nn.Linear(DIM, DIM), seed),
-        "audio_embeds": _seeded(nn.Linear(DIM, DIM), seed + 1),
+        "image_embeds": seeded(nn.Linear(DIM, DIM), seed, _SCALE),
+        "audio_embeds": seeded(nn.Linear(DIM, DIM), seed + 1, _SCALE),
     }
 
     def aggregate(payload: dict[str, Any]) -> dict[str, Any]:

@@ -27,9 +27,8 @@ from typing import Any
 
 import torch
 
+from examples.omni_demo.thinker import sample
 from stage_service.ar import ARRequest, ARScheduler, ARStep
-
-_MIN_TOKENS = 1
 
 
 def create_hf_thinker(
@@ -44,9 +43,7 @@ def create_hf_thinker(
 
     hf_logging.disable_progress_bar()  # stage logs are line-oriented
 
-    path = model_path or os.environ.get("OMNI_DEMO_HF_MODEL")
-    if not path:
-        raise ValueError("hf thinker: set factory_args.model_path or OMNI_DEMO_HF_MODEL")
+    path = _model_dir(model_path, "thinker", "model_path")
     if not os.path.isdir(path):
         raise ValueError(f"hf thinker: model_path {path!r} is not a directory")
     torch_dtype = getattr(torch, dtype, None)
@@ -88,7 +85,9 @@ def create_hf_thinker(
             logits, hidden, cache = _forward(inputs_embeds=x)
         gen = torch.Generator().manual_seed(options["seed"])
         req.state.update(cache=cache, gen=gen, options=options, tokens=[], hidden=hidden)
-        req.state["next"] = _sample(logits, options["temperature"], gen, 0, eos)
+        # At least one token before <eos>: an empty answer says nothing.
+        forbid = [eos] if 0 <= eos < logits.numel() else []
+        req.state["next"] = sample(logits, options["temperature"], gen, forbid)
 
     def step(batch: list[ARRequest]) -> list[ARStep]:
         out = []
@@ -109,31 +108,22 @@ def create_hf_thinker(
                     input_ids=torch.tensor([[token]]), past_key_values=st["cache"]
                 )
             temperature = st["options"]["temperature"]
-            st["next"] = _sample(logits, temperature, st["gen"], len(st["tokens"]), eos)
+            st["next"] = sample(logits, temperature, st["gen"], [])
             out.append(ARStep())
         return out
 
     return ARScheduler(step, init_fn=init, max_batch_size=max_batch_size, name="thinker")
 
 
-def _sample(
-    logits: torch.Tensor, temperature: float, gen: torch.Generator, steps: int, eos: int
-) -> int:
-    logits = logits.clone()
-    if steps < _MIN_TOKENS and 0 <= eos < logits.numel():
-        logits[eos] = -math.inf
-    if temperature == 0.0:
-        return int(logits.argmax())
-    top = torch.topk(logits / temperature, min(20, logits.numel()))
-    choice = torch.multinomial(torch.softmax(top.values, -1), 1, generator=gen)
-    return int(top.indices[choice])
+def _model_dir(given: str | None, what: str, field: str) -> str:
+    path = given or os.environ.get("OMNI_DEMO_HF_MODEL")
+    if not path:
+        raise ValueError(f"hf {what}: set factory_args.{field} or OMNI_DEMO_HF_MODEL")
+    return path
 
 
 def create_hf_decode(tokenizer: str | None = None) -> Any:
     """The decode stage with the thinker's tokenizer (default: `$OMNI_DEMO_HF_MODEL`)."""
     from examples.omni_demo.speech import create_decode
 
-    path = tokenizer or os.environ.get("OMNI_DEMO_HF_MODEL")
-    if not path:
-        raise ValueError("hf decode: set factory_args.tokenizer or OMNI_DEMO_HF_MODEL")
-    return create_decode(path)
+    return create_decode(_model_dir(tokenizer, "decode", "tokenizer"))

@@ -164,14 +164,18 @@ def _frames(pcm: torch.Tensor) -> torch.Tensor:
 # ---- routing hooks (named by pipeline.yaml) -----------------------------------------
 
 
+def needed_encoders(payload: dict[str, Any]) -> list[str]:
+    """The encoders a request's preprocessed payload needs."""
+    return [
+        e
+        for e, has in (("image_encoder", "has_image"), ("audio_encoder", "has_audio"))
+        if payload[has]
+    ]
+
+
 def route(request_id: str, output: dict[str, Any]) -> list[str]:
     """The encoders this request needs, and always the aggregator."""
-    targets = ["mm_aggregate"]
-    if output["has_image"]:
-        targets.append("image_encoder")
-    if output["has_audio"]:
-        targets.append("audio_encoder")
-    return targets
+    return ["mm_aggregate", *needed_encoders(output)]
 
 
 def to_image_encoder(payload: dict[str, Any]) -> dict[str, Any]:

@@ -18,20 +18,13 @@ import torch
 from torch import nn
 
 from examples.omni_demo.text import detokenize_piece
+from examples.omni_demo.weights import seeded
 from stage_service.ar import ARRequest, ARScheduler, ARStep
 from stage_service.streaming import StreamingScheduler, StreamState
 
 SAMPLE_RATE = 16000
 FRAME_MS = 20
-
-
-def _seeded(module: nn.Module, seed: int, scale: float = 0.3) -> nn.Module:
-    gen = torch.Generator().manual_seed(seed)
-    with torch.no_grad():
-        for p in module.parameters():
-            p.copy_(torch.randn(p.shape, generator=gen) * scale)
-    return module.eval()
-
+_SCALE = 0.3  # weight std of the toy talker and vocoder
 
 # ---- decode ---------------------------------------------------------------------------
 
@@ -91,9 +84,9 @@ def create_talker(
     """Fed by the thinker's hidden-state stream; one step = one token's frames for every
     request that has a hidden state waiting."""
     gen = torch.Generator().manual_seed(seed)
-    cell = _seeded(nn.GRUCell(width, width), seed)
-    code_embed = _seeded(nn.Embedding(codebooks * codebook_size, width), seed + 1)
-    heads = _seeded(nn.Linear(width, codebooks * codebook_size), seed + 2)
+    cell = seeded(nn.GRUCell(width, width), seed, _SCALE)
+    code_embed = seeded(nn.Embedding(codebooks * codebook_size, width), seed + 1, _SCALE)
+    heads = seeded(nn.Linear(width, codebooks * codebook_size), seed + 2, _SCALE)
     offsets = torch.arange(codebooks) * codebook_size
     # Thinkers differ in width (a Hugging Face model's hidden size): one projection each.
     projections: dict[int, nn.Linear] = {}
@@ -161,9 +154,9 @@ class Code2Wav(StreamingScheduler):
     ) -> None:
         super().__init__(window=window, hop=hop, metadata={"modality": "audio"}, name="code2wav")
         self.samples_per_frame = SAMPLE_RATE * FRAME_MS // 1000
-        self.embed = _seeded(nn.Embedding(codebooks * codebook_size, 32), seed)
-        self.conv = _seeded(nn.Conv1d(32, 32, 3, padding=1), seed + 1)
-        self.params = _seeded(nn.Linear(32, 5), seed + 2)  # pitch, loudness, 3 harmonics
+        self.embed = seeded(nn.Embedding(codebooks * codebook_size, 32), seed, _SCALE)
+        self.conv = seeded(nn.Conv1d(32, 32, 3, padding=1), seed + 1, _SCALE)
+        self.params = seeded(nn.Linear(32, 5), seed + 2, _SCALE)  # pitch, loudness, 3 harmonics
         self.offsets = torch.arange(codebooks) * codebook_size
 
     def new_request(self, state: StreamState) -> None:

@@ -16,11 +16,11 @@ import torch
 from torch import nn
 from torch.nn import functional as F
 
-from examples.omni_demo.text import BOS, EOS, VOCAB
+from examples.omni_demo.text import BOS, EOS, PAD, VOCAB
 from stage_service.ar import ARRequest, ARScheduler, ARStep
 
 DIM = 64
-_MIN_TOKENS = 4  # EOS is masked before this many tokens, so every answer says something
+_MIN_TOKENS = 4  # EOS is masked before this many tokens
 _MAX_POS = 4096
 
 
@@ -101,17 +101,23 @@ def build_decoder(seed: int = 7) -> ToyDecoder:
     return model.eval()
 
 
-def sample(logits: torch.Tensor, temperature: float, gen: torch.Generator, steps: int) -> int:
-    """Top-k sampling with the request's own generator: the same seed, the same words."""
+def sample(
+    logits: torch.Tensor, temperature: float, gen: torch.Generator, forbid: list[int]
+) -> int:
+    """Top-k sampling with the request's own generator (the same seed, the same words);
+    `forbid` are token ids that may not come next; temperature 0 is greedy."""
     logits = logits.clone()
-    logits[: BOS + 1] = -math.inf  # never <pad> or <bos>
-    if steps < _MIN_TOKENS:
-        logits[EOS] = -math.inf
+    logits[forbid] = -math.inf
     if temperature == 0.0:
         return int(logits.argmax())
-    top = torch.topk(logits / temperature, 20)
+    top = torch.topk(logits / temperature, min(20, logits.numel()))
     choice = torch.multinomial(torch.softmax(top.values, -1), 1, generator=gen)
     return int(top.indices[choice])
+
+
+def _forbidden(steps: int) -> list[int]:
+    # Never <pad> or <bos>; no <eos> before _MIN_TOKENS, so every answer says something.
+    return [PAD, BOS] if steps >= _MIN_TOKENS else [PAD, BOS, EOS]
 
 
 def create_thinker(step_ms: float = 0.0, max_batch_size: int = 16, seed: int = 7) -> ARScheduler:
@@ -128,7 +134,7 @@ def create_thinker(step_ms: float = 0.0, max_batch_size: int = 16, seed: int = 7
             logits = model.lm_head(hidden)
         gen = torch.Generator().manual_seed(options["seed"])
         req.state.update(cache=cache, gen=gen, options=options, tokens=[])
-        req.state["next"] = sample(logits, options["temperature"], gen, 0)
+        req.state["next"] = sample(logits, options["temperature"], gen, _forbidden(0))
         req.state["hidden"] = hidden
 
     def step(batch: list[ARRequest]) -> list[ARStep]:
@@ -155,9 +161,8 @@ def create_thinker(step_ms: float = 0.0, max_batch_size: int = 16, seed: int = 7
             for i, req in enumerate(running):
                 st = req.state
                 st["hidden"] = hidden[i]
-                st["next"] = sample(
-                    logits[i], st["options"]["temperature"], st["gen"], req.steps + 1
-                )
+                forbid = _forbidden(req.steps + 1)
+                st["next"] = sample(logits[i], st["options"]["temperature"], st["gen"], forbid)
         for req in batch:
             if req in running:
                 out.append(ARStep())

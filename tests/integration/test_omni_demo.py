@@ -6,6 +6,7 @@ at least 5 ms a step (as a bigger model would), so an abort lands while it gener
 
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import sys
@@ -39,6 +40,21 @@ def _pipeline_copy(tmp: Path, source: str = "pipeline.yaml", **thinker_args: Any
     path = tmp / source
     path.write_text(yaml.safe_dump(cfg, sort_keys=False))
     return path
+
+
+def _python_m(*args: str, cwd: Path = ROOT, timeout: float = 300) -> subprocess.CompletedProcess:
+    """`python -m ARGS` with this checkout importable; fails the test on a non-zero exit."""
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    proc = subprocess.run(
+        [sys.executable, "-m", *args],
+        cwd=cwd,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+    )
+    assert proc.returncode == 0, proc.stderr
+    return proc
 
 
 @pytest.fixture(scope="module")
@@ -200,25 +216,17 @@ def test_abort_mid_stream_stops_every_stage_and_the_mesh_keeps_serving(demo: Mes
 
 def test_sdk_example_prints_text_and_writes_wav(demo: Mesh, tmp_path: Path) -> None:
     wav_path = tmp_path / "answer.wav"
-    proc = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "examples.omni_demo.client",
-            "--address",
-            demo.address or "",
-            "--text",
-            "hello there",
-            "--wav",
-            str(wav_path),
-            "--image",
-        ],
-        cwd=ROOT,
-        capture_output=True,
-        text=True,
+    proc = _python_m(
+        "examples.omni_demo.client",
+        "--address",
+        demo.address or "",
+        "--text",
+        "hello there",
+        "--wav",
+        str(wav_path),
+        "--image",
         timeout=120,
     )
-    assert proc.returncode == 0, proc.stderr
     with wave.open(str(wav_path)) as wav:
         assert (wav.getframerate(), wav.getnchannels(), wav.getsampwidth()) == (16000, 1, 2)
         frames = wav.getnframes()
@@ -228,28 +236,19 @@ def test_sdk_example_prints_text_and_writes_wav(demo: Mesh, tmp_path: Path) -> N
 @pytest.mark.slow
 def test_cli_run_streams_text_and_writes_the_wav(tmp_path: Path) -> None:
     wav_path = tmp_path / "out.wav"
-    proc = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "omnirail",
-            "run",
-            str(DEMO / "pipeline.yaml"),
-            "--input-file",
-            str(DEMO / "input_multimodal.json"),
-            "--stream",
-            "--audio-out",
-            str(wav_path),
-        ],
+    proc = _python_m(
+        "omnirail",
+        "run",
+        str(DEMO / "pipeline.yaml"),
+        "--input-file",
+        str(DEMO / "input_multimodal.json"),
+        "--stream",
+        "--audio-out",
+        str(wav_path),
         cwd=tmp_path,
-        capture_output=True,
-        text=True,
-        timeout=300,
-        env={**os.environ, "PYTHONPATH": str(ROOT)},
     )
-    assert proc.returncode == 0, proc.stderr
     text_line, rest = proc.stdout.split("\n", 1)
-    outputs = __import__("json").loads(rest)
+    outputs = json.loads(rest)
     assert text_line == outputs["decode"]["text"] and outputs["decode"]["tokens"] == 24
     with wave.open(str(wav_path)) as wav:
         assert wav.getnframes() == outputs["code2wav"]["samples"] == 24 * 4 * 320
@@ -286,30 +285,21 @@ def test_hugging_face_thinker_from_a_local_directory(tmp_path: Path) -> None:
 
 
 def test_bench_demo_against_a_running_mesh(demo: Mesh) -> None:
-    proc = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "omnirail",
-            "bench",
-            "demo",
-            "--address",
-            demo.address or "",
-            "--runs",
-            "2",
-            "--concurrency",
-            "2",
-            "--input",
-            '{"text": "bench", "max_new_tokens": 6}',
-            "--json",
-        ],
-        cwd=ROOT,
-        capture_output=True,
-        text=True,
-        timeout=300,
+    proc = _python_m(
+        "omnirail",
+        "bench",
+        "demo",
+        "--address",
+        demo.address or "",
+        "--runs",
+        "2",
+        "--concurrency",
+        "2",
+        "--input",
+        '{"text": "bench", "max_new_tokens": 6}',
+        "--json",
     )
-    assert proc.returncode == 0, proc.stderr
-    report = __import__("json").loads(proc.stdout)
+    report = json.loads(proc.stdout)
     assert report["concurrency"] == 2 and len(report["rtf_runs"]) == 4
     assert report["audio_s"] == 6 * 4 * 0.02  # 6 tokens, 4 frames of 20 ms each
     assert 0 < report["ttft_ms"] and 0 < report["ttfa_ms"] < report["total_ms"]
