@@ -52,7 +52,7 @@ class WavSink:
 
     def write(self, data: Any) -> int:
         """Appends one chunk; returns its sample frames. ValueError on a malformed chunk."""
-        pcm, rate = _pcm_of(data)
+        pcm, rate = pcm_of(data)
         channels = 1 if pcm.ndim == 1 else pcm.shape[0]
         if self._wav is None:
             self._wav = wave.open(str(self.path), "wb")
@@ -83,7 +83,8 @@ class WavSink:
         self.close()
 
 
-def _pcm_of(data: Any) -> tuple[np.ndarray, int]:
+def pcm_of(data: Any) -> tuple[np.ndarray, int]:
+    """An audio chunk's int16 samples (1-D, or channels x samples) and sample rate."""
     rate = DEFAULT_SAMPLE_RATE
     if isinstance(data, dict):
         if "pcm" not in data:

@@ -87,8 +87,7 @@ class StageHost(mesh_pb2_grpc.StageServicer):
         self._attach: dict[str, AttachClient] = {}
         self._relays: dict[str, Relay] = {}
         self._channels: dict[str, DeliverChannel] = {}
-        # The replica each channel was opened for, and the topology's replica per address.
-        self._channel_replica: dict[str, str] = {}
+        # The replica at each address in the last topology (channels open only after one).
         self._replica_at: dict[str, str] = {}
         self._topology: dict[str, list[str]] = {}
         self._address_stage: dict[str, str] = {}
@@ -201,7 +200,6 @@ class StageHost(mesh_pb2_grpc.StageServicer):
                 max_message_bytes=self._max_message,
             )
             self._channels[address] = channel
-            self._channel_replica[address] = self._replica_at.get(address, "")
         channel.send(item, handle)
 
     def possible_stages(self, terminals: tuple[str, ...]) -> frozenset[str]:
@@ -256,10 +254,9 @@ class StageHost(mesh_pb2_grpc.StageServicer):
         the same address): what they still hold went to the old process, and a stream
         opened while the address was down must not carry the new replica's traffic."""
         for address in list(self._channels):
-            if self._channel_replica.get(address) == replicas.get(address):
+            if self._replica_at.get(address) == replicas.get(address):
                 continue
             channel = self._channels.pop(address)
-            self._channel_replica.pop(address, None)
             gone = f"replica at {address} was replaced or went away"
             task = asyncio.get_running_loop().create_task(channel.close(gone))
             self._tasks.append(task)

@@ -26,11 +26,10 @@ DEFAULT_INPUT: dict[str, Any] = {
 
 
 def _audio_seconds(data: Any) -> float:
-    import numpy as np
+    from omnirail.stream_render import pcm_of
 
-    if isinstance(data, dict):
-        return np.asarray(data["pcm"]).shape[-1] / float(data.get("sample_rate", 16000))
-    return np.asarray(data).shape[-1] / 16000.0
+    pcm, rate = pcm_of(data)
+    return pcm.shape[-1] / rate
 
 
 def _one(client: Any, inputs: dict[str, Any]) -> dict[str, float]:

@@ -1,0 +1,132 @@
+"""`omnirail bench ...`: the benchmark subcommand's flags and dispatch (JSON reports)."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import shlex
+from typing import Any
+
+
+def _parse_options(items: list[str]) -> dict[str, object]:
+    import yaml
+
+    options: dict[str, object] = {}
+    for item in items:
+        key, sep, value = item.partition("=")
+        if not sep or not key:
+            raise ValueError(f"--option {item!r}: expected KEY=VALUE")
+        options[key] = yaml.safe_load(value) if value else ""
+    return options
+
+
+def cmd_bench(args: argparse.Namespace) -> int:
+    from omnirail.cli import _progress as progress
+    from omnirail.cli import _read_inputs as read_inputs
+
+    if args.what == "relay":
+        from omnirail.bench.relay_bench import run_relay_bench
+
+        sizes = [int(s) for s in args.sizes.split(",")] if args.sizes else None
+        report = run_relay_bench(
+            args.backend,
+            sizes=sizes,
+            options=_parse_options(args.option),
+            receiver_options=_parse_options(args.receiver_option),
+            receiver_wrap=shlex.split(args.receiver_wrap or ""),
+        )
+    elif args.what == "demo":
+        from omnirail.bench.demo_bench import run_demo_bench
+
+        report = run_demo_bench(
+            address=args.address,
+            pipeline=args.pipeline,
+            inputs=read_inputs(args) if (args.input or args.input_file) else None,
+            runs=args.runs,
+            concurrency=1 if args.concurrency is None else args.concurrency,
+            progress=progress(args.json),
+        )
+    elif args.what == "streaming":
+        from omnirail.bench.streaming_bench import run_streaming_bench
+
+        report = run_streaming_bench(
+            chunks=args.chunks,
+            interval_ms=args.interval_ms,
+            runs=args.runs,
+            progress=progress(args.json),
+        )
+    else:
+        from omnirail.bench.pipeline_bench import run_pipeline_bench
+
+        report = run_pipeline_bench(
+            stages=args.stages,
+            payload_bytes=args.payload_bytes,
+            requests=args.requests,
+            concurrency=64 if args.concurrency is None else args.concurrency,
+            throughput_requests=args.throughput_requests,
+            stage_ms=args.stage_ms,
+            tracing=args.tracing,
+            progress=progress(args.json),
+        )
+    print(json.dumps(report, indent=None if args.json else 2))
+    return 0
+
+
+def add_bench_parser(sub: Any) -> None:
+    """Adds `bench` to the CLI's subcommands (`sub`, from add_subparsers)."""
+    b = sub.add_parser("bench", help="benchmarks (JSON output)")
+    b.add_argument("what", choices=["pipeline", "relay", "streaming", "demo"])
+    b.add_argument("--json", action="store_true", help="one line of JSON, no progress")
+    b.add_argument("--backend", default="shm")
+    b.add_argument("--sizes", default=None, help="relay: comma-separated byte sizes")
+    b.add_argument(
+        "--option",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="relay: a backend option for both sides (value parsed as YAML), repeatable",
+    )
+    b.add_argument(
+        "--receiver-option",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="relay: a backend option for the receiver only (e.g. host=10.0.0.2)",
+    )
+    b.add_argument(
+        "--receiver-wrap",
+        default=None,
+        help="relay: command prefix for the receiver, e.g. 'ip netns exec NS' (across hosts)",
+    )
+    b.add_argument("--stages", type=int, default=3)
+    b.add_argument("--payload-bytes", type=int, default=0)
+    b.add_argument("--requests", type=int, default=300, help="sequential latency requests")
+    b.add_argument(
+        "--concurrency",
+        type=int,
+        default=None,
+        help="pipeline: requests in flight (default 64); demo: streams at once (default 1)",
+    )
+    b.add_argument("--throughput-requests", type=int, default=2048)
+    b.add_argument(
+        "--stage-ms",
+        type=float,
+        default=0.0,
+        help="pipeline: each stage sleeps this long per request (GIL released, like a kernel)",
+    )
+    b.add_argument("--chunks", type=int, default=50, help="streaming: chunks per request")
+    b.add_argument(
+        "--interval-ms", type=float, default=10.0, help="streaming: producer time per chunk"
+    )
+    b.add_argument("--runs", type=int, default=5, help="streaming, demo: timed requests")
+    b.add_argument("--address", default=None, help="demo: a running mesh (default: start one)")
+    b.add_argument("--pipeline", default=None, help="demo: pipeline file (default: omni demo)")
+    b.add_argument("--input", default=None, help="demo: JSON object of inputs")
+    b.add_argument("--input-file", default=None, help="demo: file holding the JSON object")
+    b.add_argument(
+        "--tracing",
+        choices=["off", "on", "compare"],
+        default="off",
+        help="pipeline: spans to a local file at sampling 1.0; compare runs both, interleaved",
+    )
+    b.set_defaults(fn=cmd_bench)
