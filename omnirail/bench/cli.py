@@ -35,6 +35,10 @@ def cmd_bench(args: argparse.Namespace) -> int:
             receiver_options=_parse_options(args.receiver_option),
             receiver_wrap=shlex.split(args.receiver_wrap or ""),
         )
+    elif args.what == "host":
+        from omnirail.bench.host_bench import run_host_bench
+
+        report = run_host_bench()
     elif args.what == "demo":
         from omnirail.bench.demo_bench import run_demo_bench
 
@@ -75,7 +79,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
 def add_bench_parser(sub: Any) -> None:
     """Adds `bench` to the CLI's subcommands (`sub`, from add_subparsers)."""
     b = sub.add_parser("bench", help="benchmarks (JSON output)")
-    b.add_argument("what", choices=["pipeline", "relay", "streaming", "demo"])
+    b.add_argument("what", choices=["pipeline", "relay", "streaming", "demo", "host"])
     b.add_argument("--json", action="store_true", help="one line of JSON, no progress")
     b.add_argument("--backend", default="shm")
     b.add_argument("--sizes", default=None, help="relay: comma-separated byte sizes")

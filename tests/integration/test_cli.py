@@ -408,3 +408,18 @@ def test_bench_pipeline_json() -> None:
     assert report["stages"] == 2 and report["requests"] == 20
     assert report["stage_ms"] == 2 and 0 < report["efficiency"] <= 1.05
     assert "[omnirail]" not in proc.stderr  # --json: no progress
+
+
+def test_bench_host_json() -> None:
+    proc = omnirail("bench", "host", "--json")
+    assert proc.returncode == 0, explain(proc)
+    report = json.loads(proc.stdout)
+    assert report["cpus"] == len(os.sched_getaffinity(0))
+    rtt = report["wakeup_rtt_us"]
+    assert rtt["same_cpu"] > 0 and rtt["unpinned"] > 0
+    assert (rtt["cross_cpu"] is None) == (report["cpus"] < 2)
+    copies = report["memcpy_gbps"]
+    assert copies["1048576"]["hot"] > 0 and copies["1048576"]["rotating"] > 0
+    big = copies["67108864"]
+    assert big["alone"] > 0 and big["two_at_once_each"] > 0
+    assert abs(big["two_at_once_ratio"] - big["two_at_once_each"] / big["alone"]) < 0.01
