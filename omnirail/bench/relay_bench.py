@@ -251,7 +251,7 @@ async def _latency(link: _Link, relay: Any, value: Any, samples: int) -> float:
     return statistics.median(times) * 1e6
 
 
-class _Memcpy:
+class Memcpy:
     """numpy copyto between two warm arrays of one size; best GB/s over its windows."""
 
     def __init__(self, size: int) -> None:
@@ -350,7 +350,7 @@ async def _bench(
             # Warm the pool pages and the receiver's mapping before timing.
             await _throughput(link, relay, value, min(0.2, min_seconds))
             best, transfers = 0.0, 0
-            memcpy = _Memcpy(size)
+            memcpy = Memcpy(size)
             for _ in range(repeat):
                 t0 = time.perf_counter()
                 n = await _throughput(link, relay, value, min_seconds)
