@@ -1,5 +1,5 @@
 import sys
 
-from omnirail.cli import main
+from omnirail.entry import main
 
 sys.exit(main())
