@@ -2,12 +2,15 @@
 
 The sender (this process) streams payloads of one uint8 tensor through a real relay backend
 and `relay.io`; a receiver process (`python -m omnirail.bench.relay_bench --receiver`)
-decodes each with zero-copy views, touches one byte per tensor and acks. Descriptors and
-acks travel as small length-prefixed msgpack frames over a socketpair, batched like a
+decodes each with zero-copy views, touches one byte per tensor and releases it.
+Descriptors travel as small length-prefixed msgpack frames over a socketpair, batched like a
 stream writer batches what is ready. Throughput is pipelined up to the edge credits (best of
-`repeat` runs of at least `min_seconds`); latency is the median round trip of one transfer
-at a time. `memcpy_gbps` is numpy copyto between two warm arrays of the same size, measured
-between the relay runs so both see the same machine load.
+`repeat` runs of at least `min_seconds`); as in a mesh, the receiver acks transfers only for
+backends that return credit through acks (the others learn of releases themselves: shm
+marks, nixl/ucx/gloo release messages), and a sync frame ends each run. Latency is the
+median round trip of one transfer at a time, put to the receiver's ack. `memcpy_gbps` is
+numpy copyto between two warm arrays of the same size, measured between the relay runs so
+both see the same machine load.
 """
 
 from __future__ import annotations
@@ -37,7 +40,8 @@ _LEN = struct.Struct("<I")
 _MIN_TRANSFERS = 5
 _LATENCY_SAMPLES = 50
 _EDGE = "bench"
-_DATA, _STOP, _PEERS, _STATS = 0, 1, 2, 3
+# _DATA items are acked one by one; _QUIET items are not (the relay returns their credit).
+_DATA, _STOP, _PEERS, _STATS, _QUIET, _SYNC = 0, 1, 2, 3, 4, 5
 _CONNECT_TIMEOUT_S = 120.0
 # Descriptors per frame, and payload bytes after which a frame goes out anyway (so large
 # transfers are not held back). Acks: at most this many per frame.
@@ -99,6 +103,9 @@ async def _receiver_main(sock: socket.socket, backend: str, settings: Any) -> No
                     await relays[backend].connect(_CONNECT_TIMEOUT_S)
                     sock.sendall(_frame([]))  # ready (an empty ack list)
                     continue
+                if kind == _SYNC:  # everything before it is received and released
+                    sock.sendall(_frame({"synced": True}))
+                    continue
                 if kind == _STATS:
                     # The relay's own share of a transfer: get + release, as this side saw it.
                     get_us = statistics.median(gets) * 1e6 if gets else 0.0
@@ -114,7 +121,8 @@ async def _receiver_main(sock: socket.socket, backend: str, settings: Any) -> No
                     _ = value.numpy()[0] if hasattr(value, "numpy") else value[0]
                     received.release()
                     gets.append(time.perf_counter() - t0)
-                    acks.append(pb.relay.transfer_id)
+                    if kind == _DATA:
+                        acks.append(pb.relay.transfer_id)
             if len(acks) >= _ACK_EVERY:
                 sock.sendall(_frame(acks))
                 acks = []
@@ -143,10 +151,12 @@ class _Link:
         self.buf = bytearray()
         self.handles: dict[int, Any] = {}
         self.pending: list[bytes] = []
+        self.pending_kind = _DATA
         self.flush_scheduled = False
         self.idle: asyncio.Future[None] | None = None
         self.lost: BaseException | None = None
         self.stats: asyncio.Future[dict] | None = None
+        self.unsynced = False  # _QUIET items sent since the last sync
         asyncio.get_running_loop().add_reader(sock.fileno(), self.poll)
 
     def close(self) -> None:
@@ -166,7 +176,10 @@ class _Link:
             finally:
                 self.sock.setblocking(False)
 
-    def queue(self, raw: bytes, nbytes: int) -> None:
+    def queue(self, raw: bytes, nbytes: int, kind: int) -> None:
+        if self.pending and kind != self.pending_kind:
+            self.flush()
+        self.pending_kind = kind
         self.pending.append(raw)
         self.pending_bytes += nbytes
         if len(self.pending) >= _BATCH or self.pending_bytes >= _BATCH_BYTES:
@@ -179,7 +192,7 @@ class _Link:
     def flush(self) -> None:
         self.flush_scheduled = False
         if self.pending:
-            self.write(_frame([_DATA, self.pending]))
+            self.write(_frame([self.pending_kind, self.pending]))
             self.pending = []
             self.pending_bytes = 0
 
@@ -198,7 +211,7 @@ class _Link:
             return
         self.buf += data
         for ids in _split_frames(self.buf):
-            if isinstance(ids, dict):  # the answer to a stats request
+            if isinstance(ids, dict):  # the answer to a stats or sync request
                 if self.stats is not None and not self.stats.done():
                     self.stats.set_result(ids)
                 continue
@@ -207,36 +220,50 @@ class _Link:
         if not self.handles and self.idle is not None and not self.idle.done():
             self.idle.set_result(None)
 
-    async def send(self, relay: Any, value: Any) -> None:
-        # The stage's path: put without a coroutine when the edge has credit, else wait.
+    async def send(self, relay: Any, value: Any, acked: bool) -> None:
+        """Puts `value` like a stage does (no coroutine while the edge has credit); when
+        `acked`, the receiver acks it and the ack releases the handle."""
         packed = pack(value)
         handle = relay.put_nowait(packed, "bench", _EDGE)
         if handle is None:
             handle = await relay.put(packed, "bench", _EDGE)
-        self.handles[handle.descriptor.transfer_id] = handle
-        self.queue(relayed_payload(packed, handle).SerializeToString(), packed.nbytes)
+        raw = relayed_payload(packed, handle).SerializeToString()
+        if acked:
+            self.handles[handle.descriptor.transfer_id] = handle
+            self.queue(raw, packed.nbytes, _DATA)
+        else:
+            self.unsynced = True
+            self.queue(raw, packed.nbytes, _QUIET)
 
     async def receiver_stats(self) -> dict:
         """The receiver's figures since the last call (and resets them)."""
+        return await self._ask(_STATS)
+
+    async def _ask(self, kind: int) -> dict:
         self.stats = asyncio.get_running_loop().create_future()
-        self.write(_frame([_STATS, []]))
+        self.write(_frame([kind, []]))
         return await asyncio.wait_for(self.stats, 60)
 
     async def drained(self) -> None:
+        """Returns once the receiver has received and released everything sent."""
         self.flush()
         if self.lost:
             raise self.lost
         if self.handles:
             self.idle = asyncio.get_running_loop().create_future()
             await self.idle
+        if self.unsynced:
+            await self._ask(_SYNC)
+            self.unsynced = False
 
 
 async def _throughput(link: _Link, relay: Any, value: Any, secs: float) -> int:
     """Transfers done in a pipelined run of at least `secs`; the caller times it."""
     n = 0
+    acked = relay.acks_in_band
     t0 = time.perf_counter()
     while n < _MIN_TRANSFERS or time.perf_counter() - t0 < secs:
-        await link.send(relay, value)
+        await link.send(relay, value, acked)
         n += 1
     await link.drained()
     return n
@@ -246,7 +273,7 @@ async def _latency(link: _Link, relay: Any, value: Any, samples: int) -> float:
     times = []
     for _ in range(samples):
         t0 = time.perf_counter()
-        await link.send(relay, value)
+        await link.send(relay, value, True)
         await link.drained()
         times.append(time.perf_counter() - t0)
     return statistics.median(times) * 1e6
