@@ -308,10 +308,23 @@ _TORCH_NAMES: dict[Any, str] = {}
 
 
 def _torch_source(obj: Any) -> tuple[str, np.ndarray]:
-    torch = sys.modules["torch"]
     if not _TORCH_NAMES:
+        torch = sys.modules["torch"]
         for name in _NP_DTYPES:
             _TORCH_NAMES[getattr(torch, name)] = name
+    dtype_name = _TORCH_NAMES.get(obj.dtype)
+    if dtype_name is not None and dtype_name != "bfloat16" and obj.is_contiguous():
+        # The common case in one call: numpy() refuses tensors on other devices, with a
+        # gradient, conj or neg bits, or a non-strided layout; those take the path below.
+        try:
+            return dtype_name, obj.numpy()
+        except Exception:
+            pass
+    return _torch_source_slow(obj)
+
+
+def _torch_source_slow(obj: Any) -> tuple[str, np.ndarray]:
+    torch = sys.modules["torch"]
     if not obj.is_cpu:
         raise PayloadError(
             f"tensor on {obj.device}: relays for GPU memory are not supported yet; "
@@ -342,6 +355,9 @@ def pack(obj: Any, *, align: int = 64) -> Packed:
     """
     if align < 1 or align & (align - 1):
         raise ValueError(f"align must be a power of two, got {align}")
+    torch = sys.modules.get("torch")  # a torch tensor exists only if torch is imported
+    if torch is not None and obj.__class__ is torch.Tensor:
+        return _pack_tensor(obj)
     enc = _Encoder(align)
     tree = enc.enc(obj, 0)
     try:
@@ -349,6 +365,19 @@ def pack(obj: Any, *, align: int = 64) -> Packed:
     except Exception as e:  # e.g. a str with lone surrogates
         raise PayloadError(f"cannot encode header: {e}") from None
     return Packed(header, enc.cursor, enc.chunks)
+
+
+def _pack_tensor(obj: Any) -> Packed:
+    """`pack` of a payload that is one torch tensor (the usual relayed payload): the same
+    header as the general path (offset 0 suits every alignment), without its walk."""
+    dtype_name, arr = _torch_source(obj)
+    if arr.ndim != 1:
+        arr = arr.reshape(-1)
+    flat = arr if arr.dtype is _U8 else arr.view(np.uint8)
+    nbytes = flat.size
+    spec = msgpack.packb(["torch", dtype_name, list(obj.shape), 0, nbytes])
+    header = msgpack.packb([_VERSION, nbytes, _ext(_EXT_TENSOR, spec)])
+    return Packed(header, nbytes, [(0, flat)] if nbytes else [])
 
 
 # ----------------------------------------------------------------------------- unpacking

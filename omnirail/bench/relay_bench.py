@@ -184,7 +184,8 @@ class _Link:
         self.pending_bytes += nbytes
         if len(self.pending) >= _BATCH or self.pending_bytes >= _BATCH_BYTES:
             self.flush()
-            self.poll()
+            if self.handles:  # acks are due (quiet items get none)
+                self.poll()
         elif not self.flush_scheduled:
             self.flush_scheduled = True
             asyncio.get_running_loop().call_soon(self.flush)

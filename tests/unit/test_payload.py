@@ -139,6 +139,44 @@ def test_non_contiguous_inputs():
             assert out[key].dtype.isnative
 
 
+LONE_TENSORS = {
+    "contiguous": torch.arange(6, dtype=torch.float32),
+    "0-d": torch.tensor(3.5),
+    "empty": torch.zeros(2, 0),
+    "transposed": torch.arange(12).reshape(3, 4).t(),
+    "bfloat16": torch.ones(3, dtype=torch.bfloat16),
+    "requires_grad": torch.ones(2, requires_grad=True),
+    "conj": torch.ones(2, dtype=torch.complex64).conj(),
+}
+
+
+@pytest.mark.parametrize("name", list(LONE_TENSORS))
+def test_lone_tensor_fast_path_matches_the_general_walk(name):
+    # pack() of a bare tensor skips the tree walk; wrapping it in a list takes the walk.
+    t = LONE_TENSORS[name]
+    lone, wrapped = pack(t), pack([t])
+    assert msgpack.unpackb(lone.header, raw=False)[:2] == [1, lone.nbytes]
+    assert (
+        msgpack.unpackb(lone.header, raw=False)[2]
+        == msgpack.unpackb(wrapped.header, raw=False)[2][0]
+    )
+    assert lone.to_bytes() == wrapped.to_bytes()
+    assert_torch_equal(t.detach().resolve_conj(), unpack(lone.header, lone.to_bytes()))
+
+
+@pytest.mark.parametrize(
+    ("value", "message"),
+    [
+        (torch.zeros(2, dtype=torch.float8_e4m3fn), "unsupported torch dtype"),
+        (torch.zeros(2).to_sparse(), "unsupported tensor layout"),
+        (torch.zeros(2, device="meta"), "relays for GPU memory are not supported yet"),
+    ],
+)
+def test_lone_unsupported_tensors(value, message):
+    with pytest.raises(PayloadError, match=message):
+        pack(value)
+
+
 def test_requires_grad_tensor():
     t = torch.ones(3, requires_grad=True)
     out = roundtrip(t)
