@@ -204,6 +204,10 @@ class ShmRelay(Relay):
         nbytes = packed.nbytes
         credits = self._credits.edge(edge)
         await self._credits.take(credits, nbytes, self._start_polling)
+        if self._live:
+            # put_nowait leaves threaded copies to us: reuse what receivers released
+            # rather than grow the pool with fresh segments.
+            self.reclaim()
         pool, extent = self._alloc(credits, nbytes)
         copy: asyncio.Future[None] | None = None
         try:

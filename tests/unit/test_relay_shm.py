@@ -420,6 +420,20 @@ async def test_put_reclaims_marked_transfers_first(make_relay):
     fresh.release()
 
 
+async def test_threaded_put_reclaims_before_it_allocates(make_relay, prefix):
+    # Payloads copied in a worker thread skip put_nowait; they must still reuse what
+    # receivers released instead of growing the pool with fresh (page-faulting) segments.
+    sender = make_relay(options={"copy_thread_bytes": 4096})
+    receiver = make_relay()
+    first = await sender.put(payload(MiB // 2), "r1", "e")
+    (await receiver.get(first.descriptor)).release()
+    second = await sender.put(payload(MiB // 2), "r2", "e")
+    assert first.released
+    assert second.descriptor.offset == first.descriptor.offset
+    assert len(data_segments(prefix)) == 1
+    second.release()
+
+
 async def test_stale_mark_after_cleanup_does_not_free_a_newer_transfer(make_relay):
     sender, receiver = make_relay(), make_relay()
     old = await sender.put(payload(64), "aborted", "e")
