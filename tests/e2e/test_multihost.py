@@ -26,7 +26,10 @@ from tests.e2e.netns import Host, NetnsUnavailable, Network
 ROOT = Path(__file__).resolve().parents[2]
 NBYTES = 3 << 20
 START_TIMEOUT = 180.0
-pytestmark = pytest.mark.slow
+GENERATE_TIMEOUT = 90.0
+# The test's own deadlines (start-up, each generate) fire first and print every process's
+# log; pytest's limit is only the backstop.
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]
 
 
 def _missing(module: str) -> bool:
@@ -175,16 +178,25 @@ def _generate(
 ) -> dict[str, object]:
     """Runs `omnirail generate` on `host`; retries while the stages are still starting."""
     while True:
-        proc = subprocess.run(
-            [
-                *(*host.wrap(), sys.executable, "-m", "omnirail", "generate"),
-                *("--address", address, "--input", json.dumps({"seed": seed}), "--timeout", "60"),
-            ],
-            capture_output=True,
-            text=True,
-            cwd=ROOT,
-            env=procs.env,
-        )
+        try:
+            proc = subprocess.run(
+                [
+                    *(*host.wrap(), sys.executable, "-m", "omnirail", "generate"),
+                    *("--address", address, "--input", json.dumps({"seed": seed})),
+                    *("--timeout", "60"),
+                ],
+                capture_output=True,
+                text=True,
+                cwd=ROOT,
+                env=procs.env,
+                timeout=GENERATE_TIMEOUT,
+            )
+        except subprocess.TimeoutExpired as exc:
+            # The client gives up after 60 s: one still running later is hung. Say where.
+            raise AssertionError(
+                f"generate hung for {GENERATE_TIMEOUT}s; its stderr: {exc.stderr!r}\n"
+                + procs.logs()
+            ) from None
         if proc.returncode == 0:
             return json.loads(proc.stdout)
         exited = [name for name, p in procs.procs if p.poll() is not None]
