@@ -131,7 +131,6 @@ class ShmRelay(Relay):
         self.settings = settings or RelaySettings()
         self._pool: ShmPool | None = None  # created on the first put: receivers need none
         self._credits = Credits(self.settings.credit_slots, self.settings.credit_bytes)
-        self._by_request: dict[str, dict[int, ShmHandle]] = {}
         self._ids = itertools.count(1)
         self._free_slots: deque[int] = deque(range(1, MARK_SLOTS))  # 0: never a live slot
         self._live: dict[int, ShmHandle] = {}
@@ -258,10 +257,6 @@ class ShmRelay(Relay):
             transfer_id=tid,
         )
         handle = ShmHandle(self, desc, request_id, credits, extent, nbytes, tid)
-        handles = self._by_request.get(request_id)
-        if handles is None:
-            handles = self._by_request[request_id] = {}
-        handles[tid] = handle
         self._live[tid] = handle
         return handle
 
@@ -272,11 +267,6 @@ class ShmRelay(Relay):
     def _release(self, handle: ShmHandle) -> None:
         if self.closed:
             return
-        handles = self._by_request.get(handle.request_id)
-        if handles is not None:
-            handles.pop(handle.transfer_id, None)
-            if not handles:
-                del self._by_request[handle.request_id]
         if self._live.pop(handle.transfer_id, None) is not None:
             self._free_slots.append(handle.slot)
         if self._pool is not None:
@@ -285,7 +275,9 @@ class ShmRelay(Relay):
 
     def cleanup(self, request_id: str) -> None:
         """Releases every unacked handle of `request_id` (abort path)."""
-        for handle in list(self._by_request.get(request_id, {}).values()):
+        # A scan of what is live (at most the edges' credit slots) on the rare abort path
+        # keeps every put and release free of a per-request index.
+        for handle in [h for h in self._live.values() if h.request_id == request_id]:
             handle.release()
 
     def outstanding(self, edge: str) -> tuple[int, int]:
@@ -388,7 +380,6 @@ class ShmRelay(Relay):
             return
         self.closed = True
         self._credits.fail_waiters("shm relay closed")
-        self._by_request.clear()
         self._live.clear()
         if self._poller is not None:
             self._poller.cancel()
