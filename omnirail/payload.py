@@ -268,11 +268,7 @@ class _Encoder:
             dtype_name, arr = _numpy_source(obj)
         else:
             dtype_name, arr = _torch_source(obj)
-        # Flat uint8 view of the bytes; reshape/view are skipped when already flat bytes
-        # because they cost more than the rest of a small pack.
-        if arr.ndim != 1:
-            arr = arr.reshape(-1)
-        flat = arr if arr.dtype is _U8 else arr.view(np.uint8)
+        flat = _flat_u8(arr)
         itemsize = _NP_DTYPES[dtype_name].itemsize
         step = self.align if self.align >= itemsize else itemsize
         nbytes = flat.size
@@ -290,6 +286,14 @@ class _Encoder:
 
 
 _U8 = np.dtype(np.uint8)
+
+
+def _flat_u8(arr: np.ndarray) -> np.ndarray:
+    """Flat uint8 view of a contiguous array's bytes; reshape/view are skipped when already
+    flat bytes because they cost more than the rest of a small pack."""
+    if arr.ndim != 1:
+        arr = arr.reshape(-1)
+    return arr if arr.dtype is _U8 else arr.view(np.uint8)
 
 
 def _numpy_source(obj: np.ndarray) -> tuple[str, np.ndarray]:
@@ -371,9 +375,7 @@ def _pack_tensor(obj: Any) -> Packed:
     """`pack` of a payload that is one torch tensor (the usual relayed payload): the same
     header as the general path (offset 0 suits every alignment), without its walk."""
     dtype_name, arr = _torch_source(obj)
-    if arr.ndim != 1:
-        arr = arr.reshape(-1)
-    flat = arr if arr.dtype is _U8 else arr.view(np.uint8)
+    flat = _flat_u8(arr)
     nbytes = flat.size
     spec = msgpack.packb(["torch", dtype_name, list(obj.shape), 0, nbytes])
     header = msgpack.packb([_VERSION, nbytes, _ext(_EXT_TENSOR, spec)])

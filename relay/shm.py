@@ -176,10 +176,14 @@ class ShmRelay(Relay):
     def put_nowait(self, packed: Packed, request_id: str, edge: str) -> ShmHandle | None:
         """`put` without a coroutine when the edge has credit and the copy runs inline."""
         nbytes = packed.nbytes
-        if self.closed or nbytes >= self._copy_thread_bytes:
+        if self.closed:
             return None
         if self._live:
+            # Before the size check: `put` comes through here for threaded copies too, and
+            # must reuse what receivers released rather than grow the pool.
             self.reclaim()
+        if nbytes >= self._copy_thread_bytes:
+            return None
         credits = self._credits.edge(edge)
         if not self._credits.try_take(credits, nbytes):
             return None
@@ -203,10 +207,6 @@ class ShmRelay(Relay):
         nbytes = packed.nbytes
         credits = self._credits.edge(edge)
         await self._credits.take(credits, nbytes, self._start_polling)
-        if self._live:
-            # put_nowait leaves threaded copies to us: reuse what receivers released
-            # rather than grow the pool with fresh segments.
-            self.reclaim()
         pool, extent = self._alloc(credits, nbytes)
         copy: asyncio.Future[None] | None = None
         try:
