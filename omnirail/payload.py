@@ -371,14 +371,27 @@ def pack(obj: Any, *, align: int = 64) -> Packed:
     return Packed(header, enc.cursor, enc.chunks)
 
 
+# Headers of lone tensors by (dtype name, shape): a stream sends the same shapes over and
+# over, and the two msgpack calls cost more than the rest of the header. Bounded: cleared
+# when full, so shapes that keep changing cost a rebuild, never memory.
+_TENSOR_HEADERS: dict[tuple[str, tuple[int, ...]], bytes] = {}
+_TENSOR_HEADERS_MAX = 256
+
+
 def _pack_tensor(obj: Any) -> Packed:
     """`pack` of a payload that is one torch tensor (the usual relayed payload): the same
     header as the general path (offset 0 suits every alignment), without its walk."""
     dtype_name, arr = _torch_source(obj)
     flat = _flat_u8(arr)
     nbytes = flat.size
-    spec = msgpack.packb(["torch", dtype_name, list(obj.shape), 0, nbytes])
-    header = msgpack.packb([_VERSION, nbytes, _ext(_EXT_TENSOR, spec)])
+    key = (dtype_name, obj.shape)
+    header = _TENSOR_HEADERS.get(key)
+    if header is None:
+        spec = msgpack.packb(["torch", dtype_name, list(obj.shape), 0, nbytes])
+        header = msgpack.packb([_VERSION, nbytes, _ext(_EXT_TENSOR, spec)])
+        if len(_TENSOR_HEADERS) >= _TENSOR_HEADERS_MAX:
+            _TENSOR_HEADERS.clear()
+        _TENSOR_HEADERS[key] = header
     return Packed(header, nbytes, [(0, flat)] if nbytes else [])
 
 

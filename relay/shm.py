@@ -120,7 +120,8 @@ class _Mapping:
     dev: int
     ino: int
     size: int
-    marks: memoryview | None = None  # the uint64 view of a release-marks segment
+    # A marks segment: its uint64 view. A data segment: the view of its pool's marks.
+    marks: memoryview | None = None
 
 
 class ShmRelay(Relay):
@@ -296,6 +297,34 @@ class ShmRelay(Relay):
         if descriptor.backend != BACKEND:
             raise RelayError(f"descriptor for backend {descriptor.backend!r} given to shm relay")
         name = descriptor.region
+        mapping = self._maps.get(name)
+        # A cached name was validated when mapped; only a new one needs the checks, and its
+        # pool's marks are mapped with it (they live and die together with the sender).
+        if mapping is None or not self._still_current(name, mapping):
+            mapping = self._map_data(name)
+        end = descriptor.offset + descriptor.nbytes
+        if end > mapping.size:
+            raise RelayError(
+                f"descriptor points outside segment {name!r}: offset {descriptor.offset} + "
+                f"{descriptor.nbytes} bytes (size {mapping.size})"
+            )
+        tid = descriptor.transfer_id
+        if not tid & _SLOT_MASK:
+            raise RelayError(f"descriptor has no release slot (transfer_id {tid})")
+        return ShmReceived(mapping.view[descriptor.offset : end], mapping.marks, tid)
+
+    def _still_current(self, name: str, mapping: _Mapping) -> bool:
+        """Whether the cached mapping is still the file named `name` (not a restarted
+        sender's new one); one lstat, the only syscall on the cached path."""
+        try:
+            st = os.lstat(os.path.join(SHM_DIR, name))
+        except FileNotFoundError:
+            self._prune()  # the sender is gone: forget its segments and marks
+            raise RelayError(f"shm segment {name!r} does not exist (sender gone?)") from None
+        return st.st_ino == mapping.ino and st.st_dev == mapping.dev
+
+    def _map_data(self, name: str) -> _Mapping:
+        """Maps data segment `name` and the release marks of its pool."""
         if len(name) > 255 or not NAME_RE.match(name) or name in (".", ".."):
             raise RelayError(f"bad shm segment name {name!r}")
         if marks_name(name) == name:
@@ -303,18 +332,8 @@ class ShmRelay(Relay):
             # read-only (later releases could not write their marks) or expose it.
             raise RelayError(f"shm segment {name!r} is a release-marks segment, not data")
         mapping = self._map(name)
-        end = descriptor.offset + descriptor.nbytes
-        if end > mapping.size:
-            raise RelayError(
-                f"descriptor points outside segment {name!r}: offset {descriptor.offset} + "
-                f"{descriptor.nbytes} bytes (size {mapping.size})"
-            )
-        if not descriptor.transfer_id & _SLOT_MASK:
-            raise RelayError(
-                f"descriptor has no release slot (transfer_id {descriptor.transfer_id})"
-            )
-        marks = self._map(marks_name(name), writable=True).marks
-        return ShmReceived(mapping.view[descriptor.offset : end], marks, descriptor.transfer_id)
+        mapping.marks = self._map(marks_name(name), writable=True).marks
+        return mapping
 
     def _map(self, name: str, writable: bool = False) -> _Mapping:
         path = os.path.join(SHM_DIR, name)

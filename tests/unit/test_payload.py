@@ -164,6 +164,20 @@ def test_lone_tensor_fast_path_matches_the_general_walk(name):
     assert_torch_equal(t.detach().resolve_conj(), unpack(lone.header, lone.to_bytes()))
 
 
+def test_lone_tensor_headers_stay_right_past_their_cache_bound():
+    from omnirail import payload as payload_mod
+
+    for n in range(payload_mod._TENSOR_HEADERS_MAX + 40):
+        for dtype in (torch.uint8, torch.float32):
+            t = torch.zeros(n % 7, n, dtype=dtype)
+            lone = msgpack.unpackb(pack(t).header, raw=False)
+            walked = msgpack.unpackb(pack({"x": t}).header, raw=False)
+            assert lone[:2] == walked[:2] and lone[2] == walked[2]["x"]
+            assert len(payload_mod._TENSOR_HEADERS) <= payload_mod._TENSOR_HEADERS_MAX
+    again = torch.ones(3, 5)
+    assert_torch_equal(again, unpack(pack(again).header, pack(again).to_bytes()))
+
+
 @pytest.mark.parametrize(
     ("value", "message"),
     [

@@ -465,3 +465,19 @@ async def test_put_nowait_only_when_nothing_must_wait(make_relay):
     first.release()
     assert relay.put_nowait(pack(np.ones(2 * MiB, np.uint8)), "r", "e") is None  # threaded copy
     assert relay.outstanding("e") == (0, 0)
+
+
+async def test_cached_get_checks_one_file_and_marks_its_pools_slot(make_relay, monkeypatch):
+    sender, receiver = make_relay(), make_relay()
+    first = await sender.put(payload(64), "r", "e")
+    (await receiver.get(first.descriptor)).release()
+    stats: list[str] = []
+    real_lstat = os.lstat
+    monkeypatch.setattr(os, "lstat", lambda path: stats.append(path) or real_lstat(path))
+    second = await sender.put(payload(64), "r", "e")
+    received = await receiver.get(second.descriptor)
+    # The marks segment was mapped with the data segment: only the data file is checked
+    # (for a restarted sender), and the release still lands in the sender's marks.
+    assert stats == [os.path.join(SHM_DIR, second.descriptor.region)]
+    received.release()
+    assert sender.reclaim() == 1 and sender.outstanding("e") == (0, 0)
