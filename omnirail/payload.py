@@ -404,6 +404,7 @@ class _Decoder:
         self.copy = copy
         self.numpy_only = numpy_only
         self.ext_depth = 0
+        self.specs: list[_TensorSpec] = []
 
     def load(self, data: bytes) -> Any:
         return msgpack.unpackb(
@@ -459,30 +460,67 @@ class _Decoder:
             raise PayloadError(
                 f"tensor of shape {shape} and dtype {dtype_name} is not {nbytes} bytes"
             )
-        if offset + nbytes > len(self.buf):
-            raise PayloadError(
-                f"tensor at offset {offset} of {nbytes} bytes lies outside the buffer "
-                f"of {len(self.buf)} bytes"
-            )
         if offset % dtype.itemsize:
             raise PayloadError(f"tensor offset {offset} is not aligned to its dtype")
-        if count == 0:
-            arr = np.empty(shape, dtype)
+        checked = _TensorSpec(kind, dtype_name, dtype, tuple(shape), offset, nbytes, count)
+        self.specs.append(checked)
+        return checked.build(self.buf, self.copy, self.numpy_only)
+
+
+class _TensorSpec:
+    """A tensor placeholder that passed every check; `build` only checks it fits `buf`."""
+
+    __slots__ = ("count", "dtype", "dtype_name", "kind", "nbytes", "offset", "shape")
+
+    def __init__(
+        self,
+        kind: str,
+        dtype_name: str,
+        dtype: np.dtype,
+        shape: tuple[int, ...],
+        offset: int,
+        nbytes: int,
+        count: int,
+    ) -> None:
+        self.kind = kind
+        self.dtype_name = dtype_name
+        self.dtype = dtype
+        self.shape = shape
+        self.offset = offset
+        self.nbytes = nbytes
+        self.count = count
+
+    def build(self, buf: memoryview, copy: bool, numpy_only: bool) -> Any:
+        offset, nbytes = self.offset, self.nbytes
+        if offset + nbytes > len(buf):
+            raise PayloadError(
+                f"tensor at offset {offset} of {nbytes} bytes lies outside the buffer "
+                f"of {len(buf)} bytes"
+            )
+        if self.count == 0:
+            arr = np.empty(self.shape, self.dtype)
         else:
-            arr = np.frombuffer(self.buf, dtype, count, offset).reshape(shape)
-        if self.copy:
+            arr = np.frombuffer(buf, self.dtype, self.count, offset).reshape(self.shape)
+        if copy:
             arr = arr.copy()
         elif arr.flags.writeable:
             arr.flags.writeable = False
-        if kind == "numpy" or self.numpy_only:
+        if self.kind == "numpy" or numpy_only:
             return arr
         torch = _torch()
         if torch is None:
             return arr
-        t = torch.from_numpy(arr) if self.copy else _from_numpy_ro(torch, arr)
-        if dtype_name == "bfloat16":
+        t = torch.from_numpy(arr) if copy else _from_numpy_ro(torch, arr)
+        if self.dtype_name == "bfloat16":
             t = t.view(torch.bfloat16)
         return t
+
+
+# Headers that decoded to one tensor and nothing else, with its checked spec: a stream
+# receives the same header over and over, and msgpack plus the checks cost more than
+# building the view. Bounded like the sender's cache.
+_LONE_SPECS: dict[bytes, _TensorSpec] = {}
+_LONE_SPECS_MAX = 256
 
 
 def _check_tree(obj: Any, depth: int) -> None:
@@ -523,7 +561,11 @@ def unpack(
         buf = memoryview(buffer if buffer is not None else b"")
         if buf.ndim != 1 or buf.itemsize != 1:
             buf = buf.cast("B")
-        envelope = _Decoder(buf, copy, numpy_only).load(header)
+        lone = _LONE_SPECS.get(header) if type(header) is bytes else None
+        if lone is not None:
+            return lone.build(buf, copy, numpy_only)
+        decoder = _Decoder(buf, copy, numpy_only)
+        envelope = decoder.load(header)
         if type(envelope) is not list or len(envelope) != 3 or envelope[0] != _VERSION:
             raise PayloadError("header is not an omnirail payload header (version 1)")
         _, nbytes, tree = envelope
@@ -535,6 +577,11 @@ def unpack(
             _check_tree(tree, 1)
         elif type(tree) not in _LEAVES:
             raise PayloadError(f"unexpected value of type {type(tree).__name__}")
+        elif len(decoder.specs) == 1 and type(header) is bytes:
+            # A leaf that needed one tensor spec is that tensor: the header is a lone one.
+            if len(_LONE_SPECS) >= _LONE_SPECS_MAX:
+                _LONE_SPECS.clear()
+            _LONE_SPECS[header] = decoder.specs[0]
         return tree
     except PayloadError:
         raise
