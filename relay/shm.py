@@ -120,6 +120,7 @@ class _Mapping:
     dev: int
     ino: int
     size: int
+    writable: bool  # a release-marks segment (data segments are mapped read-only)
     # A marks segment: its uint64 view. A data segment: the view of its pool's marks.
     marks: memoryview | None = None
 
@@ -298,9 +299,10 @@ class ShmRelay(Relay):
             raise RelayError(f"descriptor for backend {descriptor.backend!r} given to shm relay")
         name = descriptor.region
         mapping = self._maps.get(name)
-        # A cached name was validated when mapped; only a new one needs the checks, and its
-        # pool's marks are mapped with it (they live and die together with the sender).
-        if mapping is None or not self._still_current(name, mapping):
+        # A cached data segment was validated when mapped; anything else takes the checks
+        # (a cached marks segment is refused there), and a new data segment's pool marks
+        # are mapped with it (they live and die together with the sender).
+        if mapping is None or mapping.writable or not self._still_current(name, mapping):
             mapping = self._map_data(name)
         end = descriptor.offset + descriptor.nbytes
         if end > mapping.size:
@@ -367,7 +369,7 @@ class ShmRelay(Relay):
         self._drop(name)  # the sender restarted under the same name
         view = memoryview(mm)
         marks = view.cast("Q") if writable else None
-        mapping = _Mapping(mm, view, st.st_dev, st.st_ino, st.st_size, marks)
+        mapping = _Mapping(mm, view, st.st_dev, st.st_ino, st.st_size, writable, marks)
         self._maps[name] = mapping
         return mapping
 

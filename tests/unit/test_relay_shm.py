@@ -481,3 +481,9 @@ async def test_cached_get_checks_one_file_and_marks_its_pools_slot(make_relay, m
     assert stats == [os.path.join(SHM_DIR, second.descriptor.region)]
     received.release()
     assert sender.reclaim() == 1 and sender.outstanding("e") == (0, 0)
+    # The marks segment, mapped and cached by now, is still no data region.
+    marks = common_pb2.RelayDescriptor(
+        backend="shm", region=marks_name(second.descriptor.region), nbytes=8, transfer_id=1
+    )
+    with pytest.raises(RelayError, match="release-marks segment"):
+        receiver.get_nowait(marks)
