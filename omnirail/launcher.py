@@ -24,6 +24,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from omnirail.config import PipelineConfig, load_pipeline
+from omnirail.cpus import available_cpus, format_cpus, spread
 from omnirail.errors import Code, OmniError
 from omnirail.telemetry import SPAN_DIR_ENV
 
@@ -71,8 +72,12 @@ class Mesh:
         run_dir: str | None = None,
         progress: Callable[[str], None] | None = None,
         env: Mapping[str, str] | None = None,
+        pin: bool = False,
     ) -> None:
+        """`pin`: each process whose stages (or coordinator) configure no `cpus` is pinned
+        to one CPU, round-robin over the CPUs this process may use."""
         self._extra_env = dict(env or {})
+        self.pin = pin
         self.pipeline_path = str(Path(pipeline_path).resolve())
         self.pipeline: PipelineConfig = load_pipeline(self.pipeline_path)
         ep = self.pipeline.endpoints
@@ -147,6 +152,8 @@ class Mesh:
         listen = (
             f"{self.host}:{self.port}" if self.transport == "tcp" else self._listen("coordinator")
         )
+        processes = self._processes()
+        pinned = self._pinned(processes)
         self._progress(f"starting coordinator ({listen})")
         coord = self._spawn(
             "coordinator",
@@ -158,6 +165,7 @@ class Mesh:
                 listen,
                 "--ready-file",
                 str(ready_file),
+                *pinned.get("coordinator", []),
             ],
         )
         while not ready_file.exists() or not ready_file.read_text():
@@ -166,31 +174,52 @@ class Mesh:
                 raise OmniError(Code.UNAVAILABLE, f"coordinator did not start in {timeout:g}s")
             time.sleep(0.02)
         self.address = ready_file.read_text().strip()
-        groups = self.pipeline.process_groups()
-        for group, stages in groups.items():
+        for name, stages in processes.items():
+            if name == "coordinator":
+                continue
+            self._progress(f"starting process {name!r}: stages {', '.join(stages)}")
+            self._spawn(
+                name,
+                [
+                    "stage",
+                    "--pipeline",
+                    self.pipeline_path,
+                    "--stage",
+                    ",".join(stages),
+                    "--coordinator",
+                    self.address,
+                    "--listen",
+                    self._listen(name),
+                    "--shm-prefix",
+                    self.shm_prefix,
+                    *pinned.get(name, []),
+                ],
+            )
+        self._wait_ready(deadline)
+        return self.address
+
+    def _processes(self) -> dict[str, list[str]]:
+        """Every process the mesh starts, in start order: name -> its stages."""
+        processes: dict[str, list[str]] = {"coordinator": []}
+        for group, stages in self.pipeline.process_groups().items():
             # Stages sharing a process have equal `replicas` (config validation).
             replicas = self.pipeline.stage(stages[0]).replicas
             for r in range(replicas):
-                name = f"stage-{group}" if replicas == 1 else f"stage-{group}-{r}"
-                self._progress(f"starting process {name!r}: stages {', '.join(stages)}")
-                self._spawn(
-                    name,
-                    [
-                        "stage",
-                        "--pipeline",
-                        self.pipeline_path,
-                        "--stage",
-                        ",".join(stages),
-                        "--coordinator",
-                        self.address,
-                        "--listen",
-                        self._listen(name),
-                        "--shm-prefix",
-                        self.shm_prefix,
-                    ],
-                )
-        self._wait_ready(deadline)
-        return self.address
+                processes[f"stage-{group}" if replicas == 1 else f"stage-{group}-{r}"] = stages
+        return processes
+
+    def _pinned(self, processes: dict[str, list[str]]) -> dict[str, list[str]]:
+        """`--cpus` flags for the processes `pin` spreads (those without configured cpus)."""
+        if not self.pin:
+            return {}
+        cfg = self.pipeline
+        free = [
+            name
+            for name, stages in processes.items()
+            if (cfg.coordinator_cpus if name == "coordinator" else cfg.process_cpus(stages)) is None
+        ]
+        spread_cpus = spread(free, available_cpus())
+        return {name: ["--cpus", format_cpus(cpus)] for name, cpus in spread_cpus.items()}
 
     def _wait_ready(self, deadline: float) -> None:
         from omnirail.client import Client

@@ -70,6 +70,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
             throughput_requests=args.throughput_requests,
             stage_ms=args.stage_ms,
             tracing=args.tracing,
+            pin=args.pin,
             progress=progress(args.json),
         )
     print(json.dumps(report, indent=None if args.json else 2))
@@ -132,5 +133,10 @@ def add_bench_parser(sub: Any) -> None:
         choices=["off", "on", "compare"],
         default="off",
         help="pipeline: spans to a local file at sampling 1.0; compare runs both, interleaved",
+    )
+    b.add_argument(
+        "--pin",
+        action="store_true",
+        help="pipeline: pin each mesh process to one CPU, round-robin (as `omnirail up --pin`)",
     )
     b.set_defaults(fn=cmd_bench)

@@ -103,18 +103,27 @@ def run_pipeline_bench(
     throughput_requests: int = 2048,
     stage_ms: float = 0.0,
     tracing: str = "off",
+    pin: bool = False,
     progress: Callable[[str], None] | None = None,
 ) -> dict[str, Any]:
+    """`pin`: the mesh pins each process to one CPU (`omnirail up --pin`)."""
     from omnirail.launcher import Mesh
 
     if tracing == "compare":
         return _compare_tracing(
-            stages, payload_bytes, requests, concurrency, throughput_requests, stage_ms, progress
+            stages,
+            payload_bytes,
+            requests,
+            concurrency,
+            throughput_requests,
+            stage_ms,
+            pin,
+            progress,
         )
     if tracing not in TRACING_ENV:
         raise ValueError(f"tracing must be off, on or compare, not {tracing!r}")
     with pipeline_file(pipeline_yaml(stages, payload_bytes, stage_ms)) as path:
-        with Mesh(path, progress=progress, env=TRACING_ENV[tracing]) as mesh:
+        with Mesh(path, progress=progress, env=TRACING_ENV[tracing], pin=pin) as mesh:
             assert mesh.address is not None
             latencies = _latencies(mesh.address, requests, payload_bytes)
             rps = aio.run(_throughput(mesh.address, throughput_requests, concurrency))
@@ -132,6 +141,7 @@ def run_pipeline_bench(
         report["stage_ms"] = stage_ms
         report["efficiency"] = round(rps * stage_ms / 1000.0, 3)
     report["tracing"] = tracing
+    report["pinned"] = pin
     return report
 
 
@@ -142,6 +152,7 @@ def _compare_tracing(
     concurrency: int,
     throughput_requests: int,
     stage_ms: float,
+    pin: bool,
     progress: Callable[[str], None] | None,
     rounds: int = 3,
 ) -> dict[str, Any]:
@@ -151,8 +162,8 @@ def _compare_tracing(
 
     with pipeline_file(pipeline_yaml(stages, payload_bytes, stage_ms)) as path:
         with (
-            Mesh(path, progress=progress, env=TRACING_ENV["off"]) as off,
-            Mesh(path, progress=progress, env=TRACING_ENV["on"]) as on,
+            Mesh(path, progress=progress, env=TRACING_ENV["off"], pin=pin) as off,
+            Mesh(path, progress=progress, env=TRACING_ENV["on"], pin=pin) as on,
         ):
             assert off.address is not None and on.address is not None
             p50 = {}
@@ -181,4 +192,5 @@ def _compare_tracing(
         "throughput_rps_runs": {k: [round(x, 1) for x in v] for k, v in rps.items()},
         "tracing_throughput_ratio": round(on_rps / off_rps, 3),
         "span_files": spans,
+        "pinned": pin,
     }

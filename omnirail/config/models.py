@@ -23,6 +23,7 @@ from pydantic import (
 )
 
 from omnirail import dotted
+from omnirail.cpus import CpuError, parse_cpus
 
 if TYPE_CHECKING:
     from relay.base import RelaySettings
@@ -123,6 +124,24 @@ class StreamConfig(_Model):
     hold_early_chunks: bool = False
 
 
+def _cpu_list(v: Any) -> list[int] | None:
+    """A CPU affinity setting: None, a non-empty list of CPU ids, or "0-3,6"."""
+    if v is None:
+        return None
+    if isinstance(v, str):
+        try:
+            return parse_cpus(v)
+        except CpuError as e:
+            raise ValueError(str(e)) from None
+    if (
+        isinstance(v, list | tuple)
+        and v
+        and all(isinstance(c, int) and not isinstance(c, bool) and c >= 0 for c in v)
+    ):
+        return sorted(set(v))
+    raise ValueError(f'expected a non-empty list of CPU ids (int >= 0) or "0-3,6", got {v!r}')
+
+
 class StageConfig(_Model):
     name: str
     factory: str
@@ -147,6 +166,9 @@ class StageConfig(_Model):
     relay_to: dict[str, RelayConfig] = {}
     replicas: int = Field(1, ge=1)
     torch_threads: int = Field(1, ge=1)
+    # CPUs the stage's process is pinned to (every thread), as a list or "0-3,6". Stages
+    # sharing a process: the union of theirs. None: wherever the OS schedules it.
+    cpus: list[int] | None = None
     env: dict[str, str] = {}
 
     @field_validator("name", "process")
@@ -173,6 +195,11 @@ class StageConfig(_Model):
         if isinstance(v, list | tuple) and v and all(ok(x) for x in v):
             return list(v)
         raise ValueError(f"expected a GPU id (int >= 0) or a non-empty list of them, got {v!r}")
+
+    @field_validator("cpus", mode="before")
+    @classmethod
+    def _check_cpus(cls, v: Any) -> Any:
+        return _cpu_list(v)
 
     @property
     def next_stages(self) -> list[str]:
@@ -205,8 +232,15 @@ class PipelineConfig(_Model):
     # Chunks of one streaming request the coordinator holds for a client that does not read
     # them; past this the request fails with RESOURCE_EXHAUSTED instead of growing memory.
     client_stream_buffer: int = Field(4096, gt=0)
+    # CPUs the coordinator process is pinned to (see StageConfig.cpus).
+    coordinator_cpus: list[int] | None = None
 
     _source_dir: str | None = PrivateAttr(default=None)
+
+    @field_validator("coordinator_cpus", mode="before")
+    @classmethod
+    def _check_cpus(cls, v: Any) -> Any:
+        return _cpu_list(v)
 
     @model_validator(mode="before")
     @classmethod
@@ -349,6 +383,13 @@ class PipelineConfig(_Model):
             if _accepts(factory, "model_path"):
                 args["model_path"] = self.model_path
         return args
+
+    def process_cpus(self, stage_names: Iterable[str]) -> list[int] | None:
+        """The CPUs of the process hosting `stage_names`: the union of the `cpus` its stages
+        set, None when none sets any."""
+        sets = [self.stage(n).cpus for n in stage_names]
+        chosen = sorted({c for cpus in sets if cpus for c in cpus})
+        return chosen or None
 
     def process_groups(self) -> dict[str, list[str]]:
         """Process name -> its stages in declaration order.

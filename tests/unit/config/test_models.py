@@ -274,3 +274,26 @@ def test_format_topology() -> None:
     assert "    stream_to: talker" in text
     assert "    wait_for: preprocessing, image_encoder, audio_encoder" in text
     assert "    terminal: yes" in text
+
+
+def test_cpus_as_lists_or_ranges_and_the_union_per_process() -> None:
+    d = pipe(
+        st("a", next="b", cpus="2-3", process="p"),
+        st("b", next="c", cpus=[1, 1], process="p"),
+        st("c", terminal=True),
+        coordinator_cpus="0",
+    )
+    cfg = PipelineConfig.from_dict(d)
+    assert cfg.stage("a").cpus == [2, 3] and cfg.stage("b").cpus == [1]
+    assert cfg.coordinator_cpus == [0]
+    assert cfg.process_cpus(["a", "b"]) == [1, 2, 3]
+    assert cfg.process_cpus(["c"]) is None
+
+
+@pytest.mark.parametrize("bad", [[], [-1], "0-", [True], "x", 3])
+def test_bad_cpus_name_the_stage_and_field(bad: object) -> None:
+    err = config_error(pipe(st("a", terminal=True, cpus=bad)))
+    assert "stages[a].cpus" in str(err)
+    assert "coordinator_cpus" in str(
+        config_error(pipe(st("a", terminal=True), coordinator_cpus=bad))
+    )
