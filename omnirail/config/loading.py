@@ -16,6 +16,7 @@ from pydantic import ValidationError
 from omnirail import dotted
 from omnirail.config.models import ConfigError, PipelineConfig, validation_error_lines
 from omnirail.config.validation import validate
+from omnirail.cpus import format_cpus
 
 
 def load_pipeline(path: str | os.PathLike[str], *, resolve: bool = True) -> PipelineConfig:
@@ -111,8 +112,12 @@ def format_topology(cfg: PipelineConfig) -> str:
         f"{r.credits} credits / {r.credit_mb} MiB per edge)"
     )
     lines.append("processes:")
+    if cfg.coordinator_cpus:
+        lines.append(f"  coordinator [cpus={format_cpus(cfg.coordinator_cpus)}]")
     for group, members in cfg.process_groups().items():
-        lines.append(f"  {group}: {', '.join(members)}")
+        cpus = cfg.process_cpus(members)
+        pinned = f" [cpus={format_cpus(cpus)}]" if cpus else ""
+        lines.append(f"  {group}: {', '.join(members)}{pinned}")
     lines.append("stages:")
     for s in cfg.stages:
         extras = []

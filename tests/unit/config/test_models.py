@@ -288,6 +288,9 @@ def test_cpus_as_lists_or_ranges_and_the_union_per_process() -> None:
     assert cfg.coordinator_cpus == [0]
     assert cfg.process_cpus(["a", "b"]) == [1, 2, 3]
     assert cfg.process_cpus(["c"]) is None
+    text = format_topology(cfg)
+    assert "  coordinator [cpus=0]" in text and "  p: a, b [cpus=1,2,3]" in text
+    assert "  c: c\n" in text
 
 
 @pytest.mark.parametrize("bad", [[], [-1], "0-", [True], "x", 3])
