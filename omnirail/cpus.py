@@ -63,13 +63,13 @@ def pin_process(cpus: Iterable[int]) -> list[int]:
             f"(it may use {format_cpus(allowed)})"
         )
     # Threads already running (grpc's, the metrics server's) keep their own mask unless
-    # set one by one; threads started later inherit the caller's.
+    # set one by one; threads started later inherit the caller's. Without /proc: the
+    # calling thread (0) alone.
     for tid in _thread_ids():
         try:
             os.sched_setaffinity(tid, wanted)
         except ProcessLookupError:
             pass  # the thread ended meanwhile
-    os.sched_setaffinity(0, wanted)
     return wanted
 
 
@@ -77,7 +77,7 @@ def _thread_ids() -> list[int]:
     try:
         return [int(t) for t in os.listdir("/proc/self/task")]
     except OSError:
-        return []
+        return [0]
 
 
 def spread(processes: Sequence[str], cpus: Sequence[int]) -> dict[str, list[int]]:

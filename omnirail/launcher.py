@@ -152,7 +152,7 @@ class Mesh:
         listen = (
             f"{self.host}:{self.port}" if self.transport == "tcp" else self._listen("coordinator")
         )
-        processes = self._processes()
+        processes = self._stage_processes()
         pinned = self._pinned(processes)
         self._progress(f"starting coordinator ({listen})")
         coord = self._spawn(
@@ -175,8 +175,6 @@ class Mesh:
             time.sleep(0.02)
         self.address = ready_file.read_text().strip()
         for name, stages in processes.items():
-            if name == "coordinator":
-                continue
             self._progress(f"starting process {name!r}: stages {', '.join(stages)}")
             self._spawn(
                 name,
@@ -198,9 +196,9 @@ class Mesh:
         self._wait_ready(deadline)
         return self.address
 
-    def _processes(self) -> dict[str, list[str]]:
-        """Every process the mesh starts, in start order: name -> its stages."""
-        processes: dict[str, list[str]] = {"coordinator": []}
+    def _stage_processes(self) -> dict[str, list[str]]:
+        """Every stage process the mesh starts, in start order: name -> its stages."""
+        processes: dict[str, list[str]] = {}
         for group, stages in self.pipeline.process_groups().items():
             # Stages sharing a process have equal `replicas` (config validation).
             replicas = self.pipeline.stage(stages[0]).replicas
@@ -208,16 +206,14 @@ class Mesh:
                 processes[f"stage-{group}" if replicas == 1 else f"stage-{group}-{r}"] = stages
         return processes
 
-    def _pinned(self, processes: dict[str, list[str]]) -> dict[str, list[str]]:
-        """`--cpus` flags for the processes `pin` spreads (those without configured cpus)."""
+    def _pinned(self, stage_processes: dict[str, list[str]]) -> dict[str, list[str]]:
+        """`--cpus` flags for the processes `pin` spreads: the coordinator, then the stage
+        processes, each unless the pipeline configures its cpus."""
         if not self.pin:
             return {}
         cfg = self.pipeline
-        free = [
-            name
-            for name, stages in processes.items()
-            if (cfg.coordinator_cpus if name == "coordinator" else cfg.process_cpus(stages)) is None
-        ]
+        free = ["coordinator"] if cfg.coordinator_cpus is None else []
+        free += [n for n, stages in stage_processes.items() if cfg.process_cpus(stages) is None]
         spread_cpus = spread(free, available_cpus())
         return {name: ["--cpus", format_cpus(cpus)] for name, cpus in spread_cpus.items()}
 

@@ -21,6 +21,7 @@ import importlib
 import math
 import sys
 import warnings
+from dataclasses import dataclass
 from typing import Any
 
 import msgpack
@@ -467,28 +468,17 @@ class _Decoder:
         return checked.build(self.buf, self.copy, self.numpy_only)
 
 
+@dataclass(slots=True)
 class _TensorSpec:
     """A tensor placeholder that passed every check; `build` only checks it fits `buf`."""
 
-    __slots__ = ("count", "dtype", "dtype_name", "kind", "nbytes", "offset", "shape")
-
-    def __init__(
-        self,
-        kind: str,
-        dtype_name: str,
-        dtype: np.dtype,
-        shape: tuple[int, ...],
-        offset: int,
-        nbytes: int,
-        count: int,
-    ) -> None:
-        self.kind = kind
-        self.dtype_name = dtype_name
-        self.dtype = dtype
-        self.shape = shape
-        self.offset = offset
-        self.nbytes = nbytes
-        self.count = count
+    kind: str
+    dtype_name: str
+    dtype: np.dtype
+    shape: tuple[int, ...]
+    offset: int
+    nbytes: int
+    count: int
 
     def build(self, buf: memoryview, copy: bool, numpy_only: bool) -> Any:
         offset, nbytes = self.offset, self.nbytes

@@ -120,9 +120,13 @@ class _Mapping:
     dev: int
     ino: int
     size: int
-    writable: bool  # a release-marks segment (data segments are mapped read-only)
     # A marks segment: its uint64 view. A data segment: the view of its pool's marks.
     marks: memoryview | None = None
+
+    @property
+    def writable(self) -> bool:
+        """A release-marks segment (data segments are mapped read-only)."""
+        return not self.view.readonly
 
 
 class ShmRelay(Relay):
@@ -369,7 +373,7 @@ class ShmRelay(Relay):
         self._drop(name)  # the sender restarted under the same name
         view = memoryview(mm)
         marks = view.cast("Q") if writable else None
-        mapping = _Mapping(mm, view, st.st_dev, st.st_ino, st.st_size, writable, marks)
+        mapping = _Mapping(mm, view, st.st_dev, st.st_ino, st.st_size, marks)
         self._maps[name] = mapping
         return mapping
 

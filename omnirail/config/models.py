@@ -23,7 +23,7 @@ from pydantic import (
 )
 
 from omnirail import dotted
-from omnirail.cpus import CpuError, parse_cpus
+from omnirail.cpus import parse_cpus
 
 if TYPE_CHECKING:
     from relay.base import RelaySettings
@@ -129,10 +129,7 @@ def _cpu_list(v: Any) -> list[int] | None:
     if v is None:
         return None
     if isinstance(v, str):
-        try:
-            return parse_cpus(v)
-        except CpuError as e:
-            raise ValueError(str(e)) from None
+        return parse_cpus(v)  # its CpuError is a ValueError: pydantic reports the message
     if (
         isinstance(v, list | tuple)
         and v
