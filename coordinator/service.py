@@ -392,8 +392,14 @@ class Coordinator(client_pb2_grpc.OmnirailServicer, mesh_pb2_grpc.CoordinatorSer
     def _expire(self, rec: RequestRecord, timeout: float) -> None:
         tp = rec.span.traceparent if rec.span is not None else None
         log.info("request exceeded its %gs deadline", timeout, extra=ids(rec.request_id, tp))
+        # Naming the terminal stages without a result points at where the request stalled.
+        missing = [t for t in rec.terminals if t not in rec.outputs]
+        waiting = f" (no result yet from {', '.join(missing)})" if missing else ""
         self._fail(
-            rec, OmniError(Code.DEADLINE_EXCEEDED, f"request exceeded its {timeout:g}s deadline")
+            rec,
+            OmniError(
+                Code.DEADLINE_EXCEEDED, f"request exceeded its {timeout:g}s deadline{waiting}"
+            ),
         )
 
     def _fail(self, rec: RequestRecord, error: OmniError) -> None:

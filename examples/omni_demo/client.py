@@ -24,6 +24,7 @@ def main() -> None:
     ap.add_argument("--wav", default="answer.wav")
     ap.add_argument("--image", action="store_true")
     ap.add_argument("--audio", action="store_true")
+    ap.add_argument("--timeout", type=float, default=120.0, help="request deadline, seconds")
     args = ap.parse_args()
 
     inputs: dict = {"text": args.text}
@@ -35,7 +36,8 @@ def main() -> None:
         inputs["audio"] = (0.3 * np.sin(2 * np.pi * 330 * t)).astype(np.float32)
 
     # tensors="numpy": audio arrives as numpy arrays, and torch is never imported here.
-    with Client(args.address, timeout=120, tensors="numpy") as client, WavSink(args.wav) as wav:
+    client = Client(args.address, timeout=args.timeout, tensors="numpy")
+    with client, WavSink(args.wav) as wav:
         for event in client.stream(inputs):
             if isinstance(event, Chunk) and event.modality == "text":
                 print(event.data, end="", flush=True)

@@ -58,6 +58,8 @@ def test_deadline_exceeded(client: Client) -> None:
     with pytest.raises(OmniError) as info:
         client.generate({"n": 4, "sleep": 3}, timeout=0.5)
     assert info.value.code == Code.DEADLINE_EXCEEDED
+    # The message says where the request stalled: the terminal stage gave no result.
+    assert "no result yet from " in info.value.message
 
 
 def test_submit_wait_and_status(client: Client) -> None:

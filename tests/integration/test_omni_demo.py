@@ -42,8 +42,11 @@ def _pipeline_copy(tmp: Path, source: str = "pipeline.yaml", **thinker_args: Any
     return path
 
 
-def _python_m(*args: str, cwd: Path = ROOT, timeout: float = 300) -> subprocess.CompletedProcess:
-    """`python -m ARGS` with this checkout importable; fails the test on a non-zero exit."""
+def _python_m(
+    *args: str, cwd: Path = ROOT, timeout: float = 300, mesh: Mesh | None = None
+) -> subprocess.CompletedProcess:
+    """`python -m ARGS` with this checkout importable; fails the test on a non-zero exit,
+    showing its stderr and the last log lines of `mesh`'s processes."""
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
     proc = subprocess.run(
         [sys.executable, "-m", *args],
@@ -53,8 +56,16 @@ def _python_m(*args: str, cwd: Path = ROOT, timeout: float = 300) -> subprocess.
         text=True,
         timeout=timeout,
     )
-    assert proc.returncode == 0, proc.stderr
+    assert proc.returncode == 0, proc.stderr + (_log_tails(mesh) if mesh else "")
     return proc
+
+
+def _log_tails(mesh: Mesh, lines: int = 30) -> str:
+    parts = []
+    for log in sorted((mesh.run_dir / "logs").glob("*.log")):
+        tail = log.read_text(errors="replace").splitlines()[-lines:]
+        parts.append(f"--- {log.name} ---\n" + "\n".join(tail))
+    return "\n" + "\n".join(parts)
 
 
 @pytest.fixture(scope="module")
@@ -225,7 +236,12 @@ def test_sdk_example_prints_text_and_writes_wav(demo: Mesh, tmp_path: Path) -> N
         "--wav",
         str(wav_path),
         "--image",
+        # The request's deadline ends it well before the process timeout, so a stall
+        # fails with the coordinator's account of it (and the mesh's logs) on stderr.
+        "--timeout",
+        "60",
         timeout=120,
+        mesh=demo,
     )
     with wave.open(str(wav_path)) as wav:
         assert (wav.getframerate(), wav.getnchannels(), wav.getsampwidth()) == (16000, 1, 2)
