@@ -10,9 +10,11 @@ opens a new one.
 from __future__ import annotations
 
 import asyncio
+import atexit
 import concurrent.futures
 import queue
 import threading
+import weakref
 from collections.abc import Iterator
 from typing import Any
 
@@ -34,6 +36,17 @@ def _broken(err: BaseException | None) -> OmniError:
     return OmniError(Code.UNAVAILABLE, "session to the coordinator ended")
 
 
+# Sessions of clients not closed by exit are closed by atexit, before the interpreter
+# stops grpc's daemon threads (see `SyncSession._read`).
+_OPEN: weakref.WeakSet[SyncSession] = weakref.WeakSet()
+
+
+@atexit.register
+def _close_open_sessions() -> None:
+    for session in list(_OPEN):
+        session.close()
+
+
 class SyncSession:
     """For the blocking `Client`: a writer fed by a queue, a reader thread."""
 
@@ -46,6 +59,7 @@ class SyncSession:
         self._call = stub.Session(self._requests())
         self._reader = threading.Thread(target=self._read, name="omnirail-session", daemon=True)
         self._reader.start()
+        _OPEN.add(self)
 
     def _requests(self) -> Iterator[client_pb2.SessionRequest]:
         while (first := self._outgoing.get()) is not None:
@@ -78,7 +92,10 @@ class SyncSession:
                     elif future is not None:
                         future.set_result(event)
         except grpc.RpcError as exc:
-            error = exc
+            # The call is its own exception, and its traceback's frames hold the call: a
+            # cycle only the cyclic GC frees, maybe at interpreter exit, when grpc's daemon
+            # threads may have died holding the lock the call's __del__ waits for (a hang).
+            error = exc.with_traceback(None)
         with self._lock:
             self.broken = True
             waiting, self._futures = self._futures, {}
@@ -126,9 +143,15 @@ class SyncSession:
         )
 
     def close(self) -> None:
+        call = self._call
+        if call is None:
+            return
         self._outgoing.put(None)
-        self._call.cancel()
+        call.cancel()
         self._reader.join(timeout=5)
+        if not self._reader.is_alive():
+            # The call is finalized on return, while grpc's threads still run (see `_read`).
+            self._call = None
 
 
 class AsyncSession:
