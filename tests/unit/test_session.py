@@ -7,7 +7,9 @@ the lock its __del__ takes, and the process then never exits.
 
 from __future__ import annotations
 
+import asyncio
 import gc
+import time
 import weakref
 from collections.abc import Iterator
 from concurrent import futures
@@ -17,6 +19,8 @@ import grpc
 import pytest
 
 from omnirail import Chunk, Client, OmniError
+from omnirail import client as client_module
+from omnirail.client import AsyncClient
 from omnirail.errors import Code
 from omnirail.payload import pack, unpack
 from omnirail.session import _close_open_sessions
@@ -26,13 +30,21 @@ from relay.io import inline_payload
 
 class _OneAnswer(client_pb2_grpc.OmnirailServicer):
     """Answers each streamed request with one text chunk and an empty result; a request
-    with input "break" ends the whole Session call with an error instead."""
+    with input "break" ends the whole Session call with an error instead, and one with
+    input "silent" gets no answer. Aborts are recorded in `aborted`."""
+
+    def __init__(self) -> None:
+        self.aborted: list[tuple[str, str]] = []
 
     def Session(self, request_iterator: Iterator[Any], context: grpc.ServicerContext) -> Any:
         for batch in request_iterator:
+            self.aborted += [(a.request_id, a.reason) for a in batch.abort]
             for request in batch.generate:
-                if "break" in unpack(request.inputs.header, request.inputs.inline_data):
+                inputs = unpack(request.inputs.header, request.inputs.inline_data)
+                if "break" in inputs:
                     context.abort(grpc.StatusCode.INTERNAL, "session broken on purpose")
+                if "silent" in inputs:
+                    continue
                 rid = request.request_id
                 data = inline_payload(pack("hi"))
                 chunk = client_pb2.Chunk(stage="s", modality="text", data=data)
@@ -47,9 +59,14 @@ class _OneAnswer(client_pb2_grpc.OmnirailServicer):
 
 
 @pytest.fixture()
-def address() -> Iterator[str]:
+def servicer() -> _OneAnswer:
+    return _OneAnswer()
+
+
+@pytest.fixture()
+def address(servicer: _OneAnswer) -> Iterator[str]:
     server = grpc.server(futures.ThreadPoolExecutor(max_workers=2))
-    client_pb2_grpc.add_OmnirailServicer_to_server(_OneAnswer(), server)
+    client_pb2_grpc.add_OmnirailServicer_to_server(servicer, server)
     port = server.add_insecure_port("127.0.0.1:0")
     server.start()
     yield f"127.0.0.1:{port}"
@@ -100,3 +117,50 @@ def test_sessions_left_open_are_closed_at_exit(address: str, no_cyclic_gc: None)
     assert call() is None
     assert list(client.stream({"text": "x"}))  # a new session opens if used again
     client.close()
+
+
+def _aborted(servicer: _OneAnswer, rid: str) -> str:
+    deadline = time.monotonic() + 10
+    while time.monotonic() < deadline:
+        for request_id, reason in servicer.aborted:
+            if request_id == rid:
+                return reason
+        time.sleep(0.01)
+    raise AssertionError(f"no abort of {rid!r} reached the server")
+
+
+def test_async_client_gives_up_after_its_deadline_and_aborts(
+    address: str, servicer: _OneAnswer, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(client_module, "_DEADLINE_SLACK_S", 0.0)
+
+    async def main() -> None:
+        async with AsyncClient(address) as client:
+            assert (await client.generate({"text": "x"}, timeout=5)).outputs == {}
+            started = time.monotonic()
+            with pytest.raises(OmniError) as info:
+                await client.generate({"silent": 1}, request_id="quiet", timeout=0.3)
+            assert time.monotonic() - started < 5
+            assert info.value.code == Code.DEADLINE_EXCEEDED
+            assert "no answer within 0.3s" in info.value.message
+            # The session still serves later requests.
+            assert (await client.generate({"text": "y"}, timeout=5)).outputs == {}
+
+    asyncio.run(main())
+    assert _aborted(servicer, "quiet") == "the client stopped waiting"
+
+
+def test_async_client_cancelled_caller_aborts_the_request(
+    address: str, servicer: _OneAnswer
+) -> None:
+    async def main() -> None:
+        async with AsyncClient(address, timeout=30) as client:
+            task = asyncio.create_task(client.generate({"silent": 1}, request_id="gone"))
+            await asyncio.sleep(0.2)
+            task.cancel()
+            with pytest.raises(asyncio.CancelledError):
+                await task
+            assert (await client.generate({"text": "y"})).outputs == {}
+
+    asyncio.run(main())
+    assert _aborted(servicer, "gone") == "the caller cancelled"
