@@ -58,6 +58,9 @@ class _Child:
     proc: subprocess.Popen[bytes]
     log: Path
 
+    def log_tail(self, lines: int) -> list[str]:
+        return self.log.read_text(errors="replace").splitlines()[-lines:]
+
 
 class Mesh:
     """A running local mesh. Use as a context manager or call `start()`/`stop()`."""
@@ -245,7 +248,7 @@ class Mesh:
     def _check_alive(self, child: _Child) -> None:
         code = child.proc.poll()
         if code is not None:
-            tail = child.log.read_text(errors="replace").splitlines()[-25:]
+            tail = child.log_tail(25)
             raise OmniError(
                 Code.UNAVAILABLE,
                 f"{child.name} exited with code {code} during start-up; last log lines:\n"
@@ -253,6 +256,12 @@ class Mesh:
             )
 
     # ---- run state -------------------------------------------------------------
+
+    def log_tails(self, lines: int = 30) -> str:
+        """The last `lines` log lines of every process this mesh started (diagnostics)."""
+        return "\n".join(
+            f"--- {c.name} ---\n" + "\n".join(c.log_tail(lines)) for c in self._children
+        )
 
     def processes(self) -> dict[str, int]:
         return {c.name: c.proc.pid for c in self._children}

@@ -10,10 +10,11 @@ from __future__ import annotations
 import inspect
 import re
 from collections.abc import Iterable, Mapping
-from typing import TYPE_CHECKING, Any, Literal
+from typing import TYPE_CHECKING, Annotated, Any, Literal
 
 from pydantic import (
     BaseModel,
+    BeforeValidator,
     ConfigDict,
     Field,
     PrivateAttr,
@@ -139,6 +140,10 @@ def _cpu_list(v: Any) -> list[int] | None:
     raise ValueError(f'expected a non-empty list of CPU ids (int >= 0) or "0-3,6", got {v!r}')
 
 
+# A CPU affinity field: a list of CPU ids or "0-3,6" in the file, a sorted list (or None).
+CpuList = Annotated[list[int] | None, BeforeValidator(_cpu_list)]
+
+
 class StageConfig(_Model):
     name: str
     factory: str
@@ -165,7 +170,7 @@ class StageConfig(_Model):
     torch_threads: int = Field(1, ge=1)
     # CPUs the stage's process is pinned to (every thread), as a list or "0-3,6". Stages
     # sharing a process: the union of theirs. None: wherever the OS schedules it.
-    cpus: list[int] | None = None
+    cpus: CpuList = None
     env: dict[str, str] = {}
 
     @field_validator("name", "process")
@@ -192,11 +197,6 @@ class StageConfig(_Model):
         if isinstance(v, list | tuple) and v and all(ok(x) for x in v):
             return list(v)
         raise ValueError(f"expected a GPU id (int >= 0) or a non-empty list of them, got {v!r}")
-
-    @field_validator("cpus", mode="before")
-    @classmethod
-    def _check_cpus(cls, v: Any) -> Any:
-        return _cpu_list(v)
 
     @property
     def next_stages(self) -> list[str]:
@@ -230,14 +230,9 @@ class PipelineConfig(_Model):
     # them; past this the request fails with RESOURCE_EXHAUSTED instead of growing memory.
     client_stream_buffer: int = Field(4096, gt=0)
     # CPUs the coordinator process is pinned to (see StageConfig.cpus).
-    coordinator_cpus: list[int] | None = None
+    coordinator_cpus: CpuList = None
 
     _source_dir: str | None = PrivateAttr(default=None)
-
-    @field_validator("coordinator_cpus", mode="before")
-    @classmethod
-    def _check_cpus(cls, v: Any) -> Any:
-        return _cpu_list(v)
 
     @model_validator(mode="before")
     @classmethod

@@ -56,16 +56,8 @@ def _python_m(
         text=True,
         timeout=timeout,
     )
-    assert proc.returncode == 0, proc.stderr + (_log_tails(mesh) if mesh else "")
+    assert proc.returncode == 0, proc.stderr + ("\n" + mesh.log_tails() if mesh else "")
     return proc
-
-
-def _log_tails(mesh: Mesh, lines: int = 30) -> str:
-    parts = []
-    for log in sorted((mesh.run_dir / "logs").glob("*.log")):
-        tail = log.read_text(errors="replace").splitlines()[-lines:]
-        parts.append(f"--- {log.name} ---\n" + "\n".join(tail))
-    return "\n" + "\n".join(parts)
 
 
 @pytest.fixture(scope="module")
