@@ -164,18 +164,31 @@ class Packed:
         self.num_tensors = len(chunks)
         self._chunks = chunks  # (offset, flat uint8 view of the source bytes)
 
-    def write_into(self, buf: memoryview | bytearray | np.ndarray) -> None:
+    def write_into(
+        self, buf: memoryview | bytearray | np.ndarray, start: int = 0, stop: int | None = None
+    ) -> None:
         """Copies every tensor's bytes into `buf` (len >= nbytes) at its offset.
 
         `buf` may also be a flat uint8 numpy array (saves wrapping a memoryview per call).
+        `start`/`stop`: copy only the buffer bytes in [start, stop), so several threads can
+        each write one part of a large payload.
         """
         if not self._chunks:
             return
         dst = buf if type(buf) is np.ndarray else np.frombuffer(buf, dtype=np.uint8)
         if dst.size < self.nbytes:
             raise PayloadError(f"target buffer of {dst.size} bytes is smaller than {self.nbytes}")
+        if start == 0 and stop is None:
+            for off, src in self._chunks:
+                np.copyto(dst[off : off + src.size], src)
+            return
+        stop = self.nbytes if stop is None else stop
+        if not 0 <= start <= stop <= self.nbytes:
+            raise ValueError(f"byte range [{start}, {stop}) outside [0, {self.nbytes})")
         for off, src in self._chunks:
-            np.copyto(dst[off : off + src.size], src)
+            lo, hi = max(start, off), min(stop, off + src.size)
+            if lo < hi:
+                np.copyto(dst[lo:hi], src[lo - off : hi - off])
 
     def to_bytes(self) -> bytes:
         """The tensor buffer as bytes (for inline transport)."""

@@ -31,6 +31,7 @@ import msgpack
 from omnirail.payload import Packed
 from omnirail.v1 import common_pb2
 from relay.base import Received, Relay, RelayError, RelayHandle, RelaySettings
+from relay.copy import Copier
 from relay.credits import Credits, EdgeCredit
 from relay.host_pool import HostExtent, HostPool, HostSegment
 
@@ -39,7 +40,6 @@ OFFSET_BITS = 40
 OFFSET_MASK = (1 << OFFSET_BITS) - 1
 MAX_SEGMENTS = 1 << 16
 PEER_ID_RE = re.compile(r"^[A-Za-z0-9_.-]{1,200}$")
-DEFAULT_COPY_THREAD_BYTES = 8 << 20
 DEFAULT_PEER_WAIT_S = 5.0
 _POLL_MIN_S = 50e-6
 _POLL_MAX_S = 2e-3
@@ -126,7 +126,8 @@ class PullRelay(Relay):
         self._peer_infos: dict[str, bytes] = {}
         self._peers_changed: asyncio.Event | None = None
         self._poller: asyncio.Task[None] | None = None
-        self._copy_thread_bytes = int(opts.get("copy_thread_bytes", DEFAULT_COPY_THREAD_BYTES))
+        self._copier = Copier(opts)
+        self._copy_thread_bytes = self._copier.thread_bytes
         self._peer_wait_s = float(opts.get("peer_wait_s", DEFAULT_PEER_WAIT_S))
         self.closed = False
 
@@ -249,7 +250,7 @@ class PullRelay(Relay):
         try:
             target = extent.view(nbytes)
             if nbytes >= self._copy_thread_bytes:
-                copy = asyncio.get_running_loop().run_in_executor(None, packed.write_into, target)
+                copy = self._copier.start(packed, target)
                 del target
                 await asyncio.shield(copy)
                 self._check_open()
@@ -425,6 +426,7 @@ class PullRelay(Relay):
         self._credits.fail_waiters(f"{self.name} relay closed")
         if self._poller is not None:
             self._poller.cancel()
+        self._copier.close()
         for peer_id, state in list(self._peers.items()):
             self._drop_peer(peer_id, state)
         self._peers.clear()

@@ -7,8 +7,9 @@ read-only view. Releasing it writes the transfer id into the sender's release-ma
 the sender reclaims marked extents on its next `put` (or by polling while an edge waits
 for credit), so no ack message crosses the stream.
 
-`RelaySettings.options["copy_thread_bytes"]` (default 8 MiB): payloads at least this large
-are copied in a worker thread so the event loop keeps serving other streams meanwhile.
+`RelaySettings.options`: `copy_thread_bytes` (default 8 MiB): payloads at least this large
+are copied in a worker thread so the event loop keeps serving other streams meanwhile, split
+across `copy_threads` threads (default 2; see `relay.copy`).
 """
 
 from __future__ import annotations
@@ -24,6 +25,7 @@ from dataclasses import dataclass
 from omnirail.payload import Packed
 from omnirail.v1 import common_pb2
 from relay.base import Received, Relay, RelayError, RelayHandle, RelaySettings, register_relay
+from relay.copy import Copier
 from relay.credits import Credits, EdgeCredit
 from relay.shm_pool import (
     MARK_SLOTS,
@@ -39,9 +41,6 @@ from relay.shm_pool import (
 __all__ = ["ShmHandle", "ShmReceived", "ShmRelay", "sweep_segments"]
 
 BACKEND = "shm"
-# Copies at least this large run in a worker thread (numpy releases the GIL) so a big put
-# does not stall every other stream on the event loop; smaller ones are cheaper inline.
-DEFAULT_COPY_THREAD_BYTES = 8 << 20
 _SLOT_BITS = 16
 _SLOT_MASK = (1 << _SLOT_BITS) - 1
 assert MARK_SLOTS == 1 << _SLOT_BITS
@@ -143,9 +142,8 @@ class ShmRelay(Relay):
         self._marks: memoryview | None = None
         self._poller: asyncio.Task[None] | None = None
         self._maps: dict[str, _Mapping] = {}
-        self._copy_thread_bytes = int(
-            self.settings.options.get("copy_thread_bytes", DEFAULT_COPY_THREAD_BYTES)
-        )
+        self._copier = Copier(self.settings.options)
+        self._copy_thread_bytes = self._copier.thread_bytes
         self.closed = False
 
     # ------------------------------------------------------------------ sender side
@@ -218,7 +216,7 @@ class ShmRelay(Relay):
         try:
             target = extent.segment.array[extent.offset : extent.offset + nbytes]
             if nbytes >= self._copy_thread_bytes:
-                copy = asyncio.get_running_loop().run_in_executor(None, packed.write_into, target)
+                copy = self._copier.start(packed, target)
                 del target
                 await asyncio.shield(copy)
                 self._check_open()  # closed while copying: the pool is gone
@@ -408,6 +406,7 @@ class ShmRelay(Relay):
         self._live.clear()
         if self._poller is not None:
             self._poller.cancel()
+        self._copier.close()
         if self._marks is not None:
             self._marks.release()
             self._marks = None

@@ -9,6 +9,7 @@ from typing import Any
 
 from omnirail import dotted
 from omnirail.config.models import ConfigError, PipelineConfig, StageConfig, walk_graph
+from relay.copy import option_problems
 
 _ENV_NAME_RE = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
 
@@ -57,6 +58,8 @@ def validate(cfg: PipelineConfig, resolve: bool = True) -> None:
     problem = _backend_problem(cfg.relay.backend)
     if problem:
         err(f"pipeline.relay.backend: {problem}")
+    for problem in option_problems(cfg.relay.options):
+        err(f"pipeline.relay.options: {problem}")
     _check_dotted(cfg, by_name, resolve, err)
     if errors:
         raise ConfigError(errors)
@@ -124,6 +127,8 @@ def _check_stage(
             problem = _backend_problem(relay.backend)
             if problem:
                 err(f"{at}.{where}.backend: {problem}")
+        for problem in option_problems(relay.options) if relay is not None else ():
+            err(f"{at}.{where}.options: {problem}")
     for target in s.project_payload:
         if target not in (nxt or []):
             err(f"{at}.project_payload: target {target!r} is not in next")

@@ -524,3 +524,22 @@ def test_client_tensors_option_is_checked() -> None:
 
     with pytest.raises(ValueError, match="tensors must be 'auto' or 'numpy'"):
         Client("localhost:1", tensors="torch")
+
+
+def test_write_into_a_byte_range_writes_only_that_range():
+    a = np.arange(100, dtype=np.uint8)
+    b = np.arange(50, dtype=np.int32)
+    packed = pack({"a": a, "b": b}, align=64)
+    whole = packed.to_bytes()
+    # Ranges that start and end inside tensors, inside padding and on boundaries.
+    for cut in (1, 64, 99, 100, 128, 200, packed.nbytes - 1):
+        buf = bytearray(packed.nbytes)
+        packed.write_into(buf, 0, cut)
+        packed.write_into(buf, cut, None)
+        assert bytes(buf) == whole, cut
+    buf = bytearray(b"\xff" * packed.nbytes)
+    packed.write_into(buf, 10, 20)
+    assert buf[10:20] == whole[10:20] and buf[:10] == b"\xff" * 10 and buf[20:25] == b"\xff" * 5
+    for start, stop in ((-1, 5), (5, 4), (0, packed.nbytes + 1)):
+        with pytest.raises(ValueError, match="byte range"):
+            packed.write_into(bytearray(packed.nbytes), start, stop)

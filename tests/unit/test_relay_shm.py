@@ -487,3 +487,18 @@ async def test_cached_get_checks_one_file_and_marks_its_pools_slot(make_relay, m
     )
     with pytest.raises(RelayError, match="release-marks segment"):
         receiver.get_nowait(marks)
+
+
+async def test_large_put_copied_in_parts_arrives_whole(make_relay):
+    sender, receiver = make_relay(options={"copy_threads": 2}), make_relay()
+    data = np.random.default_rng(1).integers(0, 255, 9 * MiB + 3, dtype=np.uint8)
+    handle = await sender.put(pack(data), "r", "e")
+    received = await receiver.get(handle.descriptor)
+    assert np.array_equal(np.frombuffer(received.buffer, np.uint8)[: data.size], data)
+    received.release()
+    handle.release()
+
+
+def test_bad_copy_option_fails_at_creation(prefix):
+    with pytest.raises(RelayError, match="copy_threads"):
+        create_relay("shm", RelaySettings(name_prefix=prefix, options={"copy_threads": -2}))

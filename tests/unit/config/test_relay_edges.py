@@ -76,3 +76,19 @@ def test_relay_host_of_addresses() -> None:
     assert relay_host("10.1.2.3:5000") == "10.1.2.3"
     assert relay_host("[::1]:5000") == "::1"
     assert relay_host("unix:///tmp/x.sock") == ""
+
+
+def test_bad_copy_options_are_named_where_they_are_set() -> None:
+    err = str(
+        config_error(
+            chain(
+                relay={"options": {"copy_threads": 0}},
+                relay_to={"b": {"backend": "ucx", "options": {"copy_thread_bytes": "8MiB"}}},
+            )
+        )
+    )
+    assert "stages[a].relay.options: copy_threads must be an integer >= 1, got 0" in err
+    assert "stages[a].relay_to[b].options: copy_thread_bytes must be an integer >= 0" in err
+    err = str(config_error(pipe(st("a", terminal=True), relay={"options": {"copy_threads": 1.5}})))
+    assert "pipeline.relay.options: copy_threads must be an integer >= 1, got 1.5" in err
+    PipelineConfig.from_dict(pipe(st("a", terminal=True), relay={"options": {"copy_threads": 4}}))

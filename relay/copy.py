@@ -1,0 +1,99 @@
+"""Copy-in of packed payloads into relay memory for the sending relays (shm and the pulled ones).
+
+Small payloads are copied inline by the caller: a thread hand-off costs more than the copy.
+Payloads of at least `copy_thread_bytes` (default 8 MiB) are copied in a worker thread so the
+event loop keeps serving other streams, and split across up to `copy_threads` threads
+(default 2): one thread's memcpy does not saturate memory bandwidth (on a 2-vCPU VM, a 64 MiB
+copy runs at about 10 GB/s on one thread and 12-13 GB/s on two). Parts are at least
+`_MIN_PART` bytes, so the extra hand-off never costs more than a small share of a part.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import itertools
+from collections.abc import Mapping
+from typing import Any
+
+import numpy as np
+
+from omnirail.payload import Packed
+from relay.base import RelayError
+
+DEFAULT_COPY_THREAD_BYTES = 8 << 20
+DEFAULT_COPY_THREADS = 2
+_MIN_PART = 4 << 20
+_PART_ALIGN = 4096  # parts start on page boundaries: no two threads write one cache line
+
+
+def option_problems(options: Mapping[str, Any]) -> list[str]:
+    """What is wrong with the copy options in `options` (config validation and `Copier`)."""
+    problems = []
+    for key, minimum in (("copy_thread_bytes", 0), ("copy_threads", 1)):
+        if key in options:
+            value = options[key]
+            if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
+                problems.append(f"{key} must be an integer >= {minimum}, got {value!r}")
+    return problems
+
+
+def split_parts(nbytes: int, threads: int) -> list[tuple[int, int]]:
+    """[start, stop) byte ranges for up to `threads` copiers, each at least `_MIN_PART`
+    long (one range when `nbytes` is too small to split)."""
+    parts = max(1, min(threads, nbytes // _MIN_PART))
+    bounds = [0]
+    for i in range(1, parts):
+        bounds.append(nbytes * i // parts // _PART_ALIGN * _PART_ALIGN)
+    bounds.append(nbytes)
+    return list(itertools.pairwise(bounds))
+
+
+class Copier:
+    """Copies `Packed` payloads into relay memory, off the loop and in parts when large."""
+
+    def __init__(self, options: Mapping[str, Any]) -> None:
+        problems = option_problems(options)
+        if problems:
+            raise RelayError(f"relay option {'; '.join(problems)}")
+        self.thread_bytes: int = options.get("copy_thread_bytes", DEFAULT_COPY_THREAD_BYTES)
+        self.threads: int = options.get("copy_threads", DEFAULT_COPY_THREADS)
+        # Helpers only ever run one part each and never wait, so a copy that waits for
+        # them cannot deadlock, however many copies run at once.
+        self._helpers = (
+            concurrent.futures.ThreadPoolExecutor(self.threads - 1, "relay-copy")
+            if self.threads > 1
+            else None
+        )
+
+    def start(self, packed: Packed, target: np.ndarray | memoryview) -> asyncio.Future[None]:
+        """Copies `packed` into `target` in a worker thread. The future resolves only once
+        every part is written (also when a part failed), so the caller may then reuse or
+        free `target`; a cancelled caller must wait for it the same way."""
+        return asyncio.get_running_loop().run_in_executor(None, self._write, packed, target)
+
+    def _write(self, packed: Packed, target: np.ndarray | memoryview) -> None:
+        parts = split_parts(packed.nbytes, self.threads)
+        if len(parts) == 1 or self._helpers is None:
+            packed.write_into(target)
+            return
+        helping: list[concurrent.futures.Future[None]] = []
+        mine = parts[:1]
+        for lo, hi in parts[1:]:
+            try:
+                helping.append(self._helpers.submit(packed.write_into, target, lo, hi))
+            except RuntimeError:  # closed meanwhile: write that part here
+                mine.append((lo, hi))
+        try:
+            for lo, hi in mine:
+                packed.write_into(target, lo, hi)
+        finally:
+            concurrent.futures.wait(helping)
+        for future in helping:
+            future.result()
+
+    def close(self) -> None:
+        """Lets the helper threads end once the parts handed to them are written; a copy
+        started after this runs on one thread."""
+        if self._helpers is not None:
+            self._helpers.shutdown(wait=False)
