@@ -59,31 +59,35 @@ class StageObserver:
 
     # ---- input ---------------------------------------------------------------
 
-    def relay_get(self, desc: common_pb2.RelayDescriptor, source: str, get_ns: int) -> None:
-        """Metrics of a relay read that started at `get_ns`."""
-        self._metrics.relay_get(desc.backend, source, desc.nbytes, (time.time_ns() - get_ns) / 1e9)
+    def relay_get(self, desc: common_pb2.RelayDescriptor, source: str, get_ns: int) -> int:
+        """Metrics of a relay read that started at `get_ns`; returns when it ended (unix
+        ns), the end of its `relay.get` span."""
+        end_ns = time.time_ns()
+        self._metrics.relay_get(desc.backend, source, desc.nbytes, (end_ns - get_ns) / 1e9)
+        return end_ns
 
     def received(
         self,
         req: RequestState,
         item: mesh_pb2.DeliverItem,
         source: str,
-        relayed: bool,
         get_ns: int,
+        got_ns: int,
     ) -> None:
-        """An input payload arrived: the fan-in link and the `relay.get` child."""
+        """An input payload arrived: the fan-in link, and for a relayed one (`got_ns` set)
+        the `relay.get` child from `get_ns` to `got_ns`."""
         span = req.span
         if span is None:
             return
         if self._fan_in:  # fan-in: the span links every producer
             span.link(parse_traceparent(item.traceparent))
-        if relayed:
+        if got_ns:
             desc = item.payload.relay
             self._tracer.record(
                 "relay.get",
                 span,
                 get_ns,
-                time.time_ns(),
+                got_ns,
                 {
                     "omnirail.relay.backend": desc.backend,
                     "omnirail.relay.bytes": desc.nbytes,

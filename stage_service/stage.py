@@ -170,8 +170,9 @@ class Stage:
                 error_ack(err)
             self._fail(rid, err)
             return
-        if relayed:
-            self._observe.relay_get(item.payload.relay, source, get_ns)
+        # The read ends here: the request's span (opened below for its first item) is not
+        # part of it.
+        got_ns = self._observe.relay_get(item.payload.relay, source, get_ns) if relayed else 0
         ack_fn = ack if relayed and self._relays[item.payload.relay.backend].acks_in_band else None
         if rid in self._aborted:  # aborted while the relay read was in flight
             received.release()
@@ -179,7 +180,7 @@ class Stage:
                 ack_fn(None)
             return
         req = self._request_for(item, get_ns)
-        self._observe.received(req, item, source, relayed, get_ns)
+        self._observe.received(req, item, source, get_ns, got_ns)
         req.holds.append((received, ack_fn))
         if item.meta.deadline and time.time() > item.meta.deadline:
             self._fail(rid, OmniError(Code.DEADLINE_EXCEEDED, "deadline passed", self.name))

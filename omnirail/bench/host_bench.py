@@ -5,6 +5,11 @@ A request crosses processes several times, and each crossing wakes a sleeping pr
 processes: both pinned to one CPU, pinned to two, and left to the kernel. On a VM whose
 idle vCPUs halt (`guest_halt_poll_ns` 0), crossing CPUs costs several times staying on one.
 
+`python_loop_ns` is the median time of one iteration of a plain Python loop: how fast this
+vCPU runs the interpreter right now. Most of a request's time is CPU spent in Python and
+gRPC, so a host that runs it slower (a busy neighbour on a shared host) slows every mesh
+figure with it; compare figures only between runs with similar values.
+
 `memcpy_gbps` is what one copy reaches: `hot` between two warm buffers (the relay
 benchmark's baseline), `rotating` into eight destinations in turn (what a relay writing
 into pool extents that are still being read sees), and at 64 MiB one copy alone and two at
@@ -71,6 +76,17 @@ def _rtt_us(parent_cpu: int, child_cpu: int, rounds: int) -> float:
         os.close(from_child)
 
 
+def _python_loop_ns(iterations: int = 200_000, runs: int = 7) -> float:
+    """Median ns per iteration of `total += i` (runs of `iterations` each)."""
+    times = []
+    for _ in range(runs):
+        total, t0 = 0, time.perf_counter()
+        for i in range(iterations):
+            total += i
+        times.append((time.perf_counter() - t0) / iterations * 1e9)
+    return statistics.median(times)
+
+
 def _gbps(copy: Any, nbytes: int, secs: float) -> float:
     """Best GB/s of three windows of at least `secs` each."""
     best = 0.0
@@ -122,6 +138,7 @@ def run_host_bench(rounds: int = 2000, min_seconds: float = 0.3) -> dict[str, An
         "cpus": len(cpus),
         "guest_halt_poll_ns": None if halt_poll is None else int(halt_poll),
         "wakeup_rtt_us": rtt,
+        "python_loop_ns": round(_python_loop_ns(), 1),
         "memcpy_gbps": _memcpy(min_seconds),
     }
 
