@@ -75,6 +75,16 @@ class Relay(abc.ABC):
         """
         return None
 
+    def forward_nowait(self, packed: Packed, request_id: str, edge: str) -> RelayHandle | None:
+        """Sends bytes this relay received on to the next receiver without copying them,
+        when `packed` consists of them; None when it cannot (the caller then puts).
+
+        Only for a payload that goes to a single receiver and whose tensors the caller
+        never reads again: the next receiver may hand the bytes back to their original
+        sender at any time. Edge credit is not taken: the original transfer's still is.
+        """
+        return None
+
     @abc.abstractmethod
     async def get(self, descriptor: common_pb2.RelayDescriptor) -> Received:
         """Maps the bytes a descriptor names; raises RelayError for a bad descriptor."""

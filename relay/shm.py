@@ -7,9 +7,17 @@ read-only view. Releasing it writes the transfer id into the sender's release-ma
 the sender reclaims marked extents on its next `put` (or by polling while an edge waits
 for credit), so no ack message crosses the stream.
 
+Forwarding: a stage that passes on a tensor it received through this relay (the lone tensor
+of its output payload, lying 64-byte aligned inside a view it still holds) may hand that
+view on instead of copying it (`forward_nowait`). The descriptor then names the original
+sender's segment and transfer, and the final receiver's release mark returns the bytes to
+that sender; the forwarding stage's own release of its view no longer marks anything.
+
 `RelaySettings.options`: `copy_thread_bytes` (default 8 MiB): payloads at least this large
 are copied in a worker thread so the event loop keeps serving other streams meanwhile, split
-across `copy_threads` threads (default 2; see `relay.copy`).
+across `copy_threads` threads (default 2; see `relay.copy`). `forward_views` (default true):
+false makes every put copy (e.g. when a downstream stage cannot see an upstream stage's
+/dev/shm).
 """
 
 from __future__ import annotations
@@ -20,7 +28,11 @@ import mmap
 import os
 import stat
 from collections import deque
+from collections.abc import Mapping
 from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
 
 from omnirail.payload import Packed
 from omnirail.v1 import common_pb2
@@ -28,6 +40,7 @@ from relay.base import Received, Relay, RelayError, RelayHandle, RelaySettings, 
 from relay.copy import Copier
 from relay.credits import Credits, EdgeCredit
 from relay.shm_pool import (
+    ALIGN,
     MARK_SLOTS,
     NAME_RE,
     SHM_DIR,
@@ -38,7 +51,7 @@ from relay.shm_pool import (
     sweep_segments,
 )
 
-__all__ = ["ShmHandle", "ShmReceived", "ShmRelay", "sweep_segments"]
+__all__ = ["ShmForward", "ShmHandle", "ShmReceived", "ShmRelay", "sweep_segments"]
 
 BACKEND = "shm"
 _SLOT_BITS = 16
@@ -47,6 +60,14 @@ assert MARK_SLOTS == 1 << _SLOT_BITS
 # Credit waiters poll the marks with a backoff between these bounds (seconds).
 _POLL_MIN_S = 50e-6
 _POLL_MAX_S = 2e-3
+
+
+def option_problems(options: Mapping[str, Any]) -> list[str]:
+    """What is wrong with the shm-only options (config validation and `ShmRelay`)."""
+    forward = options.get("forward_views", True)
+    if not isinstance(forward, bool):
+        return [f"forward_views must be true or false, got {forward!r}"]
+    return []
 
 
 class ShmHandle(RelayHandle):
@@ -91,22 +112,105 @@ class ShmHandle(RelayHandle):
 
 
 class ShmReceived(Received):
-    __slots__ = ("_marks", "_slot", "_tid", "buffer")
+    __slots__ = (
+        "_held",
+        "_marks",
+        "_slot",
+        "_tid",
+        "addr",
+        "buffer",
+        "forward",
+        "offset",
+        "region",
+    )
 
-    def __init__(self, buffer: memoryview, marks: memoryview | None, transfer_id: int) -> None:
+    def __init__(
+        self,
+        buffer: memoryview,
+        marks: memoryview | None,
+        transfer_id: int,
+        held: set[ShmReceived] | None = None,
+        region: str = "",
+        offset: int = 0,
+        addr: int = 0,
+    ) -> None:
         self.buffer = buffer
         self._marks = marks
         self._slot = transfer_id & _SLOT_MASK
         self._tid = transfer_id
+        # Where the view lies (segment, offset, address in this process), so a stage that
+        # passes the bytes on can forward them; `held` is the relay's set of live views.
+        self._held = held
+        self.region = region
+        self.offset = offset
+        self.addr = addr
+        self.forward: ShmForward | None = None  # set once the view has been handed on
+        if held is not None:
+            held.add(self)
+
+    @property
+    def transfer_id(self) -> int:
+        return self._tid
 
     def release(self) -> None:
-        """Marks the transfer done for the sender; idempotent."""
+        """Marks the transfer done for the sender (unless it was forwarded: the final
+        receiver marks it then); idempotent."""
         # Drops our reference only: the mapping stays cached for the next transfer, and
         # views the caller still holds keep it mapped even if the relay closes.
         self.buffer = _EMPTY
+        if self._held is not None:
+            self._held.discard(self)
+            self._held = None
+        if self.forward is not None:
+            self.forward.handed_on()
+            self._marks = None
+            return
+        self.mark()
+
+    def mark(self) -> None:
+        """Writes the release mark (once): the sender may reuse the bytes."""
         marks, self._marks = self._marks, None
         if marks is not None:
             marks[self._slot] = self._tid
+
+
+class ShmForward(RelayHandle):
+    """A received view handed on to the next stage (see the module docstring).
+
+    Until the forwarding stage releases its own view, `release()` (an abort, or a delivery
+    that failed) marks the original transfer done; after that the receiver owns the mark.
+    """
+
+    __slots__ = ("_forwards", "_received", "descriptor", "nbytes", "request_id")
+    acked_in_band = False
+
+    def __init__(
+        self,
+        descriptor: common_pb2.RelayDescriptor,
+        request_id: str,
+        received: ShmReceived,
+        forwards: set[ShmForward],
+    ) -> None:
+        self.descriptor = descriptor
+        self.request_id = request_id
+        self.nbytes = descriptor.nbytes
+        self._received: ShmReceived | None = received
+        self._forwards: set[ShmForward] | None = forwards
+        forwards.add(self)
+
+    def release(self) -> None:
+        """Returns the bytes to their sender if this stage still answers for them."""
+        received = self._received
+        self.handed_on()
+        if received is not None:
+            received.mark()
+
+    def handed_on(self) -> None:
+        """The forwarding stage is done with the view: the receiver answers for it now."""
+        self._received = None
+        if self._forwards is not None:
+            self._forwards.discard(self)
+            self._forwards = None
 
 
 _EMPTY = memoryview(b"")
@@ -121,6 +225,7 @@ class _Mapping:
     size: int
     # A marks segment: its uint64 view. A data segment: the view of its pool's marks.
     marks: memoryview | None = None
+    addr: int = 0  # where the mapping starts in this process (data segments)
 
     @property
     def writable(self) -> bool:
@@ -142,8 +247,15 @@ class ShmRelay(Relay):
         self._marks: memoryview | None = None
         self._poller: asyncio.Task[None] | None = None
         self._maps: dict[str, _Mapping] = {}
+        problems = option_problems(self.settings.options)
+        if problems:
+            raise RelayError(f"relay option {problems[0]}")
         self._copier = Copier(self.settings.options)
         self._copy_thread_bytes = self._copier.thread_bytes
+        # Views handed out by `get` and not yet released, when forwarding is on.
+        forward = self.settings.options.get("forward_views", True)
+        self._held: set[ShmReceived] | None = set() if forward else None
+        self._forwards: set[ShmForward] = set()  # forwarded views this stage answers for
         self.closed = False
 
     # ------------------------------------------------------------------ sender side
@@ -200,6 +312,42 @@ class ShmRelay(Relay):
             self._abandon(pool, extent, credits, nbytes)
             raise
         return self._handle(pool, extent, credits, request_id, nbytes)
+
+    def forward_nowait(self, packed: Packed, request_id: str, edge: str) -> ShmForward | None:
+        """Hands on, without a copy, a view this relay received, when `packed`'s bytes are
+        one tensor lying 64-byte aligned inside it; None otherwise (or if that view was
+        forwarded before).
+
+        The caller promises what `Relay.forward_nowait` asks: this payload goes to one
+        receiver, and the caller reads none of its tensors again.
+        """
+        if not self._held or self.closed:
+            return None
+        src = packed.lone_source()
+        if src is None:
+            return None
+        start = src.ctypes.data
+        if start % ALIGN:
+            return None
+        end = start + packed.nbytes
+        for received in self._held:
+            # Skipping views handed on already: within one process, a stage may hold a
+            # view of the very bytes an earlier stage of the process forwarded to it.
+            if (
+                received.forward is None
+                and received.addr <= start
+                and end <= received.addr + len(received.buffer)
+            ):
+                desc = common_pb2.RelayDescriptor(
+                    backend=BACKEND,
+                    region=received.region,
+                    offset=received.offset + start - received.addr,
+                    nbytes=packed.nbytes,
+                    transfer_id=received.transfer_id,
+                )
+                received.forward = ShmForward(desc, request_id, received, self._forwards)
+                return received.forward
+        return None
 
     async def put(self, packed: Packed, request_id: str, edge: str) -> ShmHandle:
         """Copies `packed` into the pool once `edge` has credit; never rejects for size."""
@@ -283,6 +431,9 @@ class ShmRelay(Relay):
         # keeps every put and release free of a per-request index.
         for handle in [h for h in self._live.values() if h.request_id == request_id]:
             handle.release()
+        if self._forwards:
+            for forward in [f for f in self._forwards if f.request_id == request_id]:
+                forward.release()
 
     def outstanding(self, edge: str) -> tuple[int, int]:
         """(transfers, bytes) unacked on `edge`."""
@@ -315,7 +466,15 @@ class ShmRelay(Relay):
         tid = descriptor.transfer_id
         if not tid & _SLOT_MASK:
             raise RelayError(f"descriptor has no release slot (transfer_id {tid})")
-        return ShmReceived(mapping.view[descriptor.offset : end], mapping.marks, tid)
+        return ShmReceived(
+            mapping.view[descriptor.offset : end],
+            mapping.marks,
+            tid,
+            self._held,
+            name,
+            descriptor.offset,
+            mapping.addr + descriptor.offset,
+        )
 
     def _still_current(self, name: str, mapping: _Mapping) -> bool:
         """Whether the cached mapping is still the file named `name` (not a restarted
@@ -337,6 +496,8 @@ class ShmRelay(Relay):
             raise RelayError(f"shm segment {name!r} is a release-marks segment, not data")
         mapping = self._map(name)
         mapping.marks = self._map(marks_name(name), writable=True).marks
+        if not mapping.addr:
+            mapping.addr = np.frombuffer(mapping.view, np.uint8).ctypes.data
         return mapping
 
     def _map(self, name: str, writable: bool = False) -> _Mapping:

@@ -120,9 +120,16 @@ class StageObserver:
             self._tracer.record("send", req.span, send_ns, time.time_ns())
 
     def relay_put(
-        self, req: RequestState, target: str, backend: str, packed: Packed, put_ns: int
+        self,
+        req: RequestState,
+        target: str,
+        backend: str,
+        packed: Packed,
+        put_ns: int,
+        forwarded: bool = False,
     ) -> None:
-        """A result payload was put into `backend` for `target`, starting at `put_ns`."""
+        """A result payload was put into `backend` for `target`, starting at `put_ns`
+        (`forwarded`: bytes this stage received were handed on, not copied)."""
         end_ns = time.time_ns()
         self._metrics.relay_put(backend, target, packed.nbytes, (end_ns - put_ns) / 1e9)
         if req.span is not None:
@@ -131,6 +138,8 @@ class StageObserver:
                 "omnirail.relay.bytes": packed.nbytes,
                 "omnirail.edge": f"{self._name}->{target}",
             }
+            if forwarded:
+                attrs["omnirail.relay.forwarded"] = True
             self._tracer.record("relay.put", req.span, put_ns, end_ns, attrs)
 
     def chunk_put(self, target: str, backend: str, nbytes: int, seconds: float) -> None:

@@ -64,6 +64,9 @@ class PendingSend:
     request_id: str
     request: RequestState
     parts: list[tuple[str, Packed]]
+    # The result goes to one target only, so a relay may forward bytes it received
+    # instead of copying them (`Relay.forward_nowait`).
+    forward: bool = False
 
 
 def request_of(entry: OutgoingMessage | PendingSend) -> str:

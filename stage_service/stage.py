@@ -373,10 +373,13 @@ class Stage:
                 project = self._project.get(target)
                 packed = pack(project(msg.data) if project is not None else msg.data)
                 send.parts.append((target, packed))
+            # One target: nothing reads the payload after it is sent (the request ends
+            # here once it is), so received bytes may be forwarded rather than copied.
+            send.forward = len(send.parts) == 1
             # Send in order what needs no waiting; the rest waits in the backlog.
             while send.parts:
                 target, packed = send.parts[0]
-                if not self._send_part_now(req, rid, target, packed):
+                if not self._send_part_now(req, rid, target, packed, send.forward):
                     return send
                 send.parts.pop(0)
         except Exception as exc:
@@ -450,7 +453,7 @@ class Stage:
         rid, req = send.request_id, send.request
         try:
             for target, packed in send.parts:
-                if self._send_part_now(req, rid, target, packed):
+                if self._send_part_now(req, rid, target, packed, send.forward):
                     continue
                 put_ns = time.time_ns()
                 edge = self._edges[target]
@@ -465,18 +468,24 @@ class Stage:
             return
         self._finish(rid)
 
-    def _send_part_now(self, req: RequestState, rid: str, target: str, packed: Packed) -> bool:
-        """Sends one payload if that needs no waiting; False when it must wait for credit."""
+    def _send_part_now(
+        self, req: RequestState, rid: str, target: str, packed: Packed, forward: bool
+    ) -> bool:
+        """Sends one payload if that needs no waiting; False when it must wait for credit.
+        `forward`: the relay may hand on bytes it received instead of copying them."""
         edge = self._edges[target]
         inline = inline_if_small(packed, edge.relay, edge.inline_bytes)
         if inline is not None:
             self._deliver(req, rid, target, inline, None)
             return True
         put_ns = time.time_ns()
-        handle = edge.relay.put_nowait(packed, rid, edge.name)
+        handle = edge.relay.forward_nowait(packed, rid, edge.name) if forward else None
+        forwarded = handle is not None
+        if handle is None:
+            handle = edge.relay.put_nowait(packed, rid, edge.name)
         if handle is None:
             return False
-        self._observe.relay_put(req, target, edge.relay.name, packed, put_ns)
+        self._observe.relay_put(req, target, edge.relay.name, packed, put_ns, forwarded)
         self._deliver_relayed(req, rid, target, packed, handle)
         return True
 

@@ -9,7 +9,6 @@ from typing import Any
 
 from omnirail import dotted
 from omnirail.config.models import ConfigError, PipelineConfig, StageConfig, walk_graph
-from relay.copy import option_problems
 
 _ENV_NAME_RE = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
 
@@ -58,7 +57,7 @@ def validate(cfg: PipelineConfig, resolve: bool = True) -> None:
     problem = _backend_problem(cfg.relay.backend)
     if problem:
         err(f"pipeline.relay.backend: {problem}")
-    for problem in option_problems(cfg.relay.options):
+    for problem in _option_problems(cfg.relay.options):
         err(f"pipeline.relay.options: {problem}")
     _check_dotted(cfg, by_name, resolve, err)
     if errors:
@@ -127,7 +126,7 @@ def _check_stage(
             problem = _backend_problem(relay.backend)
             if problem:
                 err(f"{at}.{where}.backend: {problem}")
-        for problem in option_problems(relay.options) if relay is not None else ():
+        for problem in _option_problems(relay.options) if relay is not None else ():
             err(f"{at}.{where}.options: {problem}")
     for target in s.project_payload:
         if target not in (nxt or []):
@@ -175,6 +174,14 @@ def _check_torchdist(cfg: PipelineConfig, by_name: Mapping[str, StageConfig], er
             err(f"{at}.rank: rank {rank} is also used by process {owner!r}")
         if rank is not None:
             ranks.setdefault(rank, group)
+
+
+def _option_problems(options: dict[str, Any]) -> list[str]:
+    """Relay options a backend would refuse at start-up (those of every backend: an edge
+    may change its backend without clearing them)."""
+    from relay import copy, shm
+
+    return [*copy.option_problems(options), *shm.option_problems(options)]
 
 
 def _backend_problem(backend: str) -> str | None:

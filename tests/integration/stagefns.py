@@ -153,3 +153,26 @@ def make_batch_square() -> Any:
 def make_join_pid() -> Any:
     inner = make_join()
     return lambda p: {**inner(p), "pid": os.getpid()}
+
+
+# ---- forwarding (a stage passes on the tensor it received) -----------------------------
+
+
+def make_stamp() -> Any:
+    def fn(inputs: dict[str, Any]) -> dict[str, Any]:
+        i = int(inputs["i"])
+        return {"i": i, "x": torch.full((int(inputs.get("n", 1 << 16)),), i, dtype=torch.int32)}
+
+    return fn
+
+
+def make_pass_on() -> Any:
+    return lambda payload: payload
+
+
+def make_check_stamp() -> Any:
+    def fn(payload: dict[str, Any]) -> dict[str, Any]:
+        x = payload["x"]
+        return {"i": payload["i"], "intact": bool((x == payload["i"]).all()), "n": x.numel()}
+
+    return fn
