@@ -71,6 +71,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
             stage_ms=args.stage_ms,
             tracing=args.tracing,
             pin=args.pin,
+            rounds=args.rounds,
             progress=progress(args.json),
         )
     print(json.dumps(report, indent=None if args.json else 2))
@@ -124,6 +125,12 @@ def add_bench_parser(sub: Any) -> None:
         "--interval-ms", type=float, default=10.0, help="streaming: producer time per chunk"
     )
     b.add_argument("--runs", type=int, default=5, help="streaming, demo: timed requests")
+    b.add_argument(
+        "--rounds",
+        type=int,
+        default=1,
+        help="pipeline: repeat the latency and throughput runs on one mesh; medians reported",
+    )
     b.add_argument("--address", default=None, help="demo: a running mesh (default: start one)")
     b.add_argument("--pipeline", default=None, help="demo: pipeline file (default: omni demo)")
     b.add_argument("--input", default=None, help="demo: JSON object of inputs")

@@ -104,10 +104,17 @@ def run_pipeline_bench(
     stage_ms: float = 0.0,
     tracing: str = "off",
     pin: bool = False,
+    rounds: int = 1,
     progress: Callable[[str], None] | None = None,
 ) -> dict[str, Any]:
-    """`pin`: the mesh pins each process to one CPU (`omnirail up --pin`)."""
+    """`pin`: the mesh pins each process to one CPU (`omnirail up --pin`). `rounds`: the
+    latency and throughput runs are repeated on the same mesh, in turn, and the report
+    gives the median of each figure (and every round's): on a shared host, whose speed
+    changes from one minute to the next, one run of 300 requests says little."""
     from omnirail.launcher import Mesh
+
+    if rounds < 1:
+        raise ValueError("--rounds must be at least 1")
 
     if tracing == "compare":
         return _compare_tracing(
@@ -125,21 +132,32 @@ def run_pipeline_bench(
     with pipeline_file(pipeline_yaml(stages, payload_bytes, stage_ms)) as path:
         with Mesh(path, progress=progress, env=TRACING_ENV[tracing], pin=pin) as mesh:
             assert mesh.address is not None
-            latencies = _latencies(mesh.address, requests, payload_bytes)
-            rps = aio.run(_throughput(mesh.address, throughput_requests, concurrency))
+            p50s, p99s, rpss = [], [], []
+            for _ in range(rounds):
+                latencies = _latencies(mesh.address, requests, payload_bytes)
+                p50s.append(round(statistics.median(latencies), 3))
+                p99s.append(round(_percentile(latencies, 0.99), 3))
+                rpss.append(
+                    round(aio.run(_throughput(mesh.address, throughput_requests, concurrency)), 1)
+                )
     report: dict[str, Any] = {
         "stages": stages,
         "payload_bytes": payload_bytes,
         "requests": requests,
-        "latency_p50_ms": round(statistics.median(latencies), 3),
-        "latency_p99_ms": round(_percentile(latencies, 0.99), 3),
+        "latency_p50_ms": statistics.median(p50s),
+        "latency_p99_ms": statistics.median(p99s),
         "concurrency": concurrency,
         "throughput_requests": throughput_requests,
-        "throughput_rps": round(rps, 1),
+        "throughput_rps": statistics.median(rpss),
+        "rounds": rounds,
     }
+    if rounds > 1:
+        report["rounds_latency_p50_ms"] = p50s
+        report["rounds_latency_p99_ms"] = p99s
+        report["rounds_throughput_rps"] = rpss
     if stage_ms:
         report["stage_ms"] = stage_ms
-        report["efficiency"] = round(rps * stage_ms / 1000.0, 3)
+        report["efficiency"] = round(report["throughput_rps"] * stage_ms / 1000.0, 3)
     report["tracing"] = tracing
     report["pinned"] = pin
     return report

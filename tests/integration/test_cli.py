@@ -396,6 +396,8 @@ def test_bench_pipeline_json() -> None:
         "8",
         "--stage-ms",
         "2",
+        "--rounds",
+        "3",
         "--json",
     )
     assert proc.returncode == 0, explain(proc)
@@ -405,7 +407,10 @@ def test_bench_pipeline_json() -> None:
     for key in ("latency_p50_ms", "latency_p99_ms", "throughput_rps"):
         assert isinstance(report[key], (int, float)) and report[key] > 0, (key, report)
     assert report["latency_p50_ms"] <= report["latency_p99_ms"]
-    assert report["stages"] == 2 and report["requests"] == 20
+    assert report["stages"] == 2 and report["requests"] == 20 and report["rounds"] == 3
+    for key in ("latency_p50_ms", "latency_p99_ms", "throughput_rps"):
+        per_round = report[f"rounds_{key}"]
+        assert len(per_round) == 3 and report[key] == sorted(per_round)[1], (key, report)
     assert report["stage_ms"] == 2 and 0 < report["efficiency"] <= 1.05
     assert "[omnirail]" not in proc.stderr  # --json: no progress
 
