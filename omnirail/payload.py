@@ -190,20 +190,17 @@ class Packed:
             if lo < hi:
                 np.copyto(dst[lo:hi], src[lo - off : hi - off])
 
-    def lone_source(self) -> np.ndarray | None:
-        """The flat uint8 view of the source tensor when the buffer is exactly that one
-        tensor's bytes (no other tensor, no padding); else None."""
-        if len(self._chunks) == 1 and self._chunks[0][0] == 0:
-            src = self._chunks[0][1]
-            if src.size == self.nbytes:
-                return src
-        return None
+    @property
+    def chunks(self) -> list[tuple[int, np.ndarray]]:
+        """(offset in the buffer, flat uint8 view of the source) of each tensor."""
+        return self._chunks
 
     def to_bytes(self) -> bytes:
         """The tensor buffer as bytes (for inline transport)."""
-        src = self.lone_source()
-        if src is not None:
-            return src.tobytes()
+        if len(self._chunks) == 1 and self._chunks[0][0] == 0:
+            src = self._chunks[0][1]
+            if src.size == self.nbytes:
+                return src.tobytes()
         out = bytearray(self.nbytes)
         self.write_into(out)
         return bytes(out)

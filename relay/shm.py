@@ -7,9 +7,10 @@ read-only view. Releasing it writes the transfer id into the sender's release-ma
 the sender reclaims marked extents on its next `put` (or by polling while an edge waits
 for credit), so no ack message crosses the stream.
 
-Forwarding: a stage that passes on a tensor it received through this relay (the lone tensor
-of its output payload, lying 64-byte aligned inside a view it still holds) may hand that
-view on instead of copying it (`forward_nowait`). The descriptor then names the original
+Forwarding: a stage that passes on bytes it received through this relay (its output
+payload's tensors lie in a view it still holds, as they would in a buffer of their own: a
+received tensor, an aligned slice of one, or the received payload whole) may hand that view
+on instead of copying it (`forward_nowait`). The descriptor then names the original
 sender's segment and transfer, and the final receiver's release mark returns the bytes to
 that sender; the forwarding stage's own release of its view no longer marks anything.
 
@@ -314,19 +315,18 @@ class ShmRelay(Relay):
         return self._handle(pool, extent, credits, request_id, nbytes)
 
     def forward_nowait(self, packed: Packed, request_id: str, edge: str) -> ShmForward | None:
-        """Hands on, without a copy, a view this relay received, when `packed`'s bytes are
-        one tensor lying 64-byte aligned inside it; None otherwise (or if that view was
-        forwarded before).
+        """Hands on, without a copy, a view this relay received, when `packed`'s buffer
+        lies in it as is: every tensor at its own offset from one 64-byte aligned start (a
+        received tensor or aligned slice of one, or a received payload passed on whole).
+        None otherwise, or if that view was forwarded before.
 
         The caller promises what `Relay.forward_nowait` asks: this payload goes to one
         receiver, and the caller reads none of its tensors again.
         """
-        if not self._held or self.closed:
+        if not self._held or self.closed or not packed.chunks:
             return None
-        src = packed.lone_source()
-        if src is None:
-            return None
-        start = src.ctypes.data
+        first_offset, first = packed.chunks[0]
+        start = first.ctypes.data - first_offset
         if start % ALIGN:
             return None
         end = start + packed.nbytes
@@ -338,16 +338,20 @@ class ShmRelay(Relay):
                 and received.addr <= start
                 and end <= received.addr + len(received.buffer)
             ):
-                desc = common_pb2.RelayDescriptor(
-                    backend=BACKEND,
-                    region=received.region,
-                    offset=received.offset + start - received.addr,
-                    nbytes=packed.nbytes,
-                    transfer_id=received.transfer_id,
-                )
-                received.forward = ShmForward(desc, request_id, received, self._forwards)
-                return received.forward
-        return None
+                break
+        else:
+            return None
+        if any(src.ctypes.data - offset != start for offset, src in packed.chunks[1:]):
+            return None
+        desc = common_pb2.RelayDescriptor(
+            backend=BACKEND,
+            region=received.region,
+            offset=received.offset + start - received.addr,
+            nbytes=packed.nbytes,
+            transfer_id=received.transfer_id,
+        )
+        received.forward = ShmForward(desc, request_id, received, self._forwards)
+        return received.forward
 
     async def put(self, packed: Packed, request_id: str, edge: str) -> ShmHandle:
         """Copies `packed` into the pool once `edge` has credit; never rejects for size."""

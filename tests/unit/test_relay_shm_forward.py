@@ -104,6 +104,37 @@ async def test_an_aligned_slice_is_forwarded_with_its_offset(make_relay):
     held.release()
 
 
+async def test_a_received_payload_passed_on_whole_is_forwarded(make_relay):
+    source, middle, sink = make_relay(), make_relay(), make_relay()
+    sent = {"hidden": torch.randn(300, 7), "mask": torch.ones(33, dtype=torch.bool), "n": 3}
+    handle, held, value = await _hop(source, middle, sent)
+    packed = pack(value)
+    forward = middle.forward_nowait(packed, "r", "b->c")
+    assert forward is not None
+    assert forward.descriptor.offset == handle.descriptor.offset
+    final = await sink.get(forward.descriptor)
+    out = unpack(packed.header, final.buffer)
+    assert torch.equal(out["hidden"], sent["hidden"]) and torch.equal(out["mask"], sent["mask"])
+    final.release()
+    held.release()
+
+
+@pytest.mark.parametrize(
+    "make_value",
+    [
+        lambda v: {"hidden": v["hidden"], "mask": v["mask"]},  # another layout
+        lambda v: {**v, "extra": torch.zeros(16)},  # bytes that are not in the view
+    ],
+)
+async def test_payloads_not_laid_out_as_received_are_copied(make_relay, make_value):
+    source, middle = make_relay(), make_relay()
+    sent = {"mask": torch.ones(100, dtype=torch.bool), "hidden": torch.randn(300, 7)}
+    handle, held, value = await _hop(source, middle, sent)
+    assert middle.forward_nowait(pack(make_value(value)), "r", "b->c") is None
+    held.release()
+    handle.release()
+
+
 async def test_a_view_is_forwarded_once(make_relay):
     source, middle = make_relay(), make_relay()
     handle, held, value = await _hop(source, middle, torch.zeros(8192, dtype=torch.uint8))
