@@ -3,9 +3,24 @@
 from __future__ import annotations
 
 import concurrent.futures
+import time
 
+from omnirail.bench.pipeline_bench import TRACING_ENV
 from omnirail.client import Client
+from omnirail.launcher import Mesh
+from omnirail.telemetry.export import read_span_files
 from tests.integration.conftest import shm_names, start_mesh
+
+
+def _relay_puts(mesh: Mesh) -> dict[str, set[bool]]:
+    """Edge -> the `omnirail.relay.forwarded` values its relay.put spans carry."""
+    puts: dict[str, set[bool]] = {}
+    for span in read_span_files(mesh.span_dir.glob("*.otlp")):
+        if span["name"] == "relay.put":
+            attrs = span["attributes"]
+            forwarded = attrs.get("omnirail.relay.forwarded", False)
+            puts.setdefault(attrs["omnirail.edge"], set()).add(forwarded)
+    return puts
 
 
 def _segments_of(prefix: str, pid: int) -> list[str]:
@@ -13,7 +28,7 @@ def _segments_of(prefix: str, pid: int) -> list[str]:
 
 
 def test_pass_through_stages_forward_without_copies_and_nothing_is_reused_early() -> None:
-    mesh = start_mesh("forward")
+    mesh = start_mesh("forward", env=TRACING_ENV["on"])
     try:
         with Client(mesh.address or "", timeout=60) as client:
             # 256 KiB per request, 4 credits per edge, 2 MiB pools: extents are reused
@@ -28,6 +43,12 @@ def test_pass_through_stages_forward_without_copies_and_nothing_is_reused_early(
         assert _segments_of(mesh.shm_prefix, pids["stage-stamp"])
         for middle in ("stage-first", "stage-second"):
             assert _segments_of(mesh.shm_prefix, pids[middle]) == [], middle
+        # Traces say so too: the middle stages' relay.put spans are marked forwarded.
+        want = {"stamp->first": {False}, "first->second": {True}, "second->check": {True}}
+        deadline = time.monotonic() + 30
+        while (puts := _relay_puts(mesh)) != want and time.monotonic() < deadline:
+            time.sleep(0.2)  # spans are exported in batches
+        assert puts == want
     finally:
         mesh.stop()
     assert shm_names(mesh.shm_prefix) == [], "shared memory left after shutdown"
