@@ -10,6 +10,11 @@ vCPU runs the interpreter right now. Most of a request's time is CPU spent in Py
 gRPC, so a host that runs it slower (a busy neighbour on a shared host) slows every mesh
 figure with it; compare figures only between runs with similar values.
 
+`idle_penalty_us` times one small piece of Python and numpy work (a `np.frombuffer` view,
+reshaped) hot, and again right after 2 ms of sleep. On a VM whose idle vCPUs halt, the
+host runs other work on the core meanwhile, and the first work after waking runs from cold
+caches: every process in a sequential request wakes like that at each hop.
+
 `memcpy_gbps` is what one copy reaches: `hot` between two warm buffers (the relay
 benchmark's baseline), `rotating` into eight destinations in turn (what a relay writing
 into pool extents that are still being read sees), and at 64 MiB one copy alone and two at
@@ -87,6 +92,27 @@ def _python_loop_ns(iterations: int = 200_000, runs: int = 7) -> float:
     return statistics.median(times)
 
 
+def _idle_penalty_us(rounds: int = 200, idle_s: float = 0.002) -> dict[str, float]:
+    """Median µs of a small view-making step, back to back and after `idle_s` asleep."""
+    buf = bytes(1 << 16)
+
+    def step() -> float:
+        t0 = time.perf_counter()
+        np.frombuffer(buf, np.uint8, 1 << 12, 64).reshape(64, 64)
+        return (time.perf_counter() - t0) * 1e6
+
+    hot, cold = [], []
+    for _ in range(rounds):
+        step()
+        hot.append(step())
+        time.sleep(idle_s)
+        cold.append(step())
+    return {
+        "hot": round(statistics.median(hot), 2),
+        "after_2ms_idle": round(statistics.median(cold), 2),
+    }
+
+
 def _gbps(copy: Any, nbytes: int, secs: float) -> float:
     """Best GB/s of three windows of at least `secs` each."""
     best = 0.0
@@ -139,6 +165,7 @@ def run_host_bench(rounds: int = 2000, min_seconds: float = 0.3) -> dict[str, An
         "guest_halt_poll_ns": None if halt_poll is None else int(halt_poll),
         "wakeup_rtt_us": rtt,
         "python_loop_ns": round(_python_loop_ns(), 1),
+        "idle_penalty_us": _idle_penalty_us(),
         "memcpy_gbps": _memcpy(min_seconds),
     }
 

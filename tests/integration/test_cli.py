@@ -424,6 +424,7 @@ def test_bench_host_json() -> None:
     assert rtt["same_cpu"] > 0 and rtt["unpinned"] > 0
     assert (rtt["cross_cpu"] is None) == (report["cpus"] < 2)
     assert 0 < report["python_loop_ns"] < 10_000
+    assert report["idle_penalty_us"]["hot"] > 0 and report["idle_penalty_us"]["after_2ms_idle"] > 0
     copies = report["memcpy_gbps"]
     assert copies["1048576"]["hot"] > 0 and copies["1048576"]["rotating"] > 0
     big = copies["67108864"]
