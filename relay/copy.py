@@ -13,7 +13,7 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import itertools
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import numpy as np
@@ -65,6 +65,33 @@ class Copier:
             if self.threads > 1
             else None
         )
+
+    async def write(
+        self, packed: Packed, target: np.ndarray | memoryview, abandon: Callable[[], None]
+    ) -> None:
+        """Copies `packed` into `target`: inline when small, else off the loop (`start`).
+
+        When the copy fails or the caller is cancelled, calls `abandon` (which frees
+        `target`) once nothing writes into it any more, i.e. for a threaded copy when its
+        thread is done, and re-raises.
+        """
+        if packed.nbytes < self.thread_bytes:
+            try:
+                packed.write_into(target)
+            except BaseException:
+                abandon()
+                raise
+            return
+        copy = self.start(packed, target)
+        del target  # the thread holds it while it copies, and no longer
+        try:
+            await asyncio.shield(copy)
+        except BaseException:
+            if copy.done():
+                abandon()
+            else:
+                copy.add_done_callback(lambda _: abandon())
+            raise
 
     def start(self, packed: Packed, target: np.ndarray | memoryview) -> asyncio.Future[None]:
         """Copies `packed` into `target` in a worker thread. The future resolves only once

@@ -127,7 +127,6 @@ class PullRelay(Relay):
         self._peers_changed: asyncio.Event | None = None
         self._poller: asyncio.Task[None] | None = None
         self._copier = Copier(opts)
-        self._copy_thread_bytes = self._copier.thread_bytes
         self._peer_wait_s = float(opts.get("peer_wait_s", DEFAULT_PEER_WAIT_S))
         self.closed = False
 
@@ -222,7 +221,7 @@ class PullRelay(Relay):
 
     def put_nowait(self, packed: Packed, request_id: str, edge: str) -> PulledHandle | None:
         nbytes = packed.nbytes
-        if self.closed or nbytes >= self._copy_thread_bytes:
+        if self.closed or nbytes >= self._copier.thread_bytes:
             return None
         if nbytes == 0:
             return self._handle(None, None, request_id, 0)
@@ -246,22 +245,14 @@ class PullRelay(Relay):
         credit = self._credits.edge(edge)
         await self._credits.take(credit, nbytes, self._start_polling)
         extent = self._alloc(credit, nbytes)
-        copy: asyncio.Future[None] | None = None
-        try:
-            target = extent.view(nbytes)
-            if nbytes >= self._copy_thread_bytes:
-                copy = self._copier.start(packed, target)
-                del target
-                await asyncio.shield(copy)
-                self._check_open()
-            else:
-                packed.write_into(target)
-        except BaseException:
-            if copy is not None and not copy.done():
-                copy.add_done_callback(lambda _: self._abandon(extent, credit, nbytes))
-            else:
-                self._abandon(extent, credit, nbytes)
-            raise
+
+        def abandon() -> None:
+            self._abandon(extent, credit, nbytes)
+
+        await self._copier.write(packed, extent.view(nbytes), abandon)
+        if self.closed:  # closed while copying
+            abandon()
+            self._check_open()
         return self._handle(credit, extent, request_id, nbytes)
 
     def _alloc(self, credit: EdgeCredit, nbytes: int) -> HostExtent:

@@ -252,7 +252,6 @@ class ShmRelay(Relay):
         if problems:
             raise RelayError(f"relay option {problems[0]}")
         self._copier = Copier(self.settings.options)
-        self._copy_thread_bytes = self._copier.thread_bytes
         # Views handed out by `get` and not yet released, when forwarding is on.
         forward = self.settings.options.get("forward_views", True)
         self._held: set[ShmReceived] | None = set() if forward else None
@@ -299,7 +298,7 @@ class ShmRelay(Relay):
             # Before the size check: `put` comes through here for threaded copies too, and
             # must reuse what receivers released rather than grow the pool.
             self.reclaim()
-        if nbytes >= self._copy_thread_bytes:
+        if nbytes >= self._copier.thread_bytes:
             return None
         credits = self._credits.edge(edge)
         if not self._credits.try_take(credits, nbytes):
@@ -364,25 +363,17 @@ class ShmRelay(Relay):
         credits = self._credits.edge(edge)
         await self._credits.take(credits, nbytes, self._start_polling)
         pool, extent = self._alloc(credits, nbytes)
-        copy: asyncio.Future[None] | None = None
-        try:
-            target = extent.segment.array[extent.offset : extent.offset + nbytes]
-            if nbytes >= self._copy_thread_bytes:
-                copy = self._copier.start(packed, target)
-                del target
-                await asyncio.shield(copy)
-                self._check_open()  # closed while copying: the pool is gone
-            else:
-                packed.write_into(target)
-                del target
-        except BaseException:
-            if copy is not None and not copy.done():
-                # Cancelled mid-copy: the thread still writes into the extent, so it goes
-                # back to the pool only when the copy ends.
-                copy.add_done_callback(lambda _: self._abandon(pool, extent, credits, nbytes))
-            else:
-                self._abandon(pool, extent, credits, nbytes)
-            raise
+
+        def abandon() -> None:
+            self._abandon(pool, extent, credits, nbytes)
+
+        # The slice goes straight to the copy (no local keeps it while the copy runs).
+        await self._copier.write(
+            packed, extent.segment.array[extent.offset : extent.offset + nbytes], abandon
+        )
+        if self.closed:  # closed while copying: the pool is gone
+            abandon()
+            self._check_open()
         return self._handle(pool, extent, credits, request_id, nbytes)
 
     def _alloc(self, credits: EdgeCredit, nbytes: int) -> tuple[ShmPool, Extent]:
