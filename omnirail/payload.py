@@ -178,7 +178,7 @@ class Packed:
         dst = buf if type(buf) is np.ndarray else np.frombuffer(buf, dtype=np.uint8)
         if dst.size < self.nbytes:
             raise PayloadError(f"target buffer of {dst.size} bytes is smaller than {self.nbytes}")
-        if start == 0 and stop is None:
+        if start == 0 and stop is None:  # every put: no clipping per tensor
             for off, src in self._chunks:
                 np.copyto(dst[off : off + src.size], src)
             return

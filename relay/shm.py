@@ -117,12 +117,12 @@ class ShmReceived(Received):
         "_held",
         "_marks",
         "_slot",
-        "_tid",
         "addr",
         "buffer",
         "forward",
         "offset",
         "region",
+        "transfer_id",
     )
 
     def __init__(
@@ -138,7 +138,7 @@ class ShmReceived(Received):
         self.buffer = buffer
         self._marks = marks
         self._slot = transfer_id & _SLOT_MASK
-        self._tid = transfer_id
+        self.transfer_id = transfer_id
         # Where the view lies (segment, offset, address in this process), so a stage that
         # passes the bytes on can forward them; `held` is the relay's set of live views.
         self._held = held
@@ -148,10 +148,6 @@ class ShmReceived(Received):
         self.forward: ShmForward | None = None  # set once the view has been handed on
         if held is not None:
             held.add(self)
-
-    @property
-    def transfer_id(self) -> int:
-        return self._tid
 
     def release(self) -> None:
         """Marks the transfer done for the sender (unless it was forwarded: the final
@@ -172,7 +168,7 @@ class ShmReceived(Received):
         """Writes the release mark (once): the sender may reuse the bytes."""
         marks, self._marks = self._marks, None
         if marks is not None:
-            marks[self._slot] = self._tid
+            marks[self._slot] = self.transfer_id
 
 
 class ShmForward(RelayHandle):
@@ -250,7 +246,7 @@ class ShmRelay(Relay):
         self._maps: dict[str, _Mapping] = {}
         problems = option_problems(self.settings.options)
         if problems:
-            raise RelayError(f"relay option {problems[0]}")
+            raise RelayError(f"relay option {'; '.join(problems)}")
         self._copier = Copier(self.settings.options)
         # Views handed out by `get` and not yet released, when forwarding is on.
         forward = self.settings.options.get("forward_views", True)
