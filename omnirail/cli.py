@@ -9,11 +9,13 @@ import subprocess
 import sys
 import time
 from collections.abc import Callable, Iterator
+from contextlib import AbstractContextManager, nullcontext
 from pathlib import Path
 from typing import Any
 
 from omnirail import aio
-from omnirail.config import ConfigError, format_topology, load_pipeline
+from omnirail.config import ConfigError, PipelineConfig, format_topology, load_pipeline
+from omnirail.cpu_latency import check_us, hold_or_warn
 from omnirail.cpus import parse_cpus, pin_process
 from omnirail.errors import Code, OmniError
 
@@ -66,6 +68,7 @@ def cmd_up(args: argparse.Namespace) -> int:
         run_dir=args.run_dir,
         progress=_progress(args.quiet),
         pin=args.pin,
+        cpu_wake_latency_us=args.cpu_wake_latency_us,
     )
     name = args.name or mesh.pipeline.name or "pipeline"
     if name in read_states():
@@ -130,6 +133,8 @@ def _up_detached(args: argparse.Namespace) -> int:
         argv += ["--run-dir", args.run_dir]
     if args.pin:
         argv.append("--pin")
+    if args.cpu_wake_latency_us is not None:
+        argv += ["--cpu-wake-latency-us", str(args.cpu_wake_latency_us)]
     with open(log, "ab") as out:
         proc = subprocess.Popen(
             argv,
@@ -197,6 +202,7 @@ def cmd_run(args: argparse.Namespace) -> int:
         transport="tcp" if args.tcp else None,
         progress=_progress(args.quiet),
         pin=args.pin,
+        cpu_wake_latency_us=args.cpu_wake_latency_us,
     ) as mesh:
         assert mesh.address is not None
         with Client(mesh.address, tensors="numpy") as client:
@@ -259,21 +265,29 @@ def _pin(flag: str | None, configured: list[int] | None) -> None:
         pin_process(cpus)
 
 
+def _wake_latency(flag: int | None, cfg: PipelineConfig, who: str) -> AbstractContextManager[Any]:
+    """Holds the PM QoS request of `--cpu-wake-latency-us`, else the pipeline's, for the
+    `with` block (a host that refuses it gets a warning in the log)."""
+    us = flag if flag is not None else cfg.cpu_wake_latency_us
+    return hold_or_warn(us, who) or nullcontext()
+
+
 def cmd_coordinator(args: argparse.Namespace) -> int:
     from coordinator.main import serve
 
     _setup_logging(args.log_level)
     cfg = load_pipeline(args.pipeline)
     _pin(args.cpus, cfg.coordinator_cpus)
-    aio.run(
-        serve(
-            cfg,
-            args.listen,
-            args.ready_file,
-            metrics_host=args.metrics_host,
-            metrics_port=args.metrics_port,
+    with _wake_latency(args.cpu_wake_latency_us, cfg, "coordinator"):
+        aio.run(
+            serve(
+                cfg,
+                args.listen,
+                args.ready_file,
+                metrics_host=args.metrics_host,
+                metrics_port=args.metrics_port,
+            )
         )
-    )
     return 0
 
 
@@ -287,18 +301,19 @@ def cmd_stage(args: argparse.Namespace) -> int:
         cfg.stage(name)  # unknown names fail here with a clear message
     _pin(args.cpus, cfg.process_cpus(names))
     listen = args.listen or f"{cfg.endpoints.host}:0"
-    aio.run(
-        serve(
-            cfg,
-            names,
-            coordinator=args.coordinator,
-            listen=listen,
-            advertise=args.advertise,
-            shm_prefix=args.shm_prefix,
-            metrics_host=args.metrics_host,
-            metrics_port=args.metrics_port,
+    with _wake_latency(args.cpu_wake_latency_us, cfg, f"stage process {args.stage}"):
+        aio.run(
+            serve(
+                cfg,
+                names,
+                coordinator=args.coordinator,
+                listen=listen,
+                advertise=args.advertise,
+                shm_prefix=args.shm_prefix,
+                metrics_host=args.metrics_host,
+                metrics_port=args.metrics_port,
+            )
         )
-    )
     return 0
 
 
@@ -375,6 +390,24 @@ def cmd_health(args: argparse.Namespace) -> int:
 
 # ---- parser --------------------------------------------------------------------
 
+_WAKE_HELP = (
+    "keep idle CPUs able to wake within this many µs while {what} runs (0: polling; a PM "
+    "QoS request through /dev/cpu_dma_latency, needs root; default: the pipeline's "
+    "cpu_wake_latency_us)"
+)
+
+
+def _wake_us(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not an integer of µs: {text!r}") from None
+    try:
+        return check_us(value)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+
+
 _CPUS_HELP = 'pin the process to these CPUs, e.g. "0" or "0-3,6" (default: the pipeline\'s {what})'
 
 
@@ -395,6 +428,13 @@ def build_parser() -> argparse.ArgumentParser:
             action="store_true",
             help="pin each process without configured cpus to one CPU, round-robin "
             "(lower latency when every stage runs one compute thread)",
+        )
+        sp.add_argument(
+            "--cpu-wake-latency-us",
+            type=_wake_us,
+            default=None,
+            metavar="US",
+            help=_WAKE_HELP.format(what="the mesh"),
         )
 
     u = sub.add_parser("up", help="start the coordinator and every stage process")
@@ -457,6 +497,13 @@ def build_parser() -> argparse.ArgumentParser:
     )
     c.add_argument("--metrics-host", default=None, help="default: the pipeline's metrics.host")
     c.add_argument("--cpus", default=None, help=_CPUS_HELP.format(what="coordinator_cpus"))
+    c.add_argument(
+        "--cpu-wake-latency-us",
+        type=_wake_us,
+        default=None,
+        metavar="US",
+        help=_WAKE_HELP.format(what="it"),
+    )
     c.set_defaults(fn=cmd_coordinator)
 
     s = sub.add_parser("stage", help="run one stage process alone")
@@ -477,6 +524,13 @@ def build_parser() -> argparse.ArgumentParser:
     )
     s.add_argument("--metrics-host", default=None, help="default: the pipeline's metrics.host")
     s.add_argument("--cpus", default=None, help=_CPUS_HELP.format(what="its stages' cpus"))
+    s.add_argument(
+        "--cpu-wake-latency-us",
+        type=_wake_us,
+        default=None,
+        metavar="US",
+        help=_WAKE_HELP.format(what="it"),
+    )
     s.set_defaults(fn=cmd_stage)
 
     from omnirail import compose as _compose

@@ -24,6 +24,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from omnirail.config import PipelineConfig, load_pipeline
+from omnirail.cpu_latency import CpuLatencyError, CpuWakeLatency, check_us
 from omnirail.cpus import available_cpus, format_cpus, spread
 from omnirail.errors import Code, OmniError
 from omnirail.telemetry import SPAN_DIR_ENV
@@ -76,11 +77,15 @@ class Mesh:
         progress: Callable[[str], None] | None = None,
         env: Mapping[str, str] | None = None,
         pin: bool = False,
+        cpu_wake_latency_us: int | None = None,
     ) -> None:
         """`pin`: each process whose stages (or coordinator) configure no `cpus` is pinned
-        to one CPU, round-robin over the CPUs this process may use."""
+        to one CPU, round-robin over the CPUs this process may use.
+        `cpu_wake_latency_us`: overrides the pipeline's (see omnirail/cpu_latency.py)."""
         self._extra_env = dict(env or {})
         self.pin = pin
+        self.wake_override = None if cpu_wake_latency_us is None else check_us(cpu_wake_latency_us)
+        self._wake: CpuWakeLatency | None = None
         self.pipeline_path = str(Path(pipeline_path).resolve())
         self.pipeline: PipelineConfig = load_pipeline(self.pipeline_path)
         ep = self.pipeline.endpoints
@@ -157,6 +162,7 @@ class Mesh:
         )
         processes = self._stage_processes()
         pinned = self._pinned(processes)
+        wake = self._hold_wake_latency()
         self._progress(f"starting coordinator ({listen})")
         coord = self._spawn(
             "coordinator",
@@ -169,6 +175,7 @@ class Mesh:
                 "--ready-file",
                 str(ready_file),
                 *pinned.get("coordinator", []),
+                *wake,
             ],
         )
         while not ready_file.exists() or not ready_file.read_text():
@@ -194,10 +201,27 @@ class Mesh:
                     "--shm-prefix",
                     self.shm_prefix,
                     *pinned.get(name, []),
+                    *wake,
                 ],
             )
         self._wait_ready(deadline)
         return self.address
+
+    def _hold_wake_latency(self) -> list[str]:
+        """Holds the wake-latency bound here too, so that a host refusing it is reported
+        at start-up rather than only in each process's log; returns the flag that hands
+        an override to each process (without one, each reads the pipeline's)."""
+        us = self.wake_override
+        if us is None:
+            us = self.pipeline.cpu_wake_latency_us
+        if us is None:
+            return []
+        try:
+            self._wake = CpuWakeLatency(us)
+            self._progress(f"idle CPUs held to wake within {us} µs")
+        except CpuLatencyError as exc:
+            self._progress(f"warning: cpu_wake_latency_us {us} not applied: {exc}")
+        return [] if self.wake_override is None else ["--cpu-wake-latency-us", str(us)]
 
     def _stage_processes(self) -> dict[str, list[str]]:
         """Every stage process the mesh starts, in start order: name -> its stages."""
@@ -290,6 +314,9 @@ class Mesh:
         from relay.shm_pool import sweep_segments
 
         sweep_segments(self.shm_prefix)
+        if self._wake is not None:
+            self._wake.release()
+            self._wake = None
         if self._own_run_dir:
             shutil.rmtree(self.run_dir, ignore_errors=True)
 

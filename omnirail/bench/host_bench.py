@@ -19,6 +19,9 @@ caches: every process in a sequential request wakes like that at each hop.
 benchmark's baseline), `rotating` into eight destinations in turn (what a relay writing
 into pool extents that are still being read sees), and at 64 MiB one copy alone and two at
 once on two threads (receiver-pulled relays copy twice, concurrently).
+
+`polling_idle` repeats the cross-CPU wake-ups and the idle penalty while this process asks
+that idle CPUs poll rather than halt (omnirail/cpu_latency.py; needs root).
 """
 
 from __future__ import annotations
@@ -36,6 +39,7 @@ from typing import Any
 
 import numpy as np
 
+from omnirail import cpu_latency
 from omnirail.bench.relay_bench import Memcpy
 
 MiB = 1 << 20
@@ -160,14 +164,34 @@ def run_host_bench(rounds: int = 2000, min_seconds: float = 0.3) -> dict[str, An
     rtt["cross_cpu"] = round(_rtt_us(cpus[0], cpus[1], rounds), 1) if len(cpus) > 1 else None
     rtt["unpinned"] = round(_rtt_us(-1, -1, rounds), 1)
     halt_poll = _HALTPOLL.read_text().strip() if _HALTPOLL.exists() else None
-    return {
+    report: dict[str, Any] = {
         "cpus": len(cpus),
         "guest_halt_poll_ns": None if halt_poll is None else int(halt_poll),
         "wakeup_rtt_us": rtt,
         "python_loop_ns": round(_python_loop_ns(), 1),
         "idle_penalty_us": _idle_penalty_us(),
-        "memcpy_gbps": _memcpy(min_seconds),
     }
+    report["polling_idle"] = _polling_idle(cpus, rounds)
+    report["memcpy_gbps"] = _memcpy(min_seconds)
+    return report
+
+
+def _polling_idle(cpus: list[int], rounds: int) -> dict[str, Any]:
+    """The same wake-up and idle figures while idle CPUs poll (a 0 µs wake-latency
+    request, what `bench pipeline`/`relay` hold by default): their gap to the figures
+    above is what halting idle CPUs cost on this host."""
+    hold, wake = cpu_latency.report(0)
+    if hold is None:
+        return wake
+    with hold:
+        return {
+            **wake,
+            "wakeup_rtt_us": {
+                "cross_cpu": round(_rtt_us(cpus[0], cpus[1], rounds), 1) if len(cpus) > 1 else None,
+                "unpinned": round(_rtt_us(-1, -1, rounds), 1),
+            },
+            "idle_penalty_us": _idle_penalty_us(),
+        }
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -111,6 +111,10 @@ def format_topology(cfg: PipelineConfig) -> str:
         f"relay: {r.backend} (inline <= {r.inline_bytes} B, pool {r.pool_mb} MiB, "
         f"{r.credits} credits / {r.credit_mb} MiB per edge)"
     )
+    if cfg.cpu_wake_latency_us is not None:
+        lines.append(
+            f"cpu wake latency: idle CPUs held to wake within {cfg.cpu_wake_latency_us} µs"
+        )
     lines.append("processes:")
     if cfg.coordinator_cpus:
         lines.append(f"  coordinator [cpus={format_cpus(cfg.coordinator_cpus)}]")

@@ -24,6 +24,7 @@ from pydantic import (
 )
 
 from omnirail import dotted
+from omnirail.cpu_latency import MAX_US
 from omnirail.cpus import parse_cpus
 
 if TYPE_CHECKING:
@@ -231,6 +232,9 @@ class PipelineConfig(_Model):
     client_stream_buffer: int = Field(4096, gt=0)
     # CPUs the coordinator process is pinned to (see StageConfig.cpus).
     coordinator_cpus: CpuList = None
+    # Idle CPUs must wake within this many µs while the mesh's processes run (a PM QoS
+    # request, see omnirail/cpu_latency.py); None leaves the host's power management alone.
+    cpu_wake_latency_us: int | None = Field(None, ge=0, le=MAX_US, strict=True)
 
     _source_dir: str | None = PrivateAttr(default=None)
 

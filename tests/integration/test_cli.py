@@ -20,6 +20,7 @@ from pathlib import Path
 import pytest
 
 from omnirail.client import Client
+from omnirail.cpu_latency import DEVICE
 from omnirail.launcher import pid_alive, read_states, state_dir
 from relay.shm_pool import sweep_segments
 
@@ -412,7 +413,20 @@ def test_bench_pipeline_json() -> None:
         per_round = report[f"rounds_{key}"]
         assert len(per_round) == 3 and report[key] == sorted(per_round)[1], (key, report)
     assert report["stage_ms"] == 2 and 0 < report["efficiency"] <= 1.05
+    # By default the bench holds idle CPUs to polling where the host lets it.
+    wake = report["cpu_wake_latency"]
+    assert wake["requested_us"] == 0 and wake["held"] == os.access(DEVICE, os.W_OK), wake
     assert "[omnirail]" not in proc.stderr  # --json: no progress
+
+
+def test_bench_relay_untuned_and_a_bad_wake_latency() -> None:
+    proc = omnirail("bench", "relay", "--sizes", "4096", "--cpu-wake-latency-us", "off", "--json")
+    assert proc.returncode == 0, explain(proc)
+    report = json.loads(proc.stdout)
+    assert report["sizes"]["4096"]["gbps"] > 0
+    assert report["cpu_wake_latency"] == {"requested_us": None, "held": False}
+    bad = omnirail("bench", "relay", "--cpu-wake-latency-us", "-1")
+    assert bad.returncode == 2 and "must be 0..1000000 µs, got -1" in bad.stderr, explain(bad)
 
 
 def test_bench_host_json() -> None:
@@ -430,3 +444,10 @@ def test_bench_host_json() -> None:
     big = copies["67108864"]
     assert big["alone"] > 0 and big["two_at_once_each"] > 0
     assert abs(big["two_at_once_ratio"] - big["two_at_once_each"] / big["alone"]) < 0.01
+    polling = report["polling_idle"]
+    assert polling["requested_us"] == 0 and polling["held"] == os.access(DEVICE, os.W_OK)
+    if polling["held"]:
+        assert polling["wakeup_rtt_us"]["unpinned"] > 0
+        assert polling["idle_penalty_us"]["after_2ms_idle"] > 0
+    else:
+        assert "error" in polling

@@ -300,3 +300,16 @@ def test_bad_cpus_name_the_stage_and_field(bad: object) -> None:
     assert "coordinator_cpus" in str(
         config_error(pipe(st("a", terminal=True), coordinator_cpus=bad))
     )
+
+
+def test_cpu_wake_latency_is_off_unless_set() -> None:
+    assert PipelineConfig.from_dict(pipe(st("a", terminal=True))).cpu_wake_latency_us is None
+    cfg = PipelineConfig.from_dict(pipe(st("a", terminal=True), cpu_wake_latency_us=0))
+    assert cfg.cpu_wake_latency_us == 0
+    assert "cpu wake latency: idle CPUs held to wake within 0 µs\n" in format_topology(cfg)
+
+
+@pytest.mark.parametrize("bad", [-1, 1_000_001, "0", True, 2.5])
+def test_bad_cpu_wake_latency_names_the_field(bad: object) -> None:
+    err = config_error(pipe(st("a", terminal=True), cpu_wake_latency_us=bad))
+    assert "pipeline.cpu_wake_latency_us" in str(err)
