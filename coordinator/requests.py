@@ -13,7 +13,18 @@ from omnirail.telemetry.metrics import CoordinatorMetrics
 from omnirail.telemetry.tracer import STATUS_OK, Span
 from omnirail.v1 import client_pb2, common_pb2
 
-State = common_pb2.RequestState
+
+class State:
+    """`common_pb2.RequestState` as plain ints: the enum wrapper resolves every attribute
+    with a Python call, and the coordinator reads these several times per request."""
+
+    PENDING = common_pb2.PENDING
+    RUNNING = common_pb2.RUNNING
+    COMPLETED = common_pb2.COMPLETED
+    FAILED = common_pb2.FAILED
+    ABORTED = common_pb2.ABORTED
+    Name = staticmethod(common_pb2.RequestState.Name)
+    values = staticmethod(common_pb2.RequestState.values)
 
 
 @dataclass(slots=True)
