@@ -166,8 +166,11 @@ def add_bench_parser(sub: Any) -> None:
     )
     b.add_argument(
         "--pin",
-        action="store_true",
-        help="pipeline: pin each mesh process to one CPU, round-robin (as `omnirail up --pin`)",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="pipeline: pin each mesh process to one CPU, round-robin, as `omnirail up --pin` "
+        "(recommended where every stage runs one compute thread, as the bench's do; "
+        "default: on, --no-pin to compare)",
     )
     b.add_argument(
         "--cpu-wake-latency-us",

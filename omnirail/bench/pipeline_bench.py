@@ -103,7 +103,7 @@ def run_pipeline_bench(
     throughput_requests: int = 2048,
     stage_ms: float = 0.0,
     tracing: str = "off",
-    pin: bool = False,
+    pin: bool = True,
     rounds: int = 1,
     progress: Callable[[str], None] | None = None,
 ) -> dict[str, Any]:

@@ -413,7 +413,9 @@ def test_bench_pipeline_json() -> None:
         per_round = report[f"rounds_{key}"]
         assert len(per_round) == 3 and report[key] == sorted(per_round)[1], (key, report)
     assert report["stage_ms"] == 2 and 0 < report["efficiency"] <= 1.05
-    # By default the bench holds idle CPUs to polling where the host lets it.
+    # By default the bench pins its single-threaded stages and holds idle CPUs to polling
+    # where the host lets it.
+    assert report["pinned"] is True
     wake = report["cpu_wake_latency"]
     assert wake["requested_us"] == 0 and wake["held"] == os.access(DEVICE, os.W_OK), wake
     assert "[omnirail]" not in proc.stderr  # --json: no progress
