@@ -60,7 +60,10 @@ class CpuWakeLatency:
         try:
             fd = os.open(device, os.O_WRONLY | os.O_CLOEXEC)
         except FileNotFoundError:
-            raise CpuLatencyError(f"{device} does not exist (no PM QoS on this host)") from None
+            raise CpuLatencyError(
+                f"{device} does not exist (no PM QoS on this host, or not mapped into this "
+                "container)"
+            ) from None
         except PermissionError:
             raise CpuLatencyError(
                 f"no permission to write {device} (it needs root, or the device mapped "
