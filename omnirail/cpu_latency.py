@@ -24,6 +24,7 @@ __all__ = [
     "MAX_US",
     "CpuLatencyError",
     "CpuWakeLatency",
+    "available",
     "check_us",
     "current_us",
     "hold_or_warn",
@@ -95,6 +96,16 @@ class CpuWakeLatency:
 
     def __del__(self) -> None:
         self.release()
+
+
+def available(device: str = DEVICE) -> bool:
+    """Whether this process may hold a bound (tried, not guessed from file modes: a
+    container's device rules can refuse what the permission bits allow)."""
+    try:
+        CpuWakeLatency(MAX_US, device).release()
+    except CpuLatencyError:
+        return False
+    return True
 
 
 def current_us(device: str = DEVICE) -> int:

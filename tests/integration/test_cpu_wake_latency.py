@@ -17,7 +17,7 @@ from omnirail.launcher import Mesh
 from tests.integration.conftest import PIPELINES
 
 pytestmark = pytest.mark.skipif(
-    not os.access(cpu_latency.DEVICE, os.W_OK), reason=f"{cpu_latency.DEVICE} is not writable"
+    not cpu_latency.available(), reason=f"{cpu_latency.DEVICE} cannot be held here"
 )
 
 

@@ -12,7 +12,7 @@ import pytest
 from omnirail import cpu_latency
 from omnirail.cpu_latency import CpuLatencyError, CpuWakeLatency, check_us
 
-_REAL = os.access(cpu_latency.DEVICE, os.W_OK)
+_REAL = cpu_latency.available()
 
 
 @pytest.mark.parametrize("us", [0, 1, cpu_latency.MAX_US])
@@ -74,6 +74,13 @@ def test_hold_or_warn_warns_and_goes_on(tmp_path: Path, caplog: pytest.LogCaptur
     assert "does not exist" in caplog.text
 
 
+def test_available_tries_the_device(tmp_path: Path) -> None:
+    assert not cpu_latency.available(str(tmp_path / "nope"))
+    device = tmp_path / "qos"
+    device.write_bytes(b"")
+    assert cpu_latency.available(str(device))
+
+
 def test_report_says_what_was_held(tmp_path: Path) -> None:
     assert cpu_latency.report(None) == (None, {"requested_us": None, "held": False})
     hold, wake = cpu_latency.report(0, str(tmp_path / "nope"))
@@ -85,7 +92,7 @@ def test_report_says_what_was_held(tmp_path: Path) -> None:
     hold.release()
 
 
-@pytest.mark.skipif(not _REAL, reason=f"{cpu_latency.DEVICE} is not writable here")
+@pytest.mark.skipif(not _REAL, reason=f"{cpu_latency.DEVICE} cannot be held here")
 def test_the_kernel_applies_the_bound_while_held() -> None:
     with CpuWakeLatency(0):
         assert cpu_latency.current_us() == 0
