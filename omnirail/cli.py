@@ -408,6 +408,16 @@ def _wake_us(text: str) -> int:
         raise argparse.ArgumentTypeError(str(exc)) from None
 
 
+def _add_wake_flag(parser: argparse.ArgumentParser, what: str) -> None:
+    parser.add_argument(
+        "--cpu-wake-latency-us",
+        type=_wake_us,
+        default=None,
+        metavar="US",
+        help=_WAKE_HELP.format(what=what),
+    )
+
+
 _CPUS_HELP = 'pin the process to these CPUs, e.g. "0" or "0-3,6" (default: the pipeline\'s {what})'
 
 
@@ -429,13 +439,7 @@ def build_parser() -> argparse.ArgumentParser:
             help="pin each process without configured cpus to one CPU, round-robin "
             "(lower latency when every stage runs one compute thread)",
         )
-        sp.add_argument(
-            "--cpu-wake-latency-us",
-            type=_wake_us,
-            default=None,
-            metavar="US",
-            help=_WAKE_HELP.format(what="the mesh"),
-        )
+        _add_wake_flag(sp, "the mesh")
 
     u = sub.add_parser("up", help="start the coordinator and every stage process")
     mesh_flags(u)
@@ -497,13 +501,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     c.add_argument("--metrics-host", default=None, help="default: the pipeline's metrics.host")
     c.add_argument("--cpus", default=None, help=_CPUS_HELP.format(what="coordinator_cpus"))
-    c.add_argument(
-        "--cpu-wake-latency-us",
-        type=_wake_us,
-        default=None,
-        metavar="US",
-        help=_WAKE_HELP.format(what="it"),
-    )
+    _add_wake_flag(c, "it")
     c.set_defaults(fn=cmd_coordinator)
 
     s = sub.add_parser("stage", help="run one stage process alone")
@@ -524,13 +522,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     s.add_argument("--metrics-host", default=None, help="default: the pipeline's metrics.host")
     s.add_argument("--cpus", default=None, help=_CPUS_HELP.format(what="its stages' cpus"))
-    s.add_argument(
-        "--cpu-wake-latency-us",
-        type=_wake_us,
-        default=None,
-        metavar="US",
-        help=_WAKE_HELP.format(what="it"),
-    )
+    _add_wake_flag(s, "it")
     s.set_defaults(fn=cmd_stage)
 
     from omnirail import compose as _compose

@@ -29,6 +29,7 @@ __all__ = [
     "current_us",
     "hold_or_warn",
     "report",
+    "try_hold",
 ]
 
 DEVICE = "/dev/cpu_dma_latency"
@@ -98,13 +99,21 @@ class CpuWakeLatency:
         self.release()
 
 
+def try_hold(us: int, device: str = DEVICE) -> tuple[CpuWakeLatency | None, str | None]:
+    """The hold, or None and why the host refused it."""
+    try:
+        return CpuWakeLatency(us, device), None
+    except CpuLatencyError as exc:
+        return None, str(exc)
+
+
 def available(device: str = DEVICE) -> bool:
     """Whether this process may hold a bound (tried, not guessed from file modes: a
     container's device rules can refuse what the permission bits allow)."""
-    try:
-        CpuWakeLatency(MAX_US, device).release()
-    except CpuLatencyError:
+    hold, _ = try_hold(MAX_US, device)
+    if hold is None:
         return False
+    hold.release()
     return True
 
 
@@ -120,12 +129,11 @@ def hold_or_warn(us: int | None, who: str, device: str = DEVICE) -> CpuWakeLaten
     changes how fast the mesh answers, never what it answers."""
     if us is None:
         return None
-    try:
-        hold = CpuWakeLatency(us, device)
-    except CpuLatencyError as exc:
-        log.warning("%s: cpu_wake_latency_us %d not applied: %s", who, us, exc)
-        return None
-    log.info("%s: idle CPUs held to wake within %d µs (%s)", who, us, device)
+    hold, error = try_hold(us, device)
+    if hold is None:
+        log.warning("%s: cpu_wake_latency_us %d not applied: %s", who, us, error)
+    else:
+        log.info("%s: idle CPUs held to wake within %d µs (%s)", who, us, device)
     return hold
 
 
@@ -133,8 +141,7 @@ def report(us: int | None, device: str = DEVICE) -> tuple[CpuWakeLatency | None,
     """For benchmarks: the hold (None when off or refused) and what their JSON says of it."""
     if us is None:
         return None, {"requested_us": None, "held": False}
-    try:
-        hold = CpuWakeLatency(us, device)
-    except CpuLatencyError as exc:
-        return None, {"requested_us": us, "held": False, "error": str(exc)}
+    hold, error = try_hold(us, device)
+    if hold is None:
+        return None, {"requested_us": us, "held": False, "error": error}
     return hold, {"requested_us": us, "held": True}

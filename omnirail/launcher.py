@@ -24,7 +24,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from omnirail.config import PipelineConfig, load_pipeline
-from omnirail.cpu_latency import CpuLatencyError, CpuWakeLatency, check_us
+from omnirail.cpu_latency import CpuWakeLatency, check_us, try_hold
 from omnirail.cpus import available_cpus, format_cpus, spread
 from omnirail.errors import Code, OmniError
 from omnirail.telemetry import SPAN_DIR_ENV
@@ -216,11 +216,11 @@ class Mesh:
             us = self.pipeline.cpu_wake_latency_us
         if us is None:
             return []
-        try:
-            self._wake = CpuWakeLatency(us)
+        self._wake, error = try_hold(us)
+        if error is None:
             self._progress(f"idle CPUs held to wake within {us} µs")
-        except CpuLatencyError as exc:
-            self._progress(f"warning: cpu_wake_latency_us {us} not applied: {exc}")
+        else:
+            self._progress(f"warning: cpu_wake_latency_us {us} not applied: {error}")
         return [] if self.wake_override is None else ["--cpu-wake-latency-us", str(us)]
 
     def _stage_processes(self) -> dict[str, list[str]]:

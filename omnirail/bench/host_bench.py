@@ -161,7 +161,7 @@ def run_host_bench(rounds: int = 2000, min_seconds: float = 0.3) -> dict[str, An
     """Wake-up round trips and memcpy rates of this machine (see the module docstring)."""
     cpus = sorted(os.sched_getaffinity(0))
     rtt: dict[str, float | None] = {"same_cpu": round(_rtt_us(cpus[0], cpus[0], rounds), 1)}
-    rtt["cross_cpu"] = round(_rtt_us(cpus[0], cpus[1], rounds), 1) if len(cpus) > 1 else None
+    rtt["cross_cpu"] = _cross_cpu_rtt_us(cpus, rounds)
     rtt["unpinned"] = round(_rtt_us(-1, -1, rounds), 1)
     halt_poll = _HALTPOLL.read_text().strip() if _HALTPOLL.exists() else None
     report: dict[str, Any] = {
@@ -176,6 +176,10 @@ def run_host_bench(rounds: int = 2000, min_seconds: float = 0.3) -> dict[str, An
     return report
 
 
+def _cross_cpu_rtt_us(cpus: list[int], rounds: int) -> float | None:
+    return round(_rtt_us(cpus[0], cpus[1], rounds), 1) if len(cpus) > 1 else None
+
+
 def _polling_idle(cpus: list[int], rounds: int) -> dict[str, Any]:
     """The same wake-up and idle figures while idle CPUs poll (a 0 µs wake-latency
     request, what `bench pipeline`/`relay` hold by default): their gap to the figures
@@ -187,7 +191,7 @@ def _polling_idle(cpus: list[int], rounds: int) -> dict[str, Any]:
         return {
             **wake,
             "wakeup_rtt_us": {
-                "cross_cpu": round(_rtt_us(cpus[0], cpus[1], rounds), 1) if len(cpus) > 1 else None,
+                "cross_cpu": _cross_cpu_rtt_us(cpus, rounds),
                 "unpinned": round(_rtt_us(-1, -1, rounds), 1),
             },
             "idle_penalty_us": _idle_penalty_us(),
