@@ -6,9 +6,9 @@ import asyncio
 import logging
 import signal
 
-from coordinator.service import PIPELINE_SERVICE, Coordinator
+from omnirail.coordinator.service import PIPELINE_SERVICE, Coordinator
+
 from omnirail.config import PipelineConfig
-from omnirail.grpc_server import NOT_SERVING, SERVING, bind, create_server
 from omnirail.telemetry import setup_tracing
 from omnirail.telemetry.metrics import (
     CoordinatorMetrics,
@@ -16,6 +16,7 @@ from omnirail.telemetry.metrics import (
     start_metrics_server,
     stop_metrics_server,
 )
+from omnirail.transport.grpc_server import NOT_SERVING, SERVING, bind, create_server
 from omnirail.v1 import client_pb2_grpc, mesh_pb2, mesh_pb2_grpc
 
 log = logging.getLogger(__name__)

@@ -8,10 +8,10 @@ from collections import OrderedDict
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from omnirail.errors import OmniError
 from omnirail.telemetry.metrics import CoordinatorMetrics
 from omnirail.telemetry.tracer import STATUS_OK, Span
 from omnirail.v1 import client_pb2, common_pb2
+from omnirail.wire.errors import OmniError
 
 
 class State:

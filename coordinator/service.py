@@ -14,19 +14,18 @@ from typing import Any
 
 import grpc
 from grpc_health.v1 import health
+from omnirail.coordinator.registry import Replica, StageRegistry
+from omnirail.coordinator.requests import RequestRecord, RequestTable, State
 
-from coordinator.registry import Replica, StageRegistry
-from coordinator.requests import RequestRecord, RequestTable, State
-from omnirail import dotted
-from omnirail.config import PipelineConfig
-from omnirail.deliver import DeliverChannel
-from omnirail.errors import Code, OmniError, internal, invalid, unavailable
-from omnirail.grpc_server import NOT_SERVING, SERVING, write_until_read_ends
-from omnirail.payload import PayloadError, decode_inline
+from omnirail.config import PipelineConfig, dotted
 from omnirail.telemetry.logs import ids
 from omnirail.telemetry.metrics import CoordinatorMetrics
 from omnirail.telemetry.tracer import KIND_SERVER, Tracer, parse_traceparent
+from omnirail.transport.deliver import DeliverChannel
+from omnirail.transport.grpc_server import NOT_SERVING, SERVING, write_until_read_ends
 from omnirail.v1 import client_pb2, client_pb2_grpc, mesh_pb2, mesh_pb2_grpc
+from omnirail.wire.errors import Code, OmniError, internal, invalid, unavailable
+from omnirail.wire.payload import PayloadError, decode_inline
 
 log = logging.getLogger(__name__)
 

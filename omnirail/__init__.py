@@ -11,18 +11,18 @@ __version__ = "0.1.0"
 __all__ = ["AsyncClient", "Chunk", "Client", "GenerateResult", "OmniError", "__version__"]
 
 if TYPE_CHECKING:
-    from omnirail.client import AsyncClient, Chunk, Client, GenerateResult
-    from omnirail.errors import OmniError
+    from omnirail.client.sdk import AsyncClient, Chunk, Client, GenerateResult
+    from omnirail.wire.errors import OmniError
 
 
 def __getattr__(name: str) -> Any:
     # Lazy so `import omnirail.config` does not pull grpc into config-only users.
     if name in ("AsyncClient", "Chunk", "Client", "GenerateResult"):
-        from omnirail import client
+        from omnirail.client import sdk as client
 
         return getattr(client, name)
     if name == "OmniError":
-        from omnirail.errors import OmniError
+        from omnirail.wire.errors import OmniError
 
         return OmniError
     raise AttributeError(name)

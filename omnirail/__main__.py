@@ -1,5 +1,5 @@
 import sys
 
-from omnirail.entry import main
+from omnirail.cli import main
 
 sys.exit(main())

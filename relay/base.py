@@ -14,8 +14,8 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from omnirail.payload import Packed
 from omnirail.v1 import common_pb2
+from omnirail.wire.payload import Packed
 
 
 class RelayError(RuntimeError):
@@ -142,8 +142,8 @@ def create_relay(name: str, settings: RelaySettings | None = None) -> Relay:
 
 
 def _load_builtin() -> None:
-    # Importing registers them; kept lazy so `relay.base` stays cheap to import.
-    from relay import inline, shm  # noqa: F401
+    # Importing registers them; kept lazy so `omnirail.relay.base` stays cheap to import.
+    from omnirail.relay import inline, shm  # noqa: F401
 
     # Optional backends register lazily: importing them must not need their libraries.
     for name, module in _OPTIONAL.items():
@@ -151,7 +151,11 @@ def _load_builtin() -> None:
             _REGISTRY[name] = _lazy(module)
 
 
-_OPTIONAL = {"nixl": "relay.nixl", "ucx": "relay.ucx", "torchdist": "relay.torchdist"}
+_OPTIONAL = {
+    "nixl": "omnirail.relay.nixl",
+    "ucx": "omnirail.relay.ucx",
+    "torchdist": "omnirail.relay.torchdist",
+}
 
 
 def _lazy(module: str) -> RelayFactory:

@@ -17,9 +17,9 @@ from collections.abc import Callable, Mapping
 from typing import Any
 
 import numpy as np
+from omnirail.relay.base import RelayError
 
-from omnirail.payload import Packed
-from relay.base import RelayError
+from omnirail.wire.payload import Packed
 
 DEFAULT_COPY_THREAD_BYTES = 8 << 20
 DEFAULT_COPY_THREADS = 2

@@ -10,7 +10,7 @@ import asyncio
 from collections import deque
 from collections.abc import Callable
 
-from relay.base import RelayError
+from omnirail.relay.base import RelayError
 
 
 class EdgeCredit:

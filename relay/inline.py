@@ -6,9 +6,17 @@ configured a larger payload is an error rather than a silent MiB-sized protobuf.
 
 from __future__ import annotations
 
-from omnirail.payload import Packed
+from omnirail.relay.base import (
+    Received,
+    Relay,
+    RelayError,
+    RelayHandle,
+    RelaySettings,
+    register_relay,
+)
+
 from omnirail.v1 import common_pb2
-from relay.base import Received, Relay, RelayError, RelayHandle, RelaySettings, register_relay
+from omnirail.wire.payload import Packed
 
 BACKEND = "inline"
 

@@ -10,11 +10,12 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
-from omnirail.payload import Packed, PayloadError, decode_inline, encode_inline, pack, unpack
+from omnirail.relay.base import Received, Relay, RelayError, RelayHandle
+from omnirail.relay.inline import BACKEND as INLINE
+from omnirail.relay.inline import oversize_error
+
 from omnirail.v1 import common_pb2
-from relay.base import Received, Relay, RelayError, RelayHandle
-from relay.inline import BACKEND as INLINE
-from relay.inline import oversize_error
+from omnirail.wire.payload import Packed, PayloadError, decode_inline, encode_inline, pack, unpack
 
 __all__ = [
     "PayloadError",

@@ -19,7 +19,7 @@ Options (`RelaySettings.options`): `ucx_error_handling_mode` ("none" default, "p
 multi-host), `progress_thread` (False), `num_threads` (0), `fetch_timeout_s` (30),
 `chunk_bytes` (8 MiB), `spin_us` (30: busy polling before yielding), `handle_cache` (128
 per peer), plus the PullRelay ones (`peer_wait_s`, `copy_thread_bytes`). GPU memory is
-not moved yet: pools are host memory, as `omnirail.payload.pack` refuses CUDA tensors.
+not moved yet: pools are host memory, as `omnirail.wire.payload.pack` refuses CUDA tensors.
 """
 
 from __future__ import annotations
@@ -33,11 +33,12 @@ from collections import OrderedDict
 from collections.abc import Callable
 from typing import Any
 
-from omnirail.payload import Packed
+from omnirail.relay.base import RelayError, RelaySettings, register_relay
+from omnirail.relay.host_pool import HostExtent, HostSegment
+from omnirail.relay.pull import OFFSET_BITS, OFFSET_MASK, PulledHandle, PulledReceived, PullRelay
+
 from omnirail.v1 import common_pb2
-from relay.base import RelayError, RelaySettings, register_relay
-from relay.host_pool import HostExtent, HostSegment
-from relay.pull import OFFSET_BITS, OFFSET_MASK, PulledHandle, PulledReceived, PullRelay
+from omnirail.wire.payload import Packed
 
 # Importing nixl configures logging process-wide; keep the process's own choices.
 _raise_exceptions = logging.raiseExceptions

@@ -27,13 +27,13 @@ import uuid
 from typing import Any
 
 import msgpack
+from omnirail.relay.base import Received, Relay, RelayError, RelayHandle, RelaySettings
+from omnirail.relay.copy import Copier
+from omnirail.relay.credits import Credits, EdgeCredit
+from omnirail.relay.host_pool import HostExtent, HostPool, HostSegment
 
-from omnirail.payload import Packed
 from omnirail.v1 import common_pb2
-from relay.base import Received, Relay, RelayError, RelayHandle, RelaySettings
-from relay.copy import Copier
-from relay.credits import Credits, EdgeCredit
-from relay.host_pool import HostExtent, HostPool, HostSegment
+from omnirail.wire.payload import Packed
 
 # Descriptor offsets are (segment index << OFFSET_BITS) | offset within the segment.
 OFFSET_BITS = 40

@@ -16,9 +16,9 @@ that sender; the forwarding stage's own release of its view no longer marks anyt
 
 `RelaySettings.options`: `copy_thread_bytes` (default 8 MiB): payloads at least this large
 are copied in a worker thread so the event loop keeps serving other streams meanwhile, split
-across `copy_threads` threads (default 2; see `relay.copy`). `forward_views` (default true):
-false makes every put copy (e.g. when a downstream stage cannot see an upstream stage's
-/dev/shm).
+across `copy_threads` threads (default 2; see `omnirail.relay.copy`). `forward_views`
+(default true): false makes every put copy (e.g. when a downstream stage cannot see an
+upstream stage's /dev/shm).
 """
 
 from __future__ import annotations
@@ -34,13 +34,17 @@ from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
-
-from omnirail.payload import Packed
-from omnirail.v1 import common_pb2
-from relay.base import Received, Relay, RelayError, RelayHandle, RelaySettings, register_relay
-from relay.copy import Copier
-from relay.credits import Credits, EdgeCredit
-from relay.shm_pool import (
+from omnirail.relay.base import (
+    Received,
+    Relay,
+    RelayError,
+    RelayHandle,
+    RelaySettings,
+    register_relay,
+)
+from omnirail.relay.copy import Copier
+from omnirail.relay.credits import Credits, EdgeCredit
+from omnirail.relay.shm_pool import (
     ALIGN,
     MARK_SLOTS,
     NAME_RE,
@@ -51,6 +55,9 @@ from relay.shm_pool import (
     marks_name,
     sweep_segments,
 )
+
+from omnirail.v1 import common_pb2
+from omnirail.wire.payload import Packed
 
 __all__ = ["ShmForward", "ShmHandle", "ShmReceived", "ShmRelay", "sweep_segments"]
 

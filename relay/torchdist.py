@@ -36,12 +36,12 @@ from urllib.parse import urlsplit
 
 import torch
 import torch.distributed as dist
+from omnirail.relay.base import Received, Relay, RelayError, RelaySettings, register_relay
+from omnirail.relay.host_pool import HostExtent
+from omnirail.relay.pull import PulledHandle, PulledReceived, PullRelay
 
-from omnirail.payload import Packed
 from omnirail.v1 import common_pb2
-from relay.base import Received, Relay, RelayError, RelaySettings, register_relay
-from relay.host_pool import HostExtent
-from relay.pull import PulledHandle, PulledReceived, PullRelay
+from omnirail.wire.payload import Packed
 
 BACKEND = "torchdist"
 DEFAULT_TIMEOUT_S = 120.0

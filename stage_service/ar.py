@@ -13,7 +13,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from stage_service.scheduler import IncomingMessage, OutgoingMessage, ThreadScheduler
+from omnirail.stage_service.scheduler import IncomingMessage, OutgoingMessage, ThreadScheduler
 
 # How long the loop waits for news when every running request is held back by its
 # consumer: short, since the outbox has no signal for "chunks drained" to wait on.

@@ -13,9 +13,9 @@ from collections.abc import Callable
 
 import grpc
 
-from omnirail.deliver import channel_options
-from omnirail.errors import OmniError
+from omnirail.transport.deliver import channel_options
 from omnirail.v1 import common_pb2, mesh_pb2, mesh_pb2_grpc
+from omnirail.wire.errors import OmniError
 
 log = logging.getLogger(__name__)
 

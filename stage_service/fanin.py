@@ -10,11 +10,11 @@ from __future__ import annotations
 
 from typing import Any
 
-from omnirail import dotted
-from omnirail.config import StageConfig
-from omnirail.errors import invalid
-from stage_service.request_state import PENDING, RequestState
-from stage_service.routing import check_subset
+from omnirail.stage_service.request_state import PENDING, RequestState
+from omnirail.stage_service.routing import check_subset
+
+from omnirail.config import StageConfig, dotted
+from omnirail.wire.errors import invalid
 
 
 class FanIn:

@@ -15,21 +15,20 @@ import zlib
 from collections.abc import AsyncIterator
 
 import grpc
+from omnirail.relay.base import Relay, RelayHandle
+from omnirail.stage_service.attach import AttachClient
+from omnirail.stage_service.edges import EdgeRelays
+from omnirail.stage_service.relays import open_relays, plan_relays, relay_host
+from omnirail.stage_service.scheduler import Scheduler, SimpleScheduler
+from omnirail.stage_service.stage import Stage
 
-from omnirail import dotted
-from omnirail.config import PipelineConfig
-from omnirail.deliver import DeliverChannel
-from omnirail.errors import OmniError, invalid, unavailable
-from omnirail.grpc_server import SERVING, bind, create_server, write_until_read_ends
+from omnirail.config import PipelineConfig, dotted
 from omnirail.telemetry.metrics import StageMetrics
 from omnirail.telemetry.tracer import Tracer
+from omnirail.transport.deliver import DeliverChannel
+from omnirail.transport.grpc_server import SERVING, bind, create_server, write_until_read_ends
 from omnirail.v1 import mesh_pb2, mesh_pb2_grpc
-from relay.base import Relay, RelayHandle
-from stage_service.attach import AttachClient
-from stage_service.edges import EdgeRelays
-from stage_service.relays import open_relays, plan_relays, relay_host
-from stage_service.scheduler import Scheduler, SimpleScheduler
-from stage_service.stage import Stage
+from omnirail.wire.errors import OmniError, invalid, unavailable
 
 log = logging.getLogger(__name__)
 

@@ -41,6 +41,8 @@ async def serve(
     metrics_host: str | None = None,
     metrics_port: int | None = None,
 ) -> None:
+    from omnirail.stage_service.host import StageHost
+
     from omnirail.telemetry import setup_tracing
     from omnirail.telemetry.metrics import (
         StageMetrics,
@@ -49,7 +51,6 @@ async def serve(
         start_metrics_server,
         stop_metrics_server,
     )
-    from stage_service.host import StageHost
 
     configure_process(pipeline, stage_names)
     telemetry = setup_tracing(f"omnirail-stage-{'+'.join(stage_names)}")

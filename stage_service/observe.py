@@ -11,13 +11,14 @@ from __future__ import annotations
 import time
 from collections.abc import Callable
 
-from omnirail.errors import OmniError
-from omnirail.payload import Packed
+from omnirail.stage_service.request_state import RequestState
+from omnirail.stage_service.scheduler import OutgoingMessage
+
 from omnirail.telemetry.metrics import StageMetrics
 from omnirail.telemetry.tracer import STATUS_OK, Tracer, parse_traceparent
 from omnirail.v1 import common_pb2, mesh_pb2
-from stage_service.request_state import RequestState
-from stage_service.scheduler import OutgoingMessage
+from omnirail.wire.errors import OmniError
+from omnirail.wire.payload import Packed
 
 
 class StageObserver:

@@ -11,13 +11,14 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from omnirail.errors import Code, OmniError
-from omnirail.payload import Packed
+from omnirail.relay.io import ReceivedPayload
+from omnirail.stage_service.scheduler import IncomingMessage, OutgoingMessage
+from omnirail.stage_service.stream_in import InStreams
+
 from omnirail.telemetry.tracer import Span
 from omnirail.v1 import mesh_pb2
-from relay.io import ReceivedPayload
-from stage_service.scheduler import IncomingMessage, OutgoingMessage
-from stage_service.stream_in import InStreams
+from omnirail.wire.errors import Code, OmniError
+from omnirail.wire.payload import Packed
 
 AckFn = Callable[[OmniError | None], None]
 

@@ -8,11 +8,11 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any, Protocol
 
-from omnirail import dotted
-from omnirail.config import StageConfig
-from omnirail.errors import internal
+from omnirail.relay.base import RelayHandle
+
+from omnirail.config import StageConfig, dotted
 from omnirail.v1 import mesh_pb2
-from relay.base import RelayHandle
+from omnirail.wire.errors import internal
 
 
 class Router(Protocol):

@@ -16,19 +16,12 @@ from collections import deque
 from collections.abc import Mapping
 from typing import Any, Protocol
 
-from omnirail.config import PipelineConfig
-from omnirail.errors import Code, OmniError, internal, invalid
-from omnirail.payload import Packed, PayloadError, encode_inline, pack
-from omnirail.telemetry.logs import ids
-from omnirail.telemetry.metrics import ABORTED, COMPLETED, FAILED, StageMetrics
-from omnirail.telemetry.tracer import Tracer
-from omnirail.v1 import common_pb2, mesh_pb2
-from relay.base import Relay, RelayError, RelayHandle
-from relay.io import inline_if_small, inline_payload, receive_payload, relayed_payload
-from stage_service.edges import EdgeRelays
-from stage_service.fanin import FanIn
-from stage_service.observe import StageObserver
-from stage_service.request_state import (
+from omnirail.relay.base import Relay, RelayError, RelayHandle
+from omnirail.relay.io import inline_if_small, inline_payload, receive_payload, relayed_payload
+from omnirail.stage_service.edges import EdgeRelays
+from omnirail.stage_service.fanin import FanIn
+from omnirail.stage_service.observe import StageObserver
+from omnirail.stage_service.request_state import (
     PENDING,
     AckFn,
     PendingSend,
@@ -36,16 +29,24 @@ from stage_service.request_state import (
     as_error,
     request_of,
 )
-from stage_service.routing import Router, Routes
-from stage_service.scheduler import (
+from omnirail.stage_service.routing import Router, Routes
+from omnirail.stage_service.scheduler import (
     CLIENT,
     AbortSet,
     IncomingMessage,
     OutgoingMessage,
     Scheduler,
 )
-from stage_service.stream_in import drain
-from stage_service.stream_out import SentToken, StreamSender
+from omnirail.stage_service.stream_in import drain
+from omnirail.stage_service.stream_out import SentToken, StreamSender
+
+from omnirail.config import PipelineConfig
+from omnirail.telemetry.logs import ids
+from omnirail.telemetry.metrics import ABORTED, COMPLETED, FAILED, StageMetrics
+from omnirail.telemetry.tracer import Tracer
+from omnirail.v1 import common_pb2, mesh_pb2
+from omnirail.wire.errors import Code, OmniError, internal, invalid
+from omnirail.wire.payload import Packed, PayloadError, encode_inline, pack
 
 log = logging.getLogger(__name__)
 

@@ -10,11 +10,12 @@ from __future__ import annotations
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 
-from omnirail.payload import PayloadError
+from omnirail.relay.base import Relay, RelayError
+from omnirail.relay.io import receive_payload
+from omnirail.stage_service.scheduler import IncomingMessage
+
 from omnirail.v1 import mesh_pb2
-from relay.base import Relay, RelayError
-from relay.io import receive_payload
-from stage_service.scheduler import IncomingMessage
+from omnirail.wire.payload import PayloadError
 
 
 @dataclass(slots=True)

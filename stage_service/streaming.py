@@ -13,8 +13,9 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
+from omnirail.stage_service.scheduler import IncomingMessage, OutgoingMessage, ThreadScheduler
+
 from omnirail.telemetry.logs import request_context
-from stage_service.scheduler import IncomingMessage, OutgoingMessage, ThreadScheduler
 
 
 @dataclass(slots=True, eq=False)

@@ -14,7 +14,7 @@ import argparse
 import numpy as np
 
 from omnirail import Chunk, Client
-from omnirail.stream_render import WavSink
+from omnirail.client.render import WavSink
 
 
 def main() -> None:

@@ -13,9 +13,9 @@ from typing import Any
 import torch
 from torch import nn
 
-from examples.omni_demo.preprocessing import needed_encoders
-from examples.omni_demo.thinker import DIM
-from examples.omni_demo.weights import seeded
+from .preprocessing import needed_encoders
+from .thinker import DIM
+from .weights import seeded
 
 _SCALE = 0.1  # weight std of the toy encoders
 

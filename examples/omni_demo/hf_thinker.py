@@ -4,10 +4,10 @@ Use it by pointing the thinker's factory here and the decode stage at the same t
 (`pipeline_hf.yaml` does both, reading the directory from `OMNI_DEMO_HF_MODEL`):
 
     - name: thinker
-      factory: examples.omni_demo.hf_thinker:create_hf_thinker
+      factory: .hf_thinker:create_hf_thinker
       factory_args: {model_path: /models/my-lm}
     - name: decode
-      factory: examples.omni_demo.speech:create_decode
+      factory: .speech:create_decode
       factory_args: {tokenizer: /models/my-lm}
 
 The prompt is the request's text through the model's own tokenizer, after the image and
@@ -26,9 +26,9 @@ import os
 from typing import Any
 
 import torch
+from omnirail.stage_service.ar import ARRequest, ARScheduler, ARStep
 
-from examples.omni_demo.thinker import sample
-from stage_service.ar import ARRequest, ARScheduler, ARStep
+from .thinker import sample
 
 
 def create_hf_thinker(
@@ -124,6 +124,6 @@ def _model_dir(given: str | None, what: str, field: str) -> str:
 
 def create_hf_decode(tokenizer: str | None = None) -> Any:
     """The decode stage with the thinker's tokenizer (default: `$OMNI_DEMO_HF_MODEL`)."""
-    from examples.omni_demo.speech import create_decode
+    from .speech import create_decode
 
     return create_decode(_model_dir(tokenizer, "decode", "tokenizer"))

@@ -18,7 +18,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from examples.omni_demo.text import tokenize
+from .text import tokenize
 
 SAMPLE_RATE = 16000
 PATCH = 8

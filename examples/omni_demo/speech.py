@@ -15,12 +15,12 @@ import math
 from typing import Any
 
 import torch
+from omnirail.stage_service.ar import ARRequest, ARScheduler, ARStep
+from omnirail.stage_service.streaming import StreamingScheduler, StreamState
 from torch import nn
 
-from examples.omni_demo.text import detokenize_piece
-from examples.omni_demo.weights import seeded
-from stage_service.ar import ARRequest, ARScheduler, ARStep
-from stage_service.streaming import StreamingScheduler, StreamState
+from .text import detokenize_piece
+from .weights import seeded
 
 SAMPLE_RATE = 16000
 FRAME_MS = 20

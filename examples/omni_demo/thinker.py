@@ -13,11 +13,11 @@ import math
 import time
 
 import torch
+from omnirail.stage_service.ar import ARRequest, ARScheduler, ARStep
 from torch import nn
 from torch.nn import functional as F
 
-from examples.omni_demo.text import BOS, EOS, PAD, VOCAB
-from stage_service.ar import ARRequest, ARScheduler, ARStep
+from .text import BOS, EOS, PAD, VOCAB
 
 DIM = 64
 _MIN_TOKENS = 4  # EOS is masked before this many tokens

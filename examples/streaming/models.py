@@ -13,10 +13,9 @@ import time
 from typing import Any
 
 import torch
-
-from stage_service.ar import ARRequest, ARScheduler, ARStep
-from stage_service.scheduler import CLIENT
-from stage_service.streaming import StreamingScheduler, StreamState
+from omnirail.stage_service.ar import ARRequest, ARScheduler, ARStep
+from omnirail.stage_service.scheduler import CLIENT
+from omnirail.stage_service.streaming import StreamingScheduler, StreamState
 
 _MAX_TEXT = 512
 

@@ -26,14 +26,14 @@ DEFAULT_INPUT: dict[str, Any] = {
 
 
 def _audio_seconds(data: Any) -> float:
-    from omnirail.stream_render import pcm_of
+    from omnirail.client.render import pcm_of
 
     pcm, rate = pcm_of(data)
     return pcm.shape[-1] / rate
 
 
 def _one(client: Any, inputs: dict[str, Any]) -> dict[str, float]:
-    from omnirail.client import Chunk
+    from omnirail.client.sdk import Chunk
 
     t0 = time.perf_counter()
     first: dict[str, float] = {}
@@ -87,8 +87,8 @@ def run_demo_bench(
     concurrency: int = 1,
     progress: Callable[[str], None] | None = None,
 ) -> dict[str, Any]:
-    from omnirail.client import Client
-    from omnirail.launcher import Mesh
+    from omnirail.client.sdk import Client
+    from omnirail.ops.launcher import Mesh
 
     if runs < 1 or concurrency < 1:
         raise ValueError("runs and concurrency must be at least 1")

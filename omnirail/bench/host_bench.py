@@ -39,8 +39,8 @@ from typing import Any
 
 import numpy as np
 
-from omnirail import cpu_latency
 from omnirail.bench.relay_bench import Memcpy
+from omnirail.tuning import cpu_latency
 
 MiB = 1 << 20
 _HALTPOLL = Path("/sys/module/haltpoll/parameters/guest_halt_poll_ns")

@@ -12,8 +12,8 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-from omnirail import aio
 from omnirail.bench import pipeline_file
+from omnirail.tuning import aio
 
 
 def pipeline_yaml(stages: int, payload_bytes: int, stage_ms: float = 0.0) -> dict[str, Any]:
@@ -50,7 +50,7 @@ def _percentile(values: list[float], q: float) -> float:
 
 
 async def _throughput(address: str, total: int, concurrency: int) -> float:
-    from omnirail.client import AsyncClient
+    from omnirail.client.sdk import AsyncClient
 
     async with AsyncClient(address, timeout=60) as client:
         counter = iter(range(total))
@@ -79,7 +79,7 @@ def _latencies(address: str, requests: int, payload_bytes: int) -> list[float]:
 async def _sequential(address: str, requests: int, payload_bytes: int) -> list[float]:
     # The async client on the services' own loop (uvloop): it has fewer thread hand-offs
     # per call than the blocking client, so the figure is the mesh's, not the SDK's.
-    from omnirail.client import AsyncClient
+    from omnirail.client.sdk import AsyncClient
 
     async with AsyncClient(address, timeout=60) as client:
         for i in range(50):  # warm pools, channels and code paths
@@ -111,7 +111,7 @@ def run_pipeline_bench(
     latency and throughput runs are repeated on the same mesh, in turn, and the report
     gives the median of each figure (and every round's): on a shared host, whose speed
     changes from one minute to the next, one run of 300 requests says little."""
-    from omnirail.launcher import Mesh
+    from omnirail.ops.launcher import Mesh
 
     if rounds < 1:
         raise ValueError("--rounds must be at least 1")
@@ -176,7 +176,7 @@ def _compare_tracing(
 ) -> dict[str, Any]:
     """Throughput with tracing off and on, measured in alternating rounds on two meshes
     so both see the same machine load; reports the median of each and their ratio."""
-    from omnirail.launcher import Mesh
+    from omnirail.ops.launcher import Mesh
 
     with pipeline_file(pipeline_yaml(stages, payload_bytes, stage_ms)) as path:
         with (

@@ -1,7 +1,7 @@
 """Cross-process relay benchmark: put -> descriptor over a socket -> get -> ack -> release.
 
 The sender (this process) streams payloads of one uint8 tensor through a real relay backend
-and `relay.io`; a receiver process (`python -m omnirail.bench.relay_bench --receiver`)
+and `omnirail.relay.io`; a receiver process (`python -m omnirail.bench.relay_bench --receiver`)
 decodes each with zero-copy views, touches one byte per tensor and releases it.
 Descriptors travel as small length-prefixed msgpack frames over a socketpair, batched like a
 stream writer batches what is ready. Throughput is pipelined up to the edge credits (best of
@@ -31,9 +31,9 @@ from typing import Any
 import msgpack
 import numpy as np
 
-from omnirail.payload import Packed, pack
+from omnirail.relay.io import relayed_payload
 from omnirail.v1 import common_pb2
-from relay.io import relayed_payload
+from omnirail.wire.payload import Packed, pack
 
 DEFAULT_SIZES = [4 << 10, 64 << 10, 1 << 20, 16 << 20, 64 << 20, 256 << 20]
 _LEN = struct.Struct("<I")
@@ -72,8 +72,8 @@ def _split_frames(buf: bytearray) -> list[Any]:
 
 
 async def _receiver_main(sock: socket.socket, backend: str, settings: Any) -> None:
-    from relay.base import create_relay
-    from relay.io import receive_payload
+    from omnirail.relay.base import create_relay
+    from omnirail.relay.io import receive_payload
 
     relays = {backend: create_relay(backend, settings)}
     # Hello: what the sender needs to know about us (nixl metadata, UCX listener, rank).
@@ -343,7 +343,7 @@ def _receiver_settings(backend: str, relay: Any, settings: Any, overrides: dict)
     """The receiver's settings: the sender's, paired where the backend needs it
     (torchdist ranks), with the receiver's own option overrides."""
     if backend == "torchdist":
-        from relay.torchdist import pair_settings
+        from omnirail.relay.torchdist import pair_settings
 
         settings = pair_settings(relay, settings, 1)
     if overrides:
@@ -362,7 +362,7 @@ async def _bench(
 ) -> dict:
     import torch
 
-    from relay.base import create_relay
+    from omnirail.relay.base import create_relay
 
     relay = create_relay(backend, settings)
     peer_settings = _receiver_settings(backend, relay, settings, receiver_options)
@@ -447,8 +447,8 @@ def run_relay_bench(
     receiver; `receiver_wrap` prefixes the receiver's command (e.g. `ip netns exec NS`, to
     measure across network namespaces).
     """
-    from relay.base import RelaySettings
-    from relay.shm import sweep_segments
+    from omnirail.relay.base import RelaySettings
+    from omnirail.relay.shm import sweep_segments
 
     prefix = f"omnirail-bench{os.getpid()}"
     options = dict(options or {})
@@ -483,7 +483,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--settings", default="{}", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     if args.receiver:
-        from relay.base import RelaySettings
+        from omnirail.relay.base import RelaySettings
 
         sock = socket.socket(fileno=args.fd)
         asyncio.run(_receiver_main(sock, args.backend, RelaySettings(**json.loads(args.settings))))

@@ -46,7 +46,7 @@ def streaming_yaml(chunks: int, interval_ms: float) -> dict[str, Any]:
 
 
 def _one(client: Any, chunks: int) -> tuple[float, float, int]:
-    from omnirail.client import Chunk
+    from omnirail.client.sdk import Chunk
 
     t0 = time.perf_counter()
     first = None
@@ -66,8 +66,8 @@ def _one(client: Any, chunks: int) -> tuple[float, float, int]:
 
 def _abort_latency(client: Any, rid: str) -> float:
     """Starts a long stream, aborts it after its first chunk; ms until the stream ends."""
-    from omnirail.client import Chunk
-    from omnirail.errors import Code, OmniError
+    from omnirail.client.sdk import Chunk
+    from omnirail.wire.errors import Code, OmniError
 
     events = client.stream({"chunks": 100_000}, request_id=rid)
     if not isinstance(next(events), Chunk):
@@ -99,8 +99,8 @@ def run_streaming_bench(
     runs: int = 5,
     progress: Callable[[str], None] | None = None,
 ) -> dict[str, Any]:
-    from omnirail.client import Client
-    from omnirail.launcher import Mesh
+    from omnirail.client.sdk import Client
+    from omnirail.ops.launcher import Mesh
 
     with pipeline_file(streaming_yaml(chunks, interval_ms)) as path:
         with Mesh(path, progress=progress) as mesh:

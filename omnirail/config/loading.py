@@ -13,10 +13,10 @@ from typing import Any
 import yaml
 from pydantic import ValidationError
 
-from omnirail import dotted
+from omnirail.config import dotted
 from omnirail.config.models import ConfigError, PipelineConfig, validation_error_lines
 from omnirail.config.validation import validate
-from omnirail.cpus import format_cpus
+from omnirail.tuning.cpus import format_cpus
 
 
 def load_pipeline(path: str | os.PathLike[str], *, resolve: bool = True) -> PipelineConfig:

@@ -23,12 +23,12 @@ from pydantic import (
     model_validator,
 )
 
-from omnirail import dotted
-from omnirail.cpu_latency import MAX_US
-from omnirail.cpus import parse_cpus
+from omnirail.config import dotted
+from omnirail.tuning.cpu_latency import MAX_US
+from omnirail.tuning.cpus import parse_cpus
 
 if TYPE_CHECKING:
-    from relay.base import RelaySettings
+    from omnirail.relay.base import RelaySettings
 
 NAME_RE = re.compile(r"^[A-Za-z][A-Za-z0-9_-]{0,62}$")
 _NAME_HELP = "must start with a letter and contain only letters, digits, '_' or '-' (max 63)"
@@ -69,12 +69,12 @@ class RelayConfig(_Model):
         return self
 
     def to_settings(self, name_prefix: str) -> RelaySettings:
-        """Backend knobs for `relay.base.create_relay`.
+        """Backend knobs for `omnirail.relay.base.create_relay`.
 
         `device`, `rank` and `world_size` have no field in RelaySettings, so they ride in
         `options` (explicit `options` entries win).
         """
-        from relay.base import RelaySettings
+        from omnirail.relay.base import RelaySettings
 
         options: dict[str, Any] = {"device": self.device}
         if self.rank is not None:

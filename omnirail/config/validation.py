@@ -7,7 +7,7 @@ import re
 from collections.abc import Mapping
 from typing import Any
 
-from omnirail import dotted
+from omnirail.config import dotted
 from omnirail.config.models import ConfigError, PipelineConfig, StageConfig, walk_graph
 
 _ENV_NAME_RE = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
@@ -179,13 +179,13 @@ def _check_torchdist(cfg: PipelineConfig, by_name: Mapping[str, StageConfig], er
 def _option_problems(options: dict[str, Any]) -> list[str]:
     """Relay options a backend would refuse at start-up (those of every backend: an edge
     may change its backend without clearing them)."""
-    from relay import copy, shm
+    from omnirail.relay import copy, shm
 
     return [*copy.option_problems(options), *shm.option_problems(options)]
 
 
 def _backend_problem(backend: str) -> str | None:
-    from relay.base import relay_backends
+    from omnirail.relay.base import relay_backends
 
     known = relay_backends()
     if backend in known:

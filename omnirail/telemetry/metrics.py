@@ -26,7 +26,7 @@ if TYPE_CHECKING:
     from wsgiref.simple_server import WSGIServer
 
     from omnirail.config import MetricsConfig
-    from omnirail.errors import OmniError
+    from omnirail.wire.errors import OmniError
 
 # Seconds: sub-millisecond stage hops up to requests that run for a minute.
 LATENCY_BUCKETS = (
@@ -308,7 +308,7 @@ def start_metrics_server(registry: CollectorRegistry, host: str, port: int) -> s
     """Serves `registry` at http://ADDRESS/metrics on a daemon thread; returns ADDRESS
     (host:port, the port actually bound: `port` 0 picks a free one).
 
-    A wildcard host comes back as loopback, like `omnirail.grpc_server.bind`, since the
+    A wildcard host comes back as loopback, like `omnirail.transport.grpc_server.bind`, since the
     address is meant to be dialed. Stop it with `stop_metrics_server(ADDRESS)`.
 
     Turns off prometheus_client's `*_created` series for the whole process: one more

@@ -20,7 +20,7 @@ import numpy as np
 import pytest
 
 from omnirail import Chunk, Client, OmniError
-from omnirail.errors import Code
+from omnirail.wire.errors import Code
 from tests.e2e import compose_env
 from tests.e2e.compose_env import Project, http_json, wait_for
 

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from omnirail.launcher import Mesh
+from omnirail.ops.launcher import Mesh
 
 PIPELINES = Path(__file__).parent / "pipelines"
 

@@ -12,9 +12,8 @@ import time
 from typing import Any
 
 import torch
-
-from stage_service.ar import ARRequest, ARScheduler, ARStep
-from stage_service.streaming import StreamingScheduler, StreamState
+from omnirail.stage_service.ar import ARRequest, ARScheduler, ARStep
+from omnirail.stage_service.streaming import StreamingScheduler, StreamState
 
 # ---- thinker: continuous batching, one chunk per step ---------------------------------
 

@@ -11,9 +11,9 @@ from pathlib import Path
 import pytest
 import yaml
 
-from omnirail import cpu_latency
-from omnirail.client import Client
-from omnirail.launcher import Mesh
+from omnirail.client.sdk import Client
+from omnirail.ops.launcher import Mesh
+from omnirail.tuning import cpu_latency
 from tests.integration.conftest import PIPELINES
 
 pytestmark = pytest.mark.skipif(

@@ -11,10 +11,10 @@ import grpc
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from omnirail.client import Client
-from omnirail.errors import Code, OmniError
-from omnirail.payload import encode_inline
+from omnirail.client.sdk import Client
 from omnirail.v1 import common_pb2, mesh_pb2, mesh_pb2_grpc
+from omnirail.wire.errors import Code, OmniError
+from omnirail.wire.payload import encode_inline
 from tests.integration.conftest import shm_names, start_mesh
 
 

@@ -9,8 +9,8 @@ from typing import Any
 
 import pytest
 
-from omnirail.client import Chunk, Client
-from omnirail.launcher import Mesh
+from omnirail.client.sdk import Chunk, Client
+from omnirail.ops.launcher import Mesh
 from tests.integration.conftest import shm_names, start_mesh
 
 CREDITS = 8  # stream.credits of the thinker's edges in slow_consumer.yaml

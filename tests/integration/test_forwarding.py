@@ -6,8 +6,8 @@ import concurrent.futures
 import time
 
 from omnirail.bench.pipeline_bench import TRACING_ENV
-from omnirail.client import Client
-from omnirail.launcher import Mesh
+from omnirail.client.sdk import Client
+from omnirail.ops.launcher import Mesh
 from omnirail.telemetry.export import read_span_files
 from tests.integration.conftest import shm_names, start_mesh
 

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from omnirail.health_check import HealthCheckError, check_health
+from omnirail.ops.health import HealthCheckError, check_health
 
 REPO = Path(__file__).resolve().parents[2]
 PIPELINE = "examples/quickstart/pipeline.yaml"

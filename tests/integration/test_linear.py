@@ -9,11 +9,11 @@ import time
 import grpc
 import pytest
 
-from omnirail.client import Client
-from omnirail.errors import Code, OmniError
-from omnirail.launcher import Mesh
-from omnirail.payload import encode_inline
+from omnirail.client.sdk import Client
+from omnirail.ops.launcher import Mesh
 from omnirail.v1 import client_pb2, client_pb2_grpc, common_pb2
+from omnirail.wire.errors import Code, OmniError
+from omnirail.wire.payload import encode_inline
 from tests.integration.conftest import shm_names
 
 
@@ -195,7 +195,7 @@ def test_health_and_reflection(linear_mesh: Mesh) -> None:
 
 def test_generate_rpc_streams_the_result(stub) -> None:
     """The plain server-streaming Generate RPC (what grpcurl uses), not the SDK's Session."""
-    from omnirail.payload import decode_inline
+    from omnirail.wire.payload import decode_inline
 
     events = list(
         stub.Generate(client_pb2.GenerateRequest(inputs=encode_inline({"n": 3})), timeout=30)
@@ -227,7 +227,7 @@ def test_session_requires_request_ids(linear_mesh: Mesh) -> None:
 def test_async_client_concurrent_and_cancel(linear_mesh: Mesh) -> None:
     import asyncio
 
-    from omnirail.client import AsyncClient
+    from omnirail.client.sdk import AsyncClient
 
     async def main() -> None:
         async with AsyncClient(linear_mesh.address or "", timeout=60) as client:

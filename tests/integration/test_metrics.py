@@ -15,9 +15,9 @@ from collections.abc import Callable, Iterator
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from omnirail.client import Chunk, Client
-from omnirail.errors import Code, OmniError
-from omnirail.launcher import Mesh
+from omnirail.client.sdk import Chunk, Client
+from omnirail.ops.launcher import Mesh
+from omnirail.wire.errors import Code, OmniError
 from tests.integration.conftest import start_mesh
 
 TIMEOUT = 60.0  # generous: only reached when something is broken

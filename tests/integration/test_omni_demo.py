@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import subprocess
 import sys
 import threading
@@ -22,8 +23,8 @@ import pytest
 import yaml
 
 from omnirail import Chunk, Client, OmniError
-from omnirail.errors import Code
-from omnirail.launcher import Mesh
+from omnirail.ops.launcher import Mesh
+from omnirail.wire.errors import Code
 from tests.integration.conftest import shm_names
 from tests.otlp_receiver import OtlpReceiver
 
@@ -33,6 +34,9 @@ ENCODERS = {"stage image_encoder", "stage audio_encoder"}
 
 
 def _pipeline_copy(tmp: Path, source: str = "pipeline.yaml", **thinker_args: Any) -> Path:
+    """A copy of the demo's directory in `tmp` (its pipelines name their modules relative to
+    the pipeline file), with `source` changed to pass `thinker_args` to the thinker."""
+    shutil.copytree(DEMO, tmp, dirs_exist_ok=True, ignore=shutil.ignore_patterns("__pycache__"))
     cfg = yaml.safe_load((DEMO / source).read_text())
     for stage in cfg["stages"]:
         if stage["name"] == "thinker":

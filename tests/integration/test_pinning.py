@@ -7,9 +7,9 @@ from pathlib import Path
 
 import yaml
 
-from omnirail.client import Client
-from omnirail.cpus import available_cpus
-from omnirail.launcher import Mesh
+from omnirail.client.sdk import Client
+from omnirail.ops.launcher import Mesh
+from omnirail.tuning.cpus import available_cpus
 from tests.integration.conftest import PIPELINES
 
 

@@ -9,12 +9,12 @@ import uuid
 
 import numpy as np
 import pytest
+from omnirail.relay.base import RelaySettings, create_relay
+from omnirail.relay.io import receive_payload, send_payload
+from omnirail.relay.shm import sweep_segments
+from omnirail.relay.shm_pool import SHM_DIR
 
 from omnirail.v1 import common_pb2
-from relay.base import RelaySettings, create_relay
-from relay.io import receive_payload, send_payload
-from relay.shm import sweep_segments
-from relay.shm_pool import SHM_DIR
 
 MiB = 1 << 20
 TIMEOUT = 120  # generous: the machine running the tests may be busy

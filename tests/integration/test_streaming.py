@@ -12,9 +12,9 @@ from typing import Any
 import pytest
 import torch
 
-from omnirail.client import AsyncClient, Chunk, Client, GenerateResult
-from omnirail.errors import Code, OmniError
-from omnirail.launcher import Mesh
+from omnirail.client.sdk import AsyncClient, Chunk, Client, GenerateResult
+from omnirail.ops.launcher import Mesh
+from omnirail.wire.errors import Code, OmniError
 from tests.integration.conftest import shm_names, start_mesh
 
 
@@ -227,8 +227,8 @@ def _deliver(address: str, items: list[Any]) -> None:
 def test_bad_stream_items_fail_that_request_only(
     streaming_mesh: Mesh, source: str, signal: dict[str, Any], message: str
 ) -> None:
-    from omnirail.payload import encode_inline
     from omnirail.v1 import mesh_pb2
+    from omnirail.wire.payload import encode_inline
 
     tag = uuid.uuid4().hex[:8]
     with Client(streaming_mesh.address or "", timeout=60) as client:
@@ -258,9 +258,9 @@ def test_generate_rpc_streams_chunks_then_result_and_cancel_aborts(streaming_mes
     """The plain server-streaming RPC (what grpcurl uses), without the SDK's Session."""
     import grpc
 
-    from omnirail.client import build_request, parse_chunk
-    from omnirail.payload import decode_inline
+    from omnirail.client.sdk import build_request, parse_chunk
     from omnirail.v1 import client_pb2_grpc
+    from omnirail.wire.payload import decode_inline
 
     with grpc.insecure_channel(streaming_mesh.address or "") as channel:
         stub = client_pb2_grpc.OmnirailStub(channel)

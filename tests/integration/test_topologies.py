@@ -8,8 +8,8 @@ from collections.abc import Iterator
 import numpy as np
 import pytest
 
-from omnirail.client import Client
-from omnirail.errors import Code, OmniError
+from omnirail.client.sdk import Client
+from omnirail.wire.errors import Code, OmniError
 from tests.integration.conftest import shm_names, start_mesh
 
 

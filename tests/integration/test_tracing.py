@@ -15,9 +15,9 @@ from typing import Any
 import grpc
 import pytest
 
-from omnirail.client import Chunk, Client, build_request
-from omnirail.errors import OmniError
+from omnirail.client.sdk import Chunk, Client, build_request
 from omnirail.v1 import client_pb2_grpc
+from omnirail.wire.errors import OmniError
 from tests.integration.conftest import start_mesh
 from tests.otlp_receiver import OtlpReceiver
 
@@ -196,7 +196,7 @@ from opentelemetry import trace
 from opentelemetry.sdk.trace import TracerProvider
 from opentelemetry.sdk.trace.export import SimpleSpanProcessor
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
-from omnirail.client import Client
+from omnirail.client.sdk import Client
 
 exporter = InMemorySpanExporter()
 provider = TracerProvider()

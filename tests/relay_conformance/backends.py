@@ -11,8 +11,9 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
+from omnirail.relay.base import Relay, RelaySettings
+
 from omnirail.v1 import common_pb2
-from relay.base import Relay, RelaySettings
 
 Descriptor = common_pb2.RelayDescriptor
 
@@ -81,7 +82,7 @@ GENERIC_GARBAGE = (
 
 
 def pool_footprint(relay: Relay) -> int:
-    """Pool bytes of a receiver-pulled relay (`relay.pull.PullRelay`)."""
+    """Pool bytes of a receiver-pulled relay (`omnirail.relay.pull.PullRelay`)."""
     return relay.pool.nbytes  # type: ignore[attr-defined]
 
 
@@ -89,7 +90,7 @@ def pool_footprint(relay: Relay) -> int:
 
 
 def _shm_names(prefix: str) -> list[str]:
-    from relay.shm_pool import SHM_DIR
+    from omnirail.relay.shm_pool import SHM_DIR
 
     return sorted(n for n in os.listdir(SHM_DIR) if n.startswith(prefix + "-"))
 
@@ -99,13 +100,13 @@ def _shm_footprint(relay: Relay) -> int:
 
 
 def _shm_sweep(prefix: str) -> int:
-    from relay.shm import sweep_segments
+    from omnirail.relay.shm import sweep_segments
 
     return sweep_segments(prefix)
 
 
 def _shm_marks_region(d: Descriptor, prefix: str) -> Descriptor:
-    from relay.shm_pool import marks_name
+    from omnirail.relay.shm_pool import marks_name
 
     return with_fields(d, region=marks_name(d.region), offset=0, nbytes=8)
 

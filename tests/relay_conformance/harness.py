@@ -25,10 +25,10 @@ from typing import Any
 
 import numpy as np
 import pytest
+from omnirail.relay.base import Relay, RelayHandle, RelaySettings
 
-from omnirail.payload import Packed, pack
 from omnirail.v1 import common_pb2
-from relay.base import Relay, RelayHandle, RelaySettings
+from omnirail.wire.payload import Packed, pack
 from tests.relay_conformance import wire
 from tests.relay_conformance.backends import BackendSpec
 

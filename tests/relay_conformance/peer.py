@@ -28,9 +28,10 @@ import time
 import zlib
 from typing import Any
 
-from omnirail.payload import encode_inline, unpack
+from omnirail.relay.base import Received, Relay, RelayError, RelaySettings, create_relay
+
 from omnirail.v1 import common_pb2
-from relay.base import Received, Relay, RelayError, RelaySettings, create_relay
+from omnirail.wire.payload import encode_inline, unpack
 from tests.relay_conformance import wire
 
 

@@ -2,13 +2,14 @@
 
 from __future__ import annotations
 
-from relay.base import Relay, RelaySettings
+from omnirail.relay.base import Relay, RelaySettings
+
 from tests.relay_conformance.backends import BackendSpec, pool_footprint
 
 
 def _pair(first: Relay, settings: RelaySettings, index: int) -> RelaySettings:
     # Imported here: importing torch for a spec would slow every backend's collection.
-    from relay.torchdist import pair_settings
+    from omnirail.relay.torchdist import pair_settings
 
     return pair_settings(first, settings, index)
 

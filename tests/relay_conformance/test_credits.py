@@ -6,7 +6,7 @@ import asyncio
 
 import pytest
 
-from omnirail.payload import pack
+from omnirail.wire.payload import pack
 from tests.relay_conformance.backends import BackendSpec
 from tests.relay_conformance.conftest import MiB, OpenPeer
 from tests.relay_conformance.harness import (

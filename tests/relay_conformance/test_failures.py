@@ -6,9 +6,9 @@ import asyncio
 import zlib
 
 import pytest
+from omnirail.relay.base import RelayError, RelaySettings, create_relay
 
-from omnirail.payload import pack
-from relay.base import RelayError, RelaySettings, create_relay
+from omnirail.wire.payload import pack
 from tests.relay_conformance.backends import (
     BACKENDS,
     GENERIC_GARBAGE,
@@ -143,8 +143,8 @@ async def test_garbage_descriptor_is_refused_by_the_peer(
 async def test_shm_marks_segment_descriptor_does_not_poison_later_releases(prefix: str) -> None:
     """A descriptor naming the release-marks segment is refused, and credit keeps
     returning for good transfers (accepting it once cached the marks read-only)."""
-    from relay.shm import ShmRelay, sweep_segments
-    from relay.shm_pool import marks_name
+    from omnirail.relay.shm import ShmRelay, sweep_segments
+    from omnirail.relay.shm_pool import marks_name
 
     sender = create_relay("shm", RelaySettings(name_prefix=prefix, pool_bytes=MiB))
     receiver = create_relay("shm", RelaySettings(name_prefix=prefix))

@@ -9,8 +9,8 @@ from typing import Any
 import numpy as np
 import pytest
 
-from omnirail.payload import decode_inline
 from omnirail.v1 import common_pb2
+from omnirail.wire.payload import decode_inline
 from tests.relay_conformance.conftest import MiB, OpenPeer
 from tests.relay_conformance.harness import TIMEOUT, Peer, check, pattern, settled_outstanding
 

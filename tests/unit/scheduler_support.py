@@ -9,7 +9,7 @@ import threading
 from collections.abc import Callable
 from typing import Any
 
-from stage_service.scheduler import IncomingMessage, Outbox, OutgoingMessage
+from omnirail.stage_service.scheduler import IncomingMessage, Outbox, OutgoingMessage
 
 TIMEOUT = 30.0  # generous: only reached when something is broken
 

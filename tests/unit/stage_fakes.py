@@ -16,16 +16,21 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import pytest
+from omnirail.relay.base import RelaySettings, create_relay
+from omnirail.stage_service.edges import EdgeRelays
+from omnirail.stage_service.scheduler import (
+    IncomingMessage,
+    OutgoingMessage,
+    Scheduler,
+    SimpleScheduler,
+)
+from omnirail.stage_service.stage import Stage
+from omnirail.stage_service.streaming import StreamingScheduler, StreamState
 
 from omnirail.config import PipelineConfig
-from omnirail.errors import OmniError
-from omnirail.payload import decode_inline, encode_inline
 from omnirail.v1 import common_pb2, mesh_pb2
-from relay.base import RelaySettings, create_relay
-from stage_service.edges import EdgeRelays
-from stage_service.scheduler import IncomingMessage, OutgoingMessage, Scheduler, SimpleScheduler
-from stage_service.stage import Stage
-from stage_service.streaming import StreamingScheduler, StreamState
+from omnirail.wire.errors import OmniError
+from omnirail.wire.payload import decode_inline, encode_inline
 
 HERE = "tests.unit.stage_fakes"
 TIMEOUT = 5.0  # generous: only reached when something is broken

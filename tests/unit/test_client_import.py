@@ -11,10 +11,10 @@ REPO = Path(__file__).resolve().parents[2]
 
 PROBE = """
 import json, sys
-import omnirail, omnirail.client, omnirail.config, omnirail.payload
+import omnirail, omnirail.client.sdk, omnirail.config, omnirail.wire.payload
 client_cls = omnirail.Client
 print(json.dumps({
-    "client_is_sdk": client_cls is omnirail.client.Client,
+    "client_is_sdk": client_cls is omnirail.client.sdk.Client,
     "torch_loaded": sorted(m for m in sys.modules if m == "torch" or m.startswith("torch.")),
 }))
 """

@@ -15,7 +15,8 @@ from typing import Any
 import pytest
 import yaml
 
-from omnirail.compose import (
+from omnirail.config import ConfigError, load_pipeline
+from omnirail.ops.compose import (
     ComposeBundle,
     ComposeError,
     ComposeOptions,
@@ -24,7 +25,6 @@ from omnirail.compose import (
     generate,
     write_bundle,
 )
-from omnirail.config import ConfigError, load_pipeline
 
 REPO = Path(__file__).resolve().parents[2]
 QUICKSTART = REPO / "examples/quickstart/pipeline.yaml"
@@ -454,7 +454,8 @@ def test_docker_compose_accepts_the_output(tmp_path: Path, edges: tuple[str, ...
 
 def test_compose_modules_import_without_torch() -> None:
     probe = (
-        "import json, sys, omnirail.compose, omnirail.compose_edges, omnirail.compose_groups\n"
+        "import json, sys\n"
+        "import omnirail.ops.compose, omnirail.ops.compose_edges, omnirail.ops.compose_groups\n"
         "print(json.dumps(sorted(m for m in sys.modules if m.split('.')[0] == 'torch')))"
     )
     proc = subprocess.run(

@@ -9,8 +9,8 @@ from pathlib import Path
 
 import pytest
 
-from omnirail import cpu_latency
-from omnirail.cpu_latency import CpuLatencyError, CpuWakeLatency, check_us
+from omnirail.tuning import cpu_latency
+from omnirail.tuning.cpu_latency import CpuLatencyError, CpuWakeLatency, check_us
 
 _REAL = cpu_latency.available()
 
@@ -68,7 +68,7 @@ def test_no_permission_says_what_it_needs(tmp_path: Path) -> None:
 
 def test_hold_or_warn_warns_and_goes_on(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
     assert cpu_latency.hold_or_warn(None, "stage process a") is None
-    with caplog.at_level(logging.WARNING, logger="omnirail.cpu_latency"):
+    with caplog.at_level(logging.WARNING, logger="omnirail.tuning.cpu_latency"):
         assert cpu_latency.hold_or_warn(5, "stage process a", str(tmp_path / "nope")) is None
     assert "stage process a: cpu_wake_latency_us 5 not applied" in caplog.text
     assert "does not exist" in caplog.text

@@ -8,7 +8,14 @@ import sys
 
 import pytest
 
-from omnirail.cpus import CpuError, available_cpus, format_cpus, parse_cpus, pin_process, spread
+from omnirail.tuning.cpus import (
+    CpuError,
+    available_cpus,
+    format_cpus,
+    parse_cpus,
+    pin_process,
+    spread,
+)
 
 
 @pytest.mark.parametrize(
@@ -49,7 +56,7 @@ def test_pin_process_covers_threads_started_before_and_after():
     # In a child, so the test process keeps its CPUs.
     code = """
 import os, threading, time
-from omnirail.cpus import pin_process
+from omnirail.tuning.cpus import pin_process
 cpu = min(os.sched_getaffinity(0))
 stop = threading.Event()
 early = threading.Thread(target=stop.wait); early.start()

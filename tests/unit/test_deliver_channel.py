@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import asyncio
 
-from omnirail.deliver import DeliverChannel
+from omnirail.transport.deliver import DeliverChannel
 from omnirail.v1 import mesh_pb2
 
 

@@ -1,4 +1,4 @@
-"""Tests for omnirail.dotted: both path forms, error messages, base_dir and the cache."""
+"""Tests for omnirail.config.dotted: both path forms, error messages, base_dir and the cache."""
 
 from __future__ import annotations
 
@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from omnirail import dotted
+from omnirail.config import dotted
 
 VALUE = "original"
 
@@ -152,3 +152,59 @@ def test_failures_are_not_cached(module_dir: tuple[Path, str]) -> None:
     (d / f"{name}.py").write_text("def make():\n    return 1\n")
     importlib.invalidate_caches()
     assert dotted.resolve(f"{name}:make", str(d))() == 1
+
+
+# ---- paths relative to the config file's directory -----------------------------------
+
+
+def _write_pkg_dir(root: Path, marker: str) -> Path:
+    root.mkdir()
+    (root / "models.py").write_text(f"from .helpers import VALUE\nMARK = {marker!r}\n")
+    (root / "helpers.py").write_text("VALUE = 42\n")
+    return root
+
+
+def test_relative_path_names_a_module_next_to_the_config(tmp_path: Path) -> None:
+    base = _write_pkg_dir(tmp_path / "a", "a")
+    try:
+        assert dotted.resolve(".models:MARK", str(base)) == "a"
+        assert dotted.resolve(".models.VALUE", str(base)) == 42  # sibling, relative import
+    finally:
+        dotted.clear_cache()
+
+
+def test_relative_modules_of_two_directories_do_not_collide(tmp_path: Path) -> None:
+    a = _write_pkg_dir(tmp_path / "a", "a")
+    b = _write_pkg_dir(tmp_path / "b", "b")
+    try:
+        assert dotted.resolve(".models:MARK", str(a)) == "a"
+        assert dotted.resolve(".models:MARK", str(b)) == "b"
+        assert "models" not in sys.modules or not hasattr(sys.modules["models"], "MARK")
+    finally:
+        dotted.clear_cache()
+
+
+def test_relative_path_errors_name_the_path_and_directory(tmp_path: Path) -> None:
+    base = _write_pkg_dir(tmp_path / "c", "c")
+    try:
+        with pytest.raises(ImportError) as ei:
+            dotted.resolve(".nope:x", str(base))
+        assert str(ei.value) == f"cannot import '.nope:x': No module named '.nope' (in {base})"
+        with pytest.raises(AttributeError) as ai:
+            dotted.resolve(".models:missing", str(base))
+        assert "'.models:missing'" in str(ai.value) and "'missing'" in str(ai.value)
+        assert dotted.DIR_PACKAGE_PREFIX not in str(ai.value)
+        with pytest.raises(ImportError, match="has no file"):
+            dotted.resolve(".models:MARK")
+    finally:
+        dotted.clear_cache()
+
+
+@pytest.mark.parametrize("path", [".models:f", ".pkg.mod:f", ".mod.attr"])
+def test_relative_syntax_is_accepted(path: str) -> None:
+    assert dotted.syntax_error(path) is None
+
+
+@pytest.mark.parametrize("path", [".", "..models:f", ".models", ".:f"])
+def test_relative_syntax_errors(path: str) -> None:
+    assert dotted.syntax_error(path) is not None

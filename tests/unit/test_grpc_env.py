@@ -8,15 +8,15 @@ import subprocess
 import sys
 from pathlib import Path
 
-from omnirail.grpc_env import EXPERIMENTS_ENV, POSIX_IO
+from omnirail.tuning.grpc_env import EXPERIMENTS_ENV, POSIX_IO
 
 REPO = Path(__file__).resolve().parents[2]
 
 PROBE = """
 import json, os, sys
-import omnirail.entry
+import omnirail.cli
 before = "grpc" in sys.modules
-applied = omnirail.entry.prefer_posix_io()
+applied = omnirail.cli.prefer_posix_io()
 import grpc
 print(json.dumps({"grpc_before": before, "applied": applied,
                   "value": os.environ.get("GRPC_EXPERIMENTS")}))
@@ -55,7 +55,7 @@ def test_a_value_the_user_set_is_kept() -> None:
 def test_too_late_once_grpc_is_loaded(monkeypatch) -> None:
     import grpc  # noqa: F401  (this process has it loaded, as a library user might)
 
-    from omnirail.grpc_env import prefer_posix_io
+    from omnirail.tuning.grpc_env import prefer_posix_io
 
     monkeypatch.delenv(EXPERIMENTS_ENV, raising=False)
     assert prefer_posix_io() is False

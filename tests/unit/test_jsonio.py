@@ -1,4 +1,4 @@
-"""omnirail.jsonio: CLI inputs (JSON with tensors) and printable results."""
+"""omnirail.client.jsonio: CLI inputs (JSON with tensors) and printable results."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 import torch
 
-from omnirail.jsonio import dumps, parse_inputs, to_jsonable
+from omnirail.client.jsonio import dumps, parse_inputs, to_jsonable
 
 # ---- parse_inputs ---------------------------------------------------------------
 

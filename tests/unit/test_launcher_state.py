@@ -6,7 +6,7 @@ import threading
 
 import pytest
 
-from omnirail import launcher
+from omnirail.ops import launcher
 
 
 @pytest.fixture(autouse=True)

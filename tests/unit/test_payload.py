@@ -12,7 +12,8 @@ import numpy as np
 import pytest
 import torch
 
-from omnirail.payload import (
+from omnirail.v1 import common_pb2
+from omnirail.wire.payload import (
     MAX_DEPTH,
     PayloadError,
     decode_inline,
@@ -20,7 +21,6 @@ from omnirail.payload import (
     pack,
     unpack,
 )
-from omnirail.v1 import common_pb2
 
 NP_DTYPES = [
     np.bool_,
@@ -165,7 +165,7 @@ def test_lone_tensor_fast_path_matches_the_general_walk(name):
 
 
 def test_lone_tensor_headers_stay_right_past_their_cache_bound():
-    from omnirail import payload as payload_mod
+    from omnirail.wire import payload as payload_mod
 
     for n in range(payload_mod._TENSOR_HEADERS_MAX + 40):
         for dtype in (torch.uint8, torch.float32):
@@ -475,11 +475,11 @@ def test_import_does_not_import_torch():
         """
         import sys
         import numpy as np
-        import omnirail.payload as p
+        import omnirail.wire.payload as p
         out = p.unpack(*(lambda k: (k.header, k.to_bytes()))(p.pack({"a": np.arange(3)})))
         assert out["a"].tolist() == [0, 1, 2]
         p.decode_inline(p.encode_inline([1, (2,)]))
-        assert "torch" not in sys.modules, "omnirail.payload imported torch"
+        assert "torch" not in sys.modules, "omnirail.wire.payload imported torch"
         """
     )
 
@@ -490,7 +490,7 @@ def test_torch_placeholders_decode_as_numpy_without_torch():
         f"""
         import sys
         sys.modules["torch"] = None  # makes `import torch` fail
-        import omnirail.payload as p
+        import omnirail.wire.payload as p
         out = p.unpack({packed.header!r}, {packed.to_bytes()!r})
         print(out["f"].dtype, out["f"].tolist(), out["b"].dtype, out["b"].tolist())
         """
@@ -520,7 +520,7 @@ def test_numpy_only_decodes_torch_tensors_as_numpy() -> None:
 
 
 def test_client_tensors_option_is_checked() -> None:
-    from omnirail.client import Client
+    from omnirail.client.sdk import Client
 
     with pytest.raises(ValueError, match="tensors must be 'auto' or 'numpy'"):
         Client("localhost:1", tensors="torch")

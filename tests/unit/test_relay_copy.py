@@ -1,4 +1,4 @@
-"""relay.copy: how large copies are split across threads, and that every byte lands."""
+"""omnirail.relay.copy: how large copies are split across threads, and that every byte lands."""
 
 from __future__ import annotations
 
@@ -7,10 +7,10 @@ import itertools
 
 import numpy as np
 import pytest
+from omnirail.relay.base import RelayError
+from omnirail.relay.copy import _MIN_PART, _PART_ALIGN, DEFAULT_COPY_THREADS, Copier, split_parts
 
-from omnirail.payload import pack
-from relay.base import RelayError
-from relay.copy import _MIN_PART, _PART_ALIGN, DEFAULT_COPY_THREADS, Copier, split_parts
+from omnirail.wire.payload import pack
 
 MiB = 1 << 20
 

@@ -1,4 +1,4 @@
-"""relay.io: the inline/relay decision and decoding with release on every path."""
+"""omnirail.relay.io: the inline/relay decision and decoding with release on every path."""
 
 from __future__ import annotations
 
@@ -9,13 +9,19 @@ import msgpack
 import numpy as np
 import pytest
 import torch
+from omnirail.relay.base import Received, RelayError, RelaySettings, create_relay
+from omnirail.relay.io import (
+    ReceivedPayload,
+    decode_inline,
+    encode_inline,
+    receive_payload,
+    send_payload,
+)
+from omnirail.relay.shm import ShmRelay, sweep_segments
+from omnirail.relay.shm_pool import SHM_DIR
 
-from omnirail.payload import PayloadError, pack
 from omnirail.v1 import common_pb2
-from relay.base import Received, RelayError, RelaySettings, create_relay
-from relay.io import ReceivedPayload, decode_inline, encode_inline, receive_payload, send_payload
-from relay.shm import ShmRelay, sweep_segments
-from relay.shm_pool import SHM_DIR
+from omnirail.wire.payload import PayloadError, pack
 
 INLINE = 64 << 10
 

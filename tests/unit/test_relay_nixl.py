@@ -16,11 +16,11 @@ from typing import Any
 import msgpack
 import numpy as np
 import pytest
+from omnirail.relay.base import Relay, RelayError, RelaySettings, create_relay
 
-from omnirail.payload import pack
-from relay.base import Relay, RelayError, RelaySettings, create_relay
+from omnirail.wire.payload import pack
 
-nixl = pytest.importorskip("relay.nixl")
+nixl = pytest.importorskip("omnirail.relay.nixl")
 ROOT = Path(__file__).resolve().parents[2]
 MiB = 1 << 20
 
@@ -128,8 +128,8 @@ async def test_closed_relay_keeps_held_views_readable(make: Any) -> None:
 _SENDER = """
 import asyncio, sys, json
 import numpy as np
-from omnirail.payload import pack
-from relay.base import RelaySettings, create_relay
+from omnirail.wire.payload import pack
+from omnirail.relay.base import RelaySettings, create_relay
 
 async def main():
     relay = create_relay("nixl", RelaySettings(pool_bytes=1 << 20))

@@ -9,12 +9,12 @@ import uuid
 
 import numpy as np
 import pytest
+from omnirail.relay.base import RelayError, RelaySettings, create_relay, relay_backends
+from omnirail.relay.shm import ShmRelay, sweep_segments
+from omnirail.relay.shm_pool import ALIGN, MARK_SLOTS, SHM_DIR, ExtentAllocator, marks_name
 
-from omnirail.payload import pack, unpack
 from omnirail.v1 import common_pb2
-from relay.base import RelayError, RelaySettings, create_relay, relay_backends
-from relay.shm import ShmRelay, sweep_segments
-from relay.shm_pool import ALIGN, MARK_SLOTS, SHM_DIR, ExtentAllocator, marks_name
+from omnirail.wire.payload import pack, unpack
 
 MiB = 1 << 20
 

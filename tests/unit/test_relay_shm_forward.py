@@ -5,10 +5,10 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
+from omnirail.relay.base import RelayError, RelaySettings, create_relay
+from omnirail.relay.shm import ShmForward, ShmRelay
 
-from omnirail.payload import pack, unpack
-from relay.base import RelayError, RelaySettings, create_relay
-from relay.shm import ShmForward, ShmRelay
+from omnirail.wire.payload import pack, unpack
 from tests.unit import test_relay_shm as shm_tests
 
 # The shm tests' fixtures: segments under a fresh prefix, relays closed and swept after.

@@ -13,12 +13,12 @@ from typing import Any
 
 import msgpack
 import pytest
+from omnirail.relay.base import RelayError, RelaySettings, create_relay
 
 from omnirail.v1 import common_pb2
-from relay.base import RelayError, RelaySettings, create_relay
 
 dist = pytest.importorskip("torch.distributed")
-torchdist = pytest.importorskip("relay.torchdist")
+torchdist = pytest.importorskip("omnirail.relay.torchdist")
 
 
 def settings(**options: Any) -> RelaySettings:

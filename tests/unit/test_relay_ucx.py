@@ -21,10 +21,11 @@ import pytest
 
 pytest.importorskip("ucxx")
 
-from omnirail.payload import pack
+from omnirail.relay.base import Relay, RelayError, RelaySettings, create_relay
+from omnirail.relay.ucx import UcxRelay
+
 from omnirail.v1 import common_pb2
-from relay.base import Relay, RelayError, RelaySettings, create_relay
-from relay.ucx import UcxRelay
+from omnirail.wire.payload import pack
 
 MiB = 1 << 20
 ROOT = Path(__file__).resolve().parents[2]
@@ -34,8 +35,8 @@ Remote = tuple[subprocess.Popen[str], bytes, list[common_pb2.RelayDescriptor]]
 SENDER = """
 import asyncio, sys
 import numpy as np
-from omnirail.payload import pack
-from relay.base import RelaySettings, create_relay
+from omnirail.wire.payload import pack
+from omnirail.relay.base import RelaySettings, create_relay
 
 async def main():
     relay = create_relay("ucx", RelaySettings(pool_bytes=1 << 20))

@@ -17,15 +17,15 @@ from typing import Any
 
 import grpc
 import pytest
+from omnirail.relay.io import inline_payload
 
 from omnirail import Chunk, Client, OmniError
-from omnirail import client as client_module
-from omnirail.client import AsyncClient
-from omnirail.errors import Code
-from omnirail.payload import pack, unpack
-from omnirail.session import _close_open_sessions
+from omnirail.client import sdk as client_module
+from omnirail.client.sdk import AsyncClient
+from omnirail.client.session import _close_open_sessions
 from omnirail.v1 import client_pb2, client_pb2_grpc
-from relay.io import inline_payload
+from omnirail.wire.errors import Code
+from omnirail.wire.payload import pack, unpack
 
 
 class _OneAnswer(client_pb2_grpc.OmnirailServicer):

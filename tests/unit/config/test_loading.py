@@ -9,10 +9,10 @@ from pathlib import Path
 
 import pytest
 
-from omnirail import dotted
 from omnirail.config import (
     ConfigError,
     PipelineConfig,
+    dotted,
     load_pipeline,
 )
 from tests.unit.config.helpers import (

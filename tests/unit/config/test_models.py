@@ -88,7 +88,7 @@ def test_relay_for_merges_stage_override_over_pipeline_default() -> None:
 
 
 def test_relay_to_settings() -> None:
-    from relay.base import RelaySettings
+    from omnirail.relay.base import RelaySettings
 
     r = RelayConfig(pool_mb=2, credits=3, credit_mb=4, rank=1, world_size=2, options={"x": 1})
     s = r.to_settings("omni-run1")

@@ -1,7 +1,8 @@
 """`State` mirrors the wire's RequestState exactly (it exists only to skip the enum
 wrapper's per-attribute Python call)."""
 
-from coordinator.requests import State
+from omnirail.coordinator.requests import State
+
 from omnirail.v1 import common_pb2
 
 

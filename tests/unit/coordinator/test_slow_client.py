@@ -6,12 +6,12 @@ import asyncio
 from typing import Any
 
 from grpc_health.v1 import health
+from omnirail.coordinator.requests import RequestRecord, State
+from omnirail.coordinator.service import Coordinator
 
-from coordinator.requests import RequestRecord, State
-from coordinator.service import Coordinator
 from omnirail.config import PipelineConfig
-from omnirail.errors import Code
 from omnirail.v1 import client_pb2
+from omnirail.wire.errors import Code
 
 HERE = "tests.unit.coordinator.test_slow_client"
 

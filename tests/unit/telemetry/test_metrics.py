@@ -8,11 +8,14 @@ import urllib.error
 import urllib.request
 
 import pytest
+from omnirail.relay.base import RelaySettings, create_relay
+from omnirail.stage_service.edges import EdgeRelays
+from omnirail.stage_service.scheduler import SimpleScheduler
+from omnirail.stage_service.stage import Stage
 from prometheus_client import CollectorRegistry
 from prometheus_client.parser import text_string_to_metric_families
 
 from omnirail.config import ConfigError, MetricsConfig, PipelineConfig
-from omnirail.errors import Code, OmniError
 from omnirail.telemetry.metrics import (
     CoordinatorMetrics,
     StageMetrics,
@@ -23,10 +26,7 @@ from omnirail.telemetry.metrics import (
     stop_metrics_server,
 )
 from omnirail.v1 import common_pb2
-from relay.base import RelaySettings, create_relay
-from stage_service.edges import EdgeRelays
-from stage_service.scheduler import SimpleScheduler
-from stage_service.stage import Stage
+from omnirail.wire.errors import Code, OmniError
 from tests.unit.stage_fakes import (
     FakeReporter,
     FakeRouter,

@@ -1,7 +1,7 @@
 """Compose services for a pipeline: one per stage process (and replica), their DNS-safe
 names, and the IPC namespaces that `shm` edges between them need.
 
-Pure topology over `PipelineConfig`; `omnirail.compose` turns it into a compose file.
+Pure topology over `PipelineConfig`; `omnirail.ops.compose` turns it into a compose file.
 """
 
 from __future__ import annotations

@@ -12,7 +12,7 @@ import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
-from omnirail.deliver import channel_options
+from omnirail.transport.deliver import channel_options
 
 log = logging.getLogger(__name__)
 

@@ -18,15 +18,15 @@ from typing import Any, Literal
 
 import yaml
 
-from omnirail.compose_edges import EdgeRelay, derive_pipeline
-from omnirail.compose_groups import (
+from omnirail.config import load_pipeline
+from omnirail.ops.compose_edges import EdgeRelay, derive_pipeline
+from omnirail.ops.compose_groups import (
     ComposeError,
     IpcGroup,
     StageService,
     ipc_groups,
     plan_services,
 )
-from omnirail.config import load_pipeline
 
 __all__ = [
     "ComposeBundle",
@@ -71,7 +71,7 @@ class ComposeBundle:
 
 def default_build_context() -> Path | None:
     """This checkout's root when it holds the Dockerfile (not so for an installed wheel)."""
-    root = Path(__file__).resolve().parents[1]
+    root = Path(__file__).resolve().parents[2]
     return root if (root / "Dockerfile").is_file() else None
 
 

@@ -20,12 +20,12 @@ from typing import Any
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from omnirail.client_span import ClientSpan
-from omnirail.deliver import channel_options
-from omnirail.errors import Code, OmniError, invalid
-from omnirail.payload import PayloadError, decode_inline, encode_inline
-from omnirail.session import AsyncSession, SyncSession
+from omnirail.client.session import AsyncSession, SyncSession
+from omnirail.client.span import ClientSpan
+from omnirail.transport.deliver import channel_options
 from omnirail.v1 import client_pb2, client_pb2_grpc, common_pb2
+from omnirail.wire.errors import Code, OmniError, invalid
+from omnirail.wire.payload import PayloadError, decode_inline, encode_inline
 
 PIPELINE_SERVICE = client_pb2.DESCRIPTOR.services_by_name["Omnirail"].full_name
 # Extra seconds on the gRPC deadline so the coordinator's own deadline error wins.

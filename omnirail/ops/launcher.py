@@ -24,10 +24,10 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from omnirail.config import PipelineConfig, load_pipeline
-from omnirail.cpu_latency import CpuWakeLatency, check_us, try_hold
-from omnirail.cpus import available_cpus, format_cpus, spread
-from omnirail.errors import Code, OmniError
 from omnirail.telemetry import SPAN_DIR_ENV
+from omnirail.tuning.cpu_latency import CpuWakeLatency, check_us, try_hold
+from omnirail.tuning.cpus import available_cpus, format_cpus, spread
+from omnirail.wire.errors import Code, OmniError
 
 _PR_SET_PDEATHSIG = 1
 
@@ -245,7 +245,7 @@ class Mesh:
         return {name: ["--cpus", format_cpus(cpus)] for name, cpus in spread_cpus.items()}
 
     def _wait_ready(self, deadline: float) -> None:
-        from omnirail.client import Client
+        from omnirail.client.sdk import Client
 
         last = ""
         with Client(self.address or "") as client:
@@ -311,7 +311,7 @@ class Mesh:
                     child.proc.wait()
         self._children.clear()
         # Segments of processes that were killed (and so could not unlink their own).
-        from relay.shm_pool import sweep_segments
+        from omnirail.relay.shm_pool import sweep_segments
 
         sweep_segments(self.shm_prefix)
         if self._wake is not None:

@@ -14,8 +14,8 @@ from typing import Any
 
 import yaml
 
-from omnirail.compose_groups import ComposeError
 from omnirail.config import ConfigError, PipelineConfig
+from omnirail.ops.compose_groups import ComposeError
 
 # Options an edge moved across containers gets unless the pipeline already sets its own:
 # UCX sees one machine and would pick shared-memory transports whose signalling does not
@@ -85,7 +85,7 @@ def derive_pipeline(
 
 
 def _check_edge(cfg: PipelineConfig, edge: EdgeRelay) -> None:
-    from relay.base import relay_backends
+    from omnirail.relay.base import relay_backends
 
     for name in (edge.source, edge.target):
         if name not in cfg.stage_names:

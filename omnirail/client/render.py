@@ -19,7 +19,7 @@ from typing import Any, TextIO
 
 import numpy as np
 
-from omnirail.jsonio import to_jsonable
+from omnirail.client.jsonio import to_jsonable
 
 DEFAULT_SAMPLE_RATE = 16000
 

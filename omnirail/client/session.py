@@ -20,8 +20,8 @@ from typing import Any
 
 import grpc
 
-from omnirail.errors import Code, OmniError
 from omnirail.v1 import client_pb2
+from omnirail.wire.errors import Code, OmniError
 
 # Bound on one write so a burst of large inputs stays under the message limit.
 _MAX_BATCH = 64
@@ -29,7 +29,7 @@ _MAX_BATCH = 64
 
 def _broken(err: BaseException | None) -> OmniError:
     if isinstance(err, grpc.RpcError):
-        from omnirail.client import rpc_error
+        from omnirail.client.sdk import rpc_error
 
         error = rpc_error(err)
         return OmniError(Code.UNAVAILABLE, f"session to the coordinator ended: {error.message}")

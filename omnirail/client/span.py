@@ -14,7 +14,7 @@ from typing import Any
 from opentelemetry import propagate, trace
 from opentelemetry.trace import SpanKind, Status, StatusCode
 
-_tracer = trace.get_tracer("omnirail.client")
+_tracer = trace.get_tracer("omnirail.client.sdk")
 
 
 class ClientSpan:

@@ -13,11 +13,11 @@ from contextlib import AbstractContextManager, nullcontext
 from pathlib import Path
 from typing import Any
 
-from omnirail import aio
 from omnirail.config import ConfigError, PipelineConfig, format_topology, load_pipeline
-from omnirail.cpu_latency import check_us, hold_or_warn
-from omnirail.cpus import parse_cpus, pin_process
-from omnirail.errors import Code, OmniError
+from omnirail.tuning import aio
+from omnirail.tuning.cpu_latency import check_us, hold_or_warn
+from omnirail.tuning.cpus import parse_cpus, pin_process
+from omnirail.wire.errors import Code, OmniError
 
 EXIT_USAGE = 2
 
@@ -37,7 +37,7 @@ def _setup_logging(level: str) -> None:
 
 
 def _read_inputs(args: argparse.Namespace) -> dict:
-    from omnirail.jsonio import parse_inputs
+    from omnirail.client.jsonio import parse_inputs
 
     if args.input_file:
         return parse_inputs(Path(args.input_file).read_text(), source=args.input_file)
@@ -56,7 +56,7 @@ def cmd_validate(args: argparse.Namespace) -> int:
 
 
 def cmd_up(args: argparse.Namespace) -> int:
-    from omnirail.launcher import Mesh, read_states, write_state
+    from omnirail.ops.launcher import Mesh, read_states, write_state
 
     if args.detach:
         return _up_detached(args)
@@ -110,7 +110,7 @@ def cmd_up(args: argparse.Namespace) -> int:
 
 
 def _up_detached(args: argparse.Namespace) -> int:
-    from omnirail.launcher import read_states, state_dir
+    from omnirail.ops.launcher import read_states, state_dir
 
     cfg = load_pipeline(args.file)
     name = args.name or cfg.name or "pipeline"
@@ -160,7 +160,7 @@ def _up_detached(args: argparse.Namespace) -> int:
 
 
 def cmd_down(args: argparse.Namespace) -> int:
-    from omnirail.launcher import pid_alive, read_states
+    from omnirail.ops.launcher import pid_alive, read_states
 
     states = read_states()
     if args.name:
@@ -192,9 +192,9 @@ def cmd_down(args: argparse.Namespace) -> int:
 
 
 def cmd_run(args: argparse.Namespace) -> int:
-    from omnirail.client import Client
-    from omnirail.jsonio import dumps
-    from omnirail.launcher import Mesh
+    from omnirail.client.jsonio import dumps
+    from omnirail.client.sdk import Client
+    from omnirail.ops.launcher import Mesh
 
     inputs = _read_inputs(args)
     with Mesh(
@@ -219,8 +219,8 @@ def cmd_run(args: argparse.Namespace) -> int:
 
 
 def cmd_generate(args: argparse.Namespace) -> int:
-    from omnirail.client import Client
-    from omnirail.jsonio import dumps
+    from omnirail.client.jsonio import dumps
+    from omnirail.client.sdk import Client
 
     inputs = _read_inputs(args)
     with Client(args.address, tensors="numpy") as client:
@@ -239,8 +239,8 @@ def cmd_generate(args: argparse.Namespace) -> int:
 
 def _print_stream(events: Iterator[Any], started: float, args: argparse.Namespace) -> Any:
     """Shows chunks as they arrive (see omnirail/stream_render.py); returns the result."""
-    from omnirail.client import Chunk
-    from omnirail.stream_render import StreamRenderer
+    from omnirail.client.render import StreamRenderer
+    from omnirail.client.sdk import Chunk
 
     render = StreamRenderer(started, audio_out=args.audio_out, jsonl=args.jsonl)
     try:
@@ -273,7 +273,7 @@ def _wake_latency(flag: int | None, cfg: PipelineConfig, who: str) -> AbstractCo
 
 
 def cmd_coordinator(args: argparse.Namespace) -> int:
-    from coordinator.main import serve
+    from omnirail.coordinator.main import serve
 
     _setup_logging(args.log_level)
     cfg = load_pipeline(args.pipeline)
@@ -292,7 +292,7 @@ def cmd_coordinator(args: argparse.Namespace) -> int:
 
 
 def cmd_stage(args: argparse.Namespace) -> int:
-    from stage_service.main import serve
+    from omnirail.stage_service.main import serve
 
     _setup_logging(args.log_level)
     cfg = load_pipeline(args.pipeline)
@@ -318,7 +318,7 @@ def cmd_stage(args: argparse.Namespace) -> int:
 
 
 def cmd_compose(args: argparse.Namespace) -> int:
-    from omnirail.compose import (
+    from omnirail.ops.compose import (
         ComposeOptions,
         EdgeRelay,
         default_build_context,
@@ -349,7 +349,7 @@ def cmd_compose(args: argparse.Namespace) -> int:
 
 
 def cmd_trace(args: argparse.Namespace) -> int:
-    from omnirail.launcher import read_states
+    from omnirail.ops.launcher import read_states
     from omnirail.telemetry.waterfall import run_trace
 
     if args.run_dir:
@@ -371,7 +371,7 @@ def cmd_trace(args: argparse.Namespace) -> int:
 
 
 def cmd_health(args: argparse.Namespace) -> int:
-    from omnirail.health_check import (
+    from omnirail.ops.health import (
         HealthCheckError,
         check_health,
         default_address,
@@ -525,7 +525,7 @@ def build_parser() -> argparse.ArgumentParser:
     _add_wake_flag(s, "it")
     s.set_defaults(fn=cmd_stage)
 
-    from omnirail import compose as _compose
+    from omnirail.ops import compose as _compose
 
     k = sub.add_parser("compose", help="write a docker compose deployment of a pipeline")
     k.add_argument("file", help="pipeline YAML (or .py)")
@@ -588,7 +588,7 @@ def build_parser() -> argparse.ArgumentParser:
     h.add_argument("--timeout", type=float, default=5.0, help="seconds")
     h.set_defaults(fn=cmd_health)
 
-    from omnirail.bench.cli import add_bench_parser
+    from omnirail.cli.bench import add_bench_parser
 
     add_bench_parser(sub)
     return p
@@ -600,7 +600,7 @@ def main(argv: list[str] | None = None) -> int:
         sys.path.insert(0, os.getcwd())
     args = build_parser().parse_args(argv)
     if args.command in ("coordinator", "stage"):
-        from omnirail.launcher import die_with_parent
+        from omnirail.ops.launcher import die_with_parent
 
         die_with_parent()
     try:

@@ -21,13 +21,13 @@ def _parse_options(items: list[str]) -> dict[str, object]:
 
 
 def _wake_setting(text: str) -> int | None:
-    from omnirail.cli import _wake_us
+    from omnirail.cli.commands import _wake_us
 
     return None if text == "off" else _wake_us(text)
 
 
 def cmd_bench(args: argparse.Namespace) -> int:
-    from omnirail import cpu_latency
+    from omnirail.tuning import cpu_latency
 
     # Held by this process for the whole run: the bound is host-wide, so the mesh or the
     # relay's receiver it starts runs under it too. `host` measures with and without.
@@ -45,8 +45,8 @@ def cmd_bench(args: argparse.Namespace) -> int:
 
 
 def _run(args: argparse.Namespace) -> dict[str, Any]:
-    from omnirail.cli import _progress as progress
-    from omnirail.cli import _read_inputs as read_inputs
+    from omnirail.cli.commands import _progress as progress
+    from omnirail.cli.commands import _read_inputs as read_inputs
 
     if args.what == "relay":
         from omnirail.bench.relay_bench import run_relay_bench

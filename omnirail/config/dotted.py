@@ -1,6 +1,11 @@
 """Resolve dotted paths (`pkg.mod:attr` or `pkg.mod.attr`) to Python objects.
 
-Config files name factories and hooks by dotted path. Resolution imports the module, so it
+Config files name factories and hooks by dotted path. A path that starts with a dot
+(`.models:create`, `.pkg.mod.fn`) names a module in the config file's own directory,
+imported as a submodule of a package made for that directory (`_omnirail_dir_<hash>`), so
+two pipelines' `models.py` never collide and modules of one directory import each other
+with relative imports (`from .text import VOCAB`). Paths without the dot are imported as
+usual, with the config file's directory first on sys.path. Resolution imports the module, so it
 runs the module's top-level code: config files are trusted like any other code the
 operator runs. Results are cached per (path, base_dir) because stages resolve the same
 hooks once per stage instance and imports take the import lock.
@@ -8,7 +13,11 @@ hooks once per stage instance and imports take the import lock.
 
 from __future__ import annotations
 
+import hashlib
 import importlib
+import importlib.machinery
+import importlib.util
+import os
 import re
 import sys
 import threading
@@ -20,6 +29,10 @@ _DOTTED = rf"{_IDENT}(?:\.{_IDENT})*"
 _COLON_RE = re.compile(rf"^({_DOTTED}):({_DOTTED})$")
 # The dot-only form needs a module and an attribute, so at least two components.
 _DOT_RE = re.compile(rf"^{_IDENT}(?:\.{_IDENT})+$")
+# Relative to the config file's directory: `.mod:attr`, `.mod.attr`, `.pkg.mod:attr`.
+_REL_COLON_RE = re.compile(rf"^\.({_DOTTED}):({_DOTTED})$")
+_REL_DOT_RE = re.compile(rf"^\.{_IDENT}(?:\.{_IDENT})+$")
+DIR_PACKAGE_PREFIX = "_omnirail_dir_"
 
 _cache: dict[tuple[str, str | None], Any] = {}
 _lock = threading.Lock()
@@ -29,9 +42,40 @@ def syntax_error(path: object) -> str | None:
     """Returns why `path` is not a well-formed dotted path, or None when it is."""
     if not isinstance(path, str):
         return f"expected a dotted path string, got {type(path).__name__}"
-    if _COLON_RE.match(path) or _DOT_RE.match(path):
+    if any(r.match(path) for r in (_COLON_RE, _DOT_RE, _REL_COLON_RE, _REL_DOT_RE)):
         return None
-    return f"invalid dotted path {path!r}: expected 'pkg.module:attr' or 'pkg.module.attr'"
+    return (
+        f"invalid dotted path {path!r}: expected 'pkg.module:attr' or 'pkg.module.attr' "
+        "(or '.module:attr' for a module next to the config file)"
+    )
+
+
+def dir_package(base_dir: str) -> str:
+    """The package name standing for `base_dir` (registered on first use).
+
+    The directory's `__init__.py`, when it has one, runs as the package's own code.
+    """
+    real = os.path.realpath(base_dir)
+    digest = hashlib.sha1(real.encode(), usedforsecurity=False).hexdigest()[:12]
+    name = f"{DIR_PACKAGE_PREFIX}{digest}"
+    if name in sys.modules:
+        return name
+    init = os.path.join(real, "__init__.py")
+    if os.path.isfile(init):
+        spec = importlib.util.spec_from_file_location(name, init, submodule_search_locations=[real])
+    else:
+        spec = importlib.machinery.ModuleSpec(name, None, is_package=True)
+        spec.submodule_search_locations = [real]
+    assert spec is not None
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[name] = module
+    try:
+        if spec.loader is not None:
+            spec.loader.exec_module(module)
+    except BaseException:
+        del sys.modules[name]
+        raise
+    return name
 
 
 def add_sys_path(base_dir: str | None) -> None:
@@ -59,7 +103,9 @@ def resolve(path: str, base_dir: str | None = None) -> Any:
     if err is not None:
         raise ValueError(err)
     add_sys_path(base_dir)
-    if ":" in path:
+    if path.startswith("."):
+        obj = _resolve_relative(path, base_dir)
+    elif ":" in path:
         mod_name, attr_path = path.split(":", 1)
         obj: Any = _import(path, mod_name)
         obj = _getattrs(path, obj, attr_path.split("."))
@@ -68,6 +114,32 @@ def resolve(path: str, base_dir: str | None = None) -> Any:
     with _lock:
         _cache[key] = obj
     return obj
+
+
+def _resolve_relative(path: str, base_dir: str | None) -> Any:
+    if not base_dir:
+        raise ImportError(
+            f"cannot import {path!r}: a path starting with '.' names a module next to the "
+            "config file, and this config has no file"
+        )
+    try:
+        package = dir_package(base_dir)
+    except Exception as exc:
+        raise ImportError(
+            f"cannot import {path!r}: {base_dir}/__init__.py failed: {type(exc).__name__}: {exc}"
+        ) from exc
+    absolute = package + path
+    try:
+        if ":" in absolute:
+            mod_name, attr_path = absolute.split(":", 1)
+            return _getattrs(absolute, _import(absolute, mod_name), attr_path.split("."))
+        return _resolve_dots(absolute)
+    except (ImportError, AttributeError) as exc:
+        # Say it in the config's terms: the path as written and the directory, not the
+        # package name made up for it.
+        message = str(exc).replace(repr(absolute), repr(path))
+        message = message.replace(f"'{package}.", "'.").replace(f"'{package}'", repr(base_dir))
+        raise type(exc)(f"{message} (in {base_dir})") from exc
 
 
 def clear_cache() -> None:

@@ -1,0 +1,1 @@
+"""Operating a mesh: the local launcher, compose generation and health checks."""

@@ -1,0 +1,2 @@
+"""Process tuning for services and benchmarks: CPU pinning, idle-CPU wake latency, gRPC's
+I/O path and the event loop."""
