@@ -6,9 +6,8 @@ import asyncio
 import logging
 import signal
 
-from omnirail.coordinator.service import PIPELINE_SERVICE, Coordinator
-
 from omnirail.config import PipelineConfig
+from omnirail.coordinator.service import Coordinator
 from omnirail.telemetry import setup_tracing
 from omnirail.telemetry.metrics import (
     CoordinatorMetrics,
@@ -18,6 +17,7 @@ from omnirail.telemetry.metrics import (
 )
 from omnirail.transport.grpc_server import NOT_SERVING, SERVING, bind, create_server
 from omnirail.v1 import client_pb2_grpc, mesh_pb2, mesh_pb2_grpc
+from omnirail.wire.services import PIPELINE_SERVICE
 
 log = logging.getLogger(__name__)
 

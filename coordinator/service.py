@@ -14,22 +14,29 @@ from typing import Any
 
 import grpc
 from grpc_health.v1 import health
-from omnirail.coordinator.registry import Replica, StageRegistry
-from omnirail.coordinator.requests import RequestRecord, RequestTable, State
 
 from omnirail.config import PipelineConfig, dotted
+from omnirail.coordinator.registry import Replica, StageRegistry
+from omnirail.coordinator.requests import RequestRecord, RequestTable, State
 from omnirail.telemetry.logs import ids
 from omnirail.telemetry.metrics import CoordinatorMetrics
 from omnirail.telemetry.tracer import KIND_SERVER, Tracer, parse_traceparent
 from omnirail.transport.deliver import DeliverChannel
 from omnirail.transport.grpc_server import NOT_SERVING, SERVING, write_until_read_ends
 from omnirail.v1 import client_pb2, client_pb2_grpc, mesh_pb2, mesh_pb2_grpc
-from omnirail.wire.errors import Code, OmniError, internal, invalid, unavailable
+from omnirail.wire.errors import (
+    STAGE_METADATA_KEY,
+    Code,
+    OmniError,
+    internal,
+    invalid,
+    unavailable,
+)
 from omnirail.wire.payload import PayloadError, decode_inline
+from omnirail.wire.services import PIPELINE_SERVICE
 
 log = logging.getLogger(__name__)
 
-PIPELINE_SERVICE = client_pb2.DESCRIPTOR.services_by_name["Omnirail"].full_name
 # Relay infos ride in every topology broadcast: bounded so one bad stage cannot bloat them.
 MAX_RELAY_INFOS = 8
 MAX_RELAY_INFO_BYTES = 1 << 20
@@ -569,5 +576,5 @@ def _traceparent_of(context: grpc.aio.ServicerContext) -> str:
 
 async def _abort_call(context: grpc.aio.ServicerContext, error: OmniError) -> None:
     if error.stage:
-        context.set_trailing_metadata((("omnirail-stage", error.stage),))
+        context.set_trailing_metadata(((STAGE_METADATA_KEY, error.stage),))
     await context.abort(error.grpc_status, error.message)

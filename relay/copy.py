@@ -17,8 +17,8 @@ from collections.abc import Callable, Mapping
 from typing import Any
 
 import numpy as np
-from omnirail.relay.base import RelayError
 
+from omnirail.relay.base import RelayError
 from omnirail.wire.payload import Packed
 
 DEFAULT_COPY_THREAD_BYTES = 8 << 20

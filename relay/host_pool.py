@@ -12,6 +12,7 @@ import mmap
 from collections.abc import Callable
 
 import numpy as np
+
 from omnirail.relay.shm_pool import ALIGN, ExtentAllocator
 
 _SEGMENT_ROUND = 2 << 20

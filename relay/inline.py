@@ -14,7 +14,6 @@ from omnirail.relay.base import (
     RelaySettings,
     register_relay,
 )
-
 from omnirail.v1 import common_pb2
 from omnirail.wire.payload import Packed
 

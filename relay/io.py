@@ -13,7 +13,6 @@ from typing import Any
 from omnirail.relay.base import Received, Relay, RelayError, RelayHandle
 from omnirail.relay.inline import BACKEND as INLINE
 from omnirail.relay.inline import oversize_error
-
 from omnirail.v1 import common_pb2
 from omnirail.wire.payload import Packed, PayloadError, decode_inline, encode_inline, pack, unpack
 

@@ -36,7 +36,6 @@ from typing import Any
 from omnirail.relay.base import RelayError, RelaySettings, register_relay
 from omnirail.relay.host_pool import HostExtent, HostSegment
 from omnirail.relay.pull import OFFSET_BITS, OFFSET_MASK, PulledHandle, PulledReceived, PullRelay
-
 from omnirail.v1 import common_pb2
 from omnirail.wire.payload import Packed
 

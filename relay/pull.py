@@ -27,11 +27,11 @@ import uuid
 from typing import Any
 
 import msgpack
+
 from omnirail.relay.base import Received, Relay, RelayError, RelayHandle, RelaySettings
 from omnirail.relay.copy import Copier
 from omnirail.relay.credits import Credits, EdgeCredit
 from omnirail.relay.host_pool import HostExtent, HostPool, HostSegment
-
 from omnirail.v1 import common_pb2
 from omnirail.wire.payload import Packed
 

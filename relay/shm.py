@@ -34,6 +34,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
+
 from omnirail.relay.base import (
     Received,
     Relay,
@@ -55,7 +56,6 @@ from omnirail.relay.shm_pool import (
     marks_name,
     sweep_segments,
 )
-
 from omnirail.v1 import common_pb2
 from omnirail.wire.payload import Packed
 

@@ -36,10 +36,10 @@ from urllib.parse import urlsplit
 
 import torch
 import torch.distributed as dist
+
 from omnirail.relay.base import Received, Relay, RelayError, RelaySettings, register_relay
 from omnirail.relay.host_pool import HostExtent
 from omnirail.relay.pull import PulledHandle, PulledReceived, PullRelay
-
 from omnirail.v1 import common_pb2
 from omnirail.wire.payload import Packed
 

@@ -43,12 +43,12 @@ os.environ.setdefault("UCX_WARN_UNUSED_ENV_VARS", "n")
 
 import ucxx  # ImportError here: the backend is unavailable
 import ucxx._lib.libucxx as ucx_api
-from omnirail.relay.base import Received, RelayError, RelaySettings, register_relay
-from omnirail.relay.host_pool import HostExtent
-from omnirail.relay.pull import PulledHandle, PullRelay
 from ucxx._lib.arr import Array
 from ucxx.types import Tag
 
+from omnirail.relay.base import Received, RelayError, RelaySettings, register_relay
+from omnirail.relay.host_pool import HostExtent
+from omnirail.relay.pull import PulledHandle, PullRelay
 from omnirail.v1 import common_pb2
 from omnirail.wire.payload import Packed
 

@@ -4,9 +4,8 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 
-from omnirail.relay.base import Relay
-
 from omnirail.config import PipelineConfig
+from omnirail.relay.base import Relay
 
 
 class EdgeRelay:

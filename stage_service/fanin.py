@@ -10,10 +10,9 @@ from __future__ import annotations
 
 from typing import Any
 
+from omnirail.config import StageConfig, dotted
 from omnirail.stage_service.request_state import PENDING, RequestState
 from omnirail.stage_service.routing import check_subset
-
-from omnirail.config import StageConfig, dotted
 from omnirail.wire.errors import invalid
 
 

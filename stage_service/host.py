@@ -15,14 +15,14 @@ import zlib
 from collections.abc import AsyncIterator
 
 import grpc
+
+from omnirail.config import PipelineConfig, dotted
 from omnirail.relay.base import Relay, RelayHandle
 from omnirail.stage_service.attach import AttachClient
 from omnirail.stage_service.edges import EdgeRelays
 from omnirail.stage_service.relays import open_relays, plan_relays, relay_host
 from omnirail.stage_service.scheduler import Scheduler, SimpleScheduler
 from omnirail.stage_service.stage import Stage
-
-from omnirail.config import PipelineConfig, dotted
 from omnirail.telemetry.metrics import StageMetrics
 from omnirail.telemetry.tracer import Tracer
 from omnirail.transport.deliver import DeliverChannel

@@ -42,7 +42,6 @@ async def serve(
     metrics_port: int | None = None,
 ) -> None:
     from omnirail.stage_service.host import StageHost
-
     from omnirail.telemetry import setup_tracing
     from omnirail.telemetry.metrics import (
         StageMetrics,

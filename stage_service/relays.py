@@ -6,9 +6,8 @@ from __future__ import annotations
 import asyncio
 from dataclasses import dataclass, field
 
-from omnirail.relay.base import Relay, RelayError, create_relay
-
 from omnirail.config import PipelineConfig, RelayConfig
+from omnirail.relay.base import Relay, RelayError, create_relay
 from omnirail.wire.errors import Code, OmniError
 
 DEFAULT_CONNECT_TIMEOUT_S = 60.0

@@ -14,7 +14,6 @@ from typing import Any
 from omnirail.relay.io import ReceivedPayload
 from omnirail.stage_service.scheduler import IncomingMessage, OutgoingMessage
 from omnirail.stage_service.stream_in import InStreams
-
 from omnirail.telemetry.tracer import Span
 from omnirail.v1 import mesh_pb2
 from omnirail.wire.errors import Code, OmniError

@@ -8,9 +8,8 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any, Protocol
 
-from omnirail.relay.base import RelayHandle
-
 from omnirail.config import StageConfig, dotted
+from omnirail.relay.base import RelayHandle
 from omnirail.v1 import mesh_pb2
 from omnirail.wire.errors import internal
 

@@ -16,6 +16,7 @@ from collections import deque
 from collections.abc import Mapping
 from typing import Any, Protocol
 
+from omnirail.config import PipelineConfig
 from omnirail.relay.base import Relay, RelayError, RelayHandle
 from omnirail.relay.io import inline_if_small, inline_payload, receive_payload, relayed_payload
 from omnirail.stage_service.edges import EdgeRelays
@@ -39,8 +40,6 @@ from omnirail.stage_service.scheduler import (
 )
 from omnirail.stage_service.stream_in import drain
 from omnirail.stage_service.stream_out import SentToken, StreamSender
-
-from omnirail.config import PipelineConfig
 from omnirail.telemetry.logs import ids
 from omnirail.telemetry.metrics import ABORTED, COMPLETED, FAILED, StageMetrics
 from omnirail.telemetry.tracer import Tracer

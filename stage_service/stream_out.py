@@ -18,11 +18,10 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from enum import Enum
 
+from omnirail.config import StreamConfig
 from omnirail.relay.base import RelayHandle
 from omnirail.relay.io import inline_if_small, relayed_payload
 from omnirail.stage_service.edges import EdgeRelays
-
-from omnirail.config import StreamConfig
 from omnirail.v1 import common_pb2, mesh_pb2
 from omnirail.wire.errors import OmniError
 from omnirail.wire.payload import Packed

@@ -14,7 +14,6 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from omnirail.stage_service.scheduler import IncomingMessage, OutgoingMessage, ThreadScheduler
-
 from omnirail.telemetry.logs import request_context
 
 

@@ -26,6 +26,7 @@ import os
 from typing import Any
 
 import torch
+
 from omnirail.stage_service.ar import ARRequest, ARScheduler, ARStep
 
 from .thinker import sample

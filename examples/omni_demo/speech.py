@@ -15,9 +15,10 @@ import math
 from typing import Any
 
 import torch
+from torch import nn
+
 from omnirail.stage_service.ar import ARRequest, ARScheduler, ARStep
 from omnirail.stage_service.streaming import StreamingScheduler, StreamState
-from torch import nn
 
 from .text import detokenize_piece
 from .weights import seeded

@@ -13,9 +13,10 @@ import math
 import time
 
 import torch
-from omnirail.stage_service.ar import ARRequest, ARScheduler, ARStep
 from torch import nn
 from torch.nn import functional as F
+
+from omnirail.stage_service.ar import ARRequest, ARScheduler, ARStep
 
 from .text import BOS, EOS, PAD, VOCAB
 

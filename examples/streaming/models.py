@@ -13,6 +13,7 @@ import time
 from typing import Any
 
 import torch
+
 from omnirail.stage_service.ar import ARRequest, ARScheduler, ARStep
 from omnirail.stage_service.scheduler import CLIENT
 from omnirail.stage_service.streaming import StreamingScheduler, StreamState

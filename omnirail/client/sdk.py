@@ -13,13 +13,13 @@ import queue
 import threading
 import time
 import uuid
-from collections.abc import AsyncIterator, Iterator, Mapping
+from collections.abc import AsyncIterator, Callable, Iterator, Mapping
 from dataclasses import dataclass
 from typing import Any
 
 import grpc
-from grpc_health.v1 import health_pb2, health_pb2_grpc
 
+from omnirail.client.readiness import not_ready
 from omnirail.client.session import AsyncSession, SyncSession
 from omnirail.client.span import ClientSpan
 from omnirail.transport.deliver import channel_options
@@ -27,7 +27,6 @@ from omnirail.v1 import client_pb2, client_pb2_grpc, common_pb2
 from omnirail.wire.errors import Code, OmniError, invalid
 from omnirail.wire.payload import PayloadError, decode_inline, encode_inline
 
-PIPELINE_SERVICE = client_pb2.DESCRIPTOR.services_by_name["Omnirail"].full_name
 # Extra seconds on the gRPC deadline so the coordinator's own deadline error wins.
 _DEADLINE_SLACK_S = 2.0
 
@@ -144,15 +143,6 @@ def parse_status(status: client_pb2.RequestStatus, numpy: bool = False) -> Reque
         result=parse_result(status.result, numpy) if status.HasField("result") else None,
         error=OmniError.from_proto(status.error) if status.HasField("error") else None,
     )
-
-
-def rpc_error(err: grpc.RpcError) -> OmniError:
-    error = OmniError.from_rpc_error(err)
-    trailing = getattr(err, "trailing_metadata", lambda: None)() or ()
-    for key, value in trailing:
-        if key == "omnirail-stage":
-            error.stage = value
-    return error
 
 
 def event_result(event: client_pb2.SessionEvent, numpy: bool = False) -> GenerateResult:
@@ -299,13 +289,13 @@ class Client:
         try:
             return self._stub.Submit(request).request_id
         except grpc.RpcError as err:
-            raise rpc_error(err) from None
+            raise OmniError.from_rpc_error(err) from None
 
     def wait(self, request_id: str, timeout: float | None = None) -> RequestStatus:
         try:
             status = self._stub.Wait(client_pb2.RequestRef(request_id=request_id), timeout=timeout)
         except grpc.RpcError as err:
-            raise rpc_error(err) from None
+            raise OmniError.from_rpc_error(err) from None
         return parse_status(status, self._numpy)
 
     def status(self, request_id: str) -> RequestStatus:
@@ -313,38 +303,46 @@ class Client:
             status = self._stub.GetRequest(client_pb2.RequestRef(request_id=request_id))
             return parse_status(status, self._numpy)
         except grpc.RpcError as err:
-            raise rpc_error(err) from None
+            raise OmniError.from_rpc_error(err) from None
 
     def abort(self, request_id: str, reason: str = "") -> list[str]:
         """Aborts a request everywhere; returns the stage replicas that acknowledged."""
         try:
             reply = self._stub.Abort(client_pb2.AbortRequest(request_id=request_id, reason=reason))
         except grpc.RpcError as err:
-            raise rpc_error(err) from None
+            raise OmniError.from_rpc_error(err) from None
         return list(reply.acknowledged_by)
 
     def describe(self) -> client_pb2.PipelineInfo:
         try:
             return self._stub.DescribePipeline(client_pb2.DescribePipelineRequest())
         except grpc.RpcError as err:
-            raise rpc_error(err) from None
+            raise OmniError.from_rpc_error(err) from None
 
-    def wait_ready(self, timeout: float = 30.0) -> None:
-        """Blocks until every stage of the pipeline has a live replica."""
-        health = health_pb2_grpc.HealthStub(self._channel)
+    def wait_ready(
+        self,
+        timeout: float = 30.0,
+        *,
+        replicas: Mapping[str, int] | None = None,
+        on_wait: Callable[[str], None] | None = None,
+    ) -> None:
+        """Blocks until every stage of the pipeline has a live replica (with `replicas`,
+        until each named stage has that many). `on_wait(reason)` runs before each retry
+        (the launcher checks its processes there; what it raises ends the wait)."""
         deadline = time.monotonic() + timeout
         while True:
             try:
-                reply = health.Check(
-                    health_pb2.HealthCheckRequest(service=PIPELINE_SERVICE), timeout=1.0
-                )
-                if reply.status == health_pb2.HealthCheckResponse.SERVING:
-                    return
-            except grpc.RpcError:
-                pass
+                reason = not_ready(self.describe(), replicas)
+            except OmniError as exc:
+                reason = f"waiting for the coordinator ({exc.code_name})"
+            if not reason:
+                return
+            if on_wait is not None:
+                on_wait(reason)
             if time.monotonic() > deadline:
                 raise OmniError(
-                    Code.UNAVAILABLE, f"pipeline at {self.address} not ready after {timeout}s"
+                    Code.UNAVAILABLE,
+                    f"pipeline at {self.address} not ready after {timeout}s: {reason}",
                 )
             time.sleep(0.05)
 
@@ -467,7 +465,7 @@ class AsyncClient:
         try:
             return (await self._stub.Submit(request)).request_id
         except grpc.RpcError as err:
-            raise rpc_error(err) from None
+            raise OmniError.from_rpc_error(err) from None
 
     async def wait(self, request_id: str, timeout: float | None = None) -> RequestStatus:
         try:
@@ -475,7 +473,7 @@ class AsyncClient:
                 client_pb2.RequestRef(request_id=request_id), timeout=timeout
             )
         except grpc.RpcError as err:
-            raise rpc_error(err) from None
+            raise OmniError.from_rpc_error(err) from None
         return parse_status(status, self._numpy)
 
     async def status(self, request_id: str) -> RequestStatus:
@@ -483,7 +481,7 @@ class AsyncClient:
             status = await self._stub.GetRequest(client_pb2.RequestRef(request_id=request_id))
             return parse_status(status, self._numpy)
         except grpc.RpcError as err:
-            raise rpc_error(err) from None
+            raise OmniError.from_rpc_error(err) from None
 
     async def abort(self, request_id: str, reason: str = "") -> list[str]:
         try:
@@ -491,11 +489,11 @@ class AsyncClient:
                 client_pb2.AbortRequest(request_id=request_id, reason=reason)
             )
         except grpc.RpcError as err:
-            raise rpc_error(err) from None
+            raise OmniError.from_rpc_error(err) from None
         return list(reply.acknowledged_by)
 
     async def describe(self) -> client_pb2.PipelineInfo:
         try:
             return await self._stub.DescribePipeline(client_pb2.DescribePipelineRequest())
         except grpc.RpcError as err:
-            raise rpc_error(err) from None
+            raise OmniError.from_rpc_error(err) from None

@@ -29,9 +29,7 @@ _MAX_BATCH = 64
 
 def _broken(err: BaseException | None) -> OmniError:
     if isinstance(err, grpc.RpcError):
-        from omnirail.client.sdk import rpc_error
-
-        error = rpc_error(err)
+        error = OmniError.from_rpc_error(err)
         return OmniError(Code.UNAVAILABLE, f"session to the coordinator ended: {error.message}")
     return OmniError(Code.UNAVAILABLE, "session to the coordinator ended")
 

@@ -245,29 +245,24 @@ class Mesh:
         return {name: ["--cpus", format_cpus(cpus)] for name, cpus in spread_cpus.items()}
 
     def _wait_ready(self, deadline: float) -> None:
+        """Until every replica this mesh started has registered (the client's readiness),
+        reporting progress and failing at once when a process exits."""
         from omnirail.client.sdk import Client
 
         last = ""
+
+        def on_wait(reason: str) -> None:
+            nonlocal last
+            for child in self._children:
+                self._check_alive(child)
+            if reason != last:
+                self._progress(reason)
+                last = reason
+
+        want = {s.name: s.replicas for s in self.pipeline.stages}
         with Client(self.address or "") as client:
-            while True:
-                for child in self._children:
-                    self._check_alive(child)
-                try:
-                    info = client.describe()
-                    want = {s.name: s.replicas for s in self.pipeline.stages}
-                    missing = [s.name for s in info.stages if len(s.replicas) < want[s.name]]
-                    if not missing:
-                        self._progress(f"mesh ready: {len(info.stages)} stages")
-                        return
-                    msg = f"waiting for stages: {', '.join(missing)}"
-                except OmniError:
-                    msg = "waiting for the coordinator"
-                if msg != last:
-                    self._progress(msg)
-                    last = msg
-                if time.monotonic() > deadline:
-                    raise OmniError(Code.UNAVAILABLE, f"mesh not ready in time: {msg}")
-                time.sleep(0.05)
+            client.wait_ready(deadline - time.monotonic(), replicas=want, on_wait=on_wait)
+        self._progress(f"mesh ready: {len(want)} stages")
 
     def _check_alive(self, child: _Child) -> None:
         code = child.proc.poll()

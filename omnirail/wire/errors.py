@@ -23,6 +23,8 @@ _TO_GRPC: dict[int, grpc.StatusCode] = {
     Code.FAILED_PRECONDITION: grpc.StatusCode.FAILED_PRECONDITION,
 }
 _FROM_GRPC = {v: k for k, v in _TO_GRPC.items()}
+# Trailing metadata key that names the stage an error came from on the client API.
+STAGE_METADATA_KEY = "omnirail-stage"
 
 
 class OmniError(Exception):
@@ -51,8 +53,15 @@ class OmniError(Exception):
 
     @classmethod
     def from_rpc_error(cls, err: grpc.RpcError) -> OmniError:
+        """The error a failed call carries: its status code mapped back, its details, and
+        the stage named in its trailing metadata (the one place this mapping is done)."""
         code = _FROM_GRPC.get(err.code(), Code.INTERNAL)  # type: ignore[attr-defined]
-        return cls(code, err.details() or str(err.code()))  # type: ignore[attr-defined]
+        error = cls(code, err.details() or str(err.code()))  # type: ignore[attr-defined]
+        trailing = getattr(err, "trailing_metadata", lambda: None)() or ()
+        for key, value in trailing:
+            if key == STAGE_METADATA_KEY:
+                error.stage = value
+        return error
 
     def __str__(self) -> str:
         where = f" in stage {self.stage!r}" if self.stage else ""

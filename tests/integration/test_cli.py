@@ -18,10 +18,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import pytest
-from omnirail.relay.shm_pool import sweep_segments
 
 from omnirail.client.sdk import Client
 from omnirail.ops.launcher import pid_alive, read_states, state_dir
+from omnirail.relay.shm_pool import sweep_segments
 from omnirail.tuning import cpu_latency
 
 REPO = Path(__file__).resolve().parents[2]

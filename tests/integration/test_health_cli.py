@@ -16,7 +16,7 @@ from omnirail.ops.health import HealthCheckError, check_health
 
 REPO = Path(__file__).resolve().parents[2]
 PIPELINE = "examples/quickstart/pipeline.yaml"
-PIPELINE_SERVICE = "omnirail.v1.Omnirail"
+PIPELINE_SERVICE = "omnirail.v1.Omnirail"  # as written on the wire, not imported
 
 
 def health(*args: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:

@@ -9,11 +9,11 @@ import uuid
 
 import numpy as np
 import pytest
+
 from omnirail.relay.base import RelaySettings, create_relay
 from omnirail.relay.io import receive_payload, send_payload
 from omnirail.relay.shm import sweep_segments
 from omnirail.relay.shm_pool import SHM_DIR
-
 from omnirail.v1 import common_pb2
 
 MiB = 1 << 20

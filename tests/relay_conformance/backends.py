@@ -12,7 +12,6 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from omnirail.relay.base import Relay, RelaySettings
-
 from omnirail.v1 import common_pb2
 
 Descriptor = common_pb2.RelayDescriptor

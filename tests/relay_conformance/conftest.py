@@ -8,8 +8,8 @@ from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
 from typing import Any
 
 import pytest
-from omnirail.relay.base import Relay, RelayError, RelaySettings, create_relay
 
+from omnirail.relay.base import Relay, RelayError, RelaySettings, create_relay
 from tests.relay_conformance.backends import BACKENDS, BackendSpec
 from tests.relay_conformance.harness import TIMEOUT, Peer
 

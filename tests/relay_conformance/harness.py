@@ -25,8 +25,8 @@ from typing import Any
 
 import numpy as np
 import pytest
-from omnirail.relay.base import Relay, RelayHandle, RelaySettings
 
+from omnirail.relay.base import Relay, RelayHandle, RelaySettings
 from omnirail.v1 import common_pb2
 from omnirail.wire.payload import Packed, pack
 from tests.relay_conformance import wire

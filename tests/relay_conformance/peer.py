@@ -29,7 +29,6 @@ import zlib
 from typing import Any
 
 from omnirail.relay.base import Received, Relay, RelayError, RelaySettings, create_relay
-
 from omnirail.v1 import common_pb2
 from omnirail.wire.payload import encode_inline, unpack
 from tests.relay_conformance import wire

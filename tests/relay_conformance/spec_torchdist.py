@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 from omnirail.relay.base import Relay, RelaySettings
-
 from tests.relay_conformance.backends import BackendSpec, pool_footprint
 
 

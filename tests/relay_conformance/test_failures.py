@@ -6,8 +6,8 @@ import asyncio
 import zlib
 
 import pytest
-from omnirail.relay.base import RelayError, RelaySettings, create_relay
 
+from omnirail.relay.base import RelayError, RelaySettings, create_relay
 from omnirail.wire.payload import pack
 from tests.relay_conformance.backends import (
     BACKENDS,

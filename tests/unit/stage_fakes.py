@@ -16,6 +16,8 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import pytest
+
+from omnirail.config import PipelineConfig
 from omnirail.relay.base import RelaySettings, create_relay
 from omnirail.stage_service.edges import EdgeRelays
 from omnirail.stage_service.scheduler import (
@@ -26,8 +28,6 @@ from omnirail.stage_service.scheduler import (
 )
 from omnirail.stage_service.stage import Stage
 from omnirail.stage_service.streaming import StreamingScheduler, StreamState
-
-from omnirail.config import PipelineConfig
 from omnirail.v1 import common_pb2, mesh_pb2
 from omnirail.wire.errors import OmniError
 from omnirail.wire.payload import decode_inline, encode_inline

@@ -11,9 +11,9 @@ from collections.abc import Callable, Iterator
 from typing import Any
 
 import pytest
+
 from omnirail.stage_service.ar import ARRequest, ARScheduler, ARStep
 from omnirail.stage_service.scheduler import IncomingMessage
-
 from tests.unit.scheduler_support import TIMEOUT, Collector, new
 
 

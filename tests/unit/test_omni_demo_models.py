@@ -5,11 +5,11 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
-from omnirail.stage_service.ar import ARRequest
-from omnirail.stage_service.streaming import StreamState
 
 from examples.omni_demo import encoders, preprocessing, speech, thinker
 from examples.omni_demo.text import EOS, VOCAB, detokenize_piece, tokenize
+from omnirail.stage_service.ar import ARRequest
+from omnirail.stage_service.streaming import StreamState
 
 
 def _prompt(text: str, seed: int, mm: int = 0, max_new_tokens: int = 12) -> dict:

@@ -7,9 +7,9 @@ import itertools
 
 import numpy as np
 import pytest
+
 from omnirail.relay.base import RelayError
 from omnirail.relay.copy import _MIN_PART, _PART_ALIGN, DEFAULT_COPY_THREADS, Copier, split_parts
-
 from omnirail.wire.payload import pack
 
 MiB = 1 << 20

@@ -9,6 +9,7 @@ import msgpack
 import numpy as np
 import pytest
 import torch
+
 from omnirail.relay.base import Received, RelayError, RelaySettings, create_relay
 from omnirail.relay.io import (
     ReceivedPayload,
@@ -19,7 +20,6 @@ from omnirail.relay.io import (
 )
 from omnirail.relay.shm import ShmRelay, sweep_segments
 from omnirail.relay.shm_pool import SHM_DIR
-
 from omnirail.v1 import common_pb2
 from omnirail.wire.payload import PayloadError, pack
 

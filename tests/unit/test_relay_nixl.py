@@ -16,8 +16,8 @@ from typing import Any
 import msgpack
 import numpy as np
 import pytest
-from omnirail.relay.base import Relay, RelayError, RelaySettings, create_relay
 
+from omnirail.relay.base import Relay, RelayError, RelaySettings, create_relay
 from omnirail.wire.payload import pack
 
 nixl = pytest.importorskip("omnirail.relay.nixl")

@@ -9,10 +9,10 @@ import uuid
 
 import numpy as np
 import pytest
+
 from omnirail.relay.base import RelayError, RelaySettings, create_relay, relay_backends
 from omnirail.relay.shm import ShmRelay, sweep_segments
 from omnirail.relay.shm_pool import ALIGN, MARK_SLOTS, SHM_DIR, ExtentAllocator, marks_name
-
 from omnirail.v1 import common_pb2
 from omnirail.wire.payload import pack, unpack
 

@@ -5,9 +5,9 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
+
 from omnirail.relay.base import RelayError, RelaySettings, create_relay
 from omnirail.relay.shm import ShmForward, ShmRelay
-
 from omnirail.wire.payload import pack, unpack
 from tests.unit import test_relay_shm as shm_tests
 

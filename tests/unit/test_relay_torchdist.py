@@ -13,8 +13,8 @@ from typing import Any
 
 import msgpack
 import pytest
-from omnirail.relay.base import RelayError, RelaySettings, create_relay
 
+from omnirail.relay.base import RelayError, RelaySettings, create_relay
 from omnirail.v1 import common_pb2
 
 dist = pytest.importorskip("torch.distributed")

@@ -23,7 +23,6 @@ pytest.importorskip("ucxx")
 
 from omnirail.relay.base import Relay, RelayError, RelaySettings, create_relay
 from omnirail.relay.ucx import UcxRelay
-
 from omnirail.v1 import common_pb2
 from omnirail.wire.payload import pack
 

@@ -11,13 +11,13 @@ from collections.abc import Callable, Iterator
 from typing import Any
 
 import pytest
+
 from omnirail.stage_service.scheduler import (
     IncomingMessage,
     Outbox,
     OutgoingMessage,
     SimpleScheduler,
 )
-
 from tests.unit.scheduler_support import TIMEOUT, Collector, new
 
 

@@ -17,12 +17,12 @@ from typing import Any
 
 import grpc
 import pytest
-from omnirail.relay.io import inline_payload
 
 from omnirail import Chunk, Client, OmniError
 from omnirail.client import sdk as client_module
 from omnirail.client.sdk import AsyncClient
 from omnirail.client.session import _close_open_sessions
+from omnirail.relay.io import inline_payload
 from omnirail.v1 import client_pb2, client_pb2_grpc
 from omnirail.wire.errors import Code
 from omnirail.wire.payload import pack, unpack

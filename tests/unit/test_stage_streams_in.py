@@ -10,10 +10,10 @@ from __future__ import annotations
 from typing import Any
 
 import pytest
-from omnirail.stage_service.host import build_scheduler
-from omnirail.stage_service.streaming import StreamingScheduler
 
 from omnirail.config import PipelineConfig
+from omnirail.stage_service.host import build_scheduler
+from omnirail.stage_service.streaming import StreamingScheduler
 from omnirail.wire.errors import Code, OmniError
 from tests.unit.stage_fakes import (
     HERE,

@@ -8,9 +8,9 @@ standing in for the receiver's ack. Tests poll for conditions and never sleep.
 from __future__ import annotations
 
 import pytest
-from omnirail.stage_service.scheduler import CLIENT
 
 from omnirail.config import PipelineConfig
+from omnirail.stage_service.scheduler import CLIENT
 from omnirail.wire.errors import Code
 from tests.unit.stage_fakes import (
     HERE,

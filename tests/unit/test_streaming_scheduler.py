@@ -10,9 +10,9 @@ from collections.abc import Callable, Iterator
 from typing import Any
 
 import pytest
+
 from omnirail.stage_service.scheduler import IncomingMessage
 from omnirail.stage_service.streaming import StreamingScheduler, StreamState
-
 from tests.unit.scheduler_support import TIMEOUT, Collector, new
 
 

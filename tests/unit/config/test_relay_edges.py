@@ -2,9 +2,8 @@
 
 from __future__ import annotations
 
-from omnirail.stage_service.relays import plan_relays, relay_host
-
 from omnirail.config import PipelineConfig
+from omnirail.stage_service.relays import plan_relays, relay_host
 from tests.unit.config.helpers import config_error, pipe, st
 
 TD = {"backend": "torchdist", "world_size": 2, "options": {"init_method": "tcp://10.0.0.1:29500"}}

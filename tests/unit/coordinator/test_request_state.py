@@ -2,7 +2,6 @@
 wrapper's per-attribute Python call)."""
 
 from omnirail.coordinator.requests import State
-
 from omnirail.v1 import common_pb2
 
 

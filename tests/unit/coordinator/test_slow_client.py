@@ -6,10 +6,10 @@ import asyncio
 from typing import Any
 
 from grpc_health.v1 import health
-from omnirail.coordinator.requests import RequestRecord, State
-from omnirail.coordinator.service import Coordinator
 
 from omnirail.config import PipelineConfig
+from omnirail.coordinator.requests import RequestRecord, State
+from omnirail.coordinator.service import Coordinator
 from omnirail.v1 import client_pb2
 from omnirail.wire.errors import Code
 

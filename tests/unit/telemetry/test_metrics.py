@@ -8,14 +8,14 @@ import urllib.error
 import urllib.request
 
 import pytest
-from omnirail.relay.base import RelaySettings, create_relay
-from omnirail.stage_service.edges import EdgeRelays
-from omnirail.stage_service.scheduler import SimpleScheduler
-from omnirail.stage_service.stage import Stage
 from prometheus_client import CollectorRegistry
 from prometheus_client.parser import text_string_to_metric_families
 
 from omnirail.config import ConfigError, MetricsConfig, PipelineConfig
+from omnirail.relay.base import RelaySettings, create_relay
+from omnirail.stage_service.edges import EdgeRelays
+from omnirail.stage_service.scheduler import SimpleScheduler
+from omnirail.stage_service.stage import Stage
 from omnirail.telemetry.metrics import (
     CoordinatorMetrics,
     StageMetrics,
