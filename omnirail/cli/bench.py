@@ -7,6 +7,8 @@ import json
 import shlex
 from typing import Any
 
+from omnirail.cli.args import progress, read_inputs, wake_us
+
 
 def _parse_options(items: list[str]) -> dict[str, object]:
     import yaml
@@ -21,9 +23,7 @@ def _parse_options(items: list[str]) -> dict[str, object]:
 
 
 def _wake_setting(text: str) -> int | None:
-    from omnirail.cli.commands import _wake_us
-
-    return None if text == "off" else _wake_us(text)
+    return None if text == "off" else wake_us(text)
 
 
 def cmd_bench(args: argparse.Namespace) -> int:
@@ -45,9 +45,6 @@ def cmd_bench(args: argparse.Namespace) -> int:
 
 
 def _run(args: argparse.Namespace) -> dict[str, Any]:
-    from omnirail.cli.commands import _progress as progress
-    from omnirail.cli.commands import _read_inputs as read_inputs
-
     if args.what == "relay":
         from omnirail.bench.relay_bench import run_relay_bench
 

@@ -8,42 +8,25 @@ import signal
 import subprocess
 import sys
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from contextlib import AbstractContextManager, nullcontext
 from pathlib import Path
 from typing import Any
 
+from omnirail.cli.args import progress, read_inputs, wake_us
 from omnirail.config import ConfigError, PipelineConfig, format_topology, load_pipeline
 from omnirail.tuning import aio
-from omnirail.tuning.cpu_latency import check_us, hold_or_warn
+from omnirail.tuning.cpu_latency import hold_or_warn
 from omnirail.tuning.cpus import parse_cpus, pin_process
 from omnirail.wire.errors import Code, OmniError
 
 EXIT_USAGE = 2
 
 
-def _progress(quiet: bool) -> Callable[[str], None]:
-    def show(msg: str) -> None:
-        if not quiet:
-            print(f"[omnirail] {msg}", file=sys.stderr, flush=True)
-
-    return show
-
-
 def _setup_logging(level: str) -> None:
     from omnirail.telemetry.logs import setup_logging
 
     setup_logging(level)
-
-
-def _read_inputs(args: argparse.Namespace) -> dict:
-    from omnirail.client.jsonio import parse_inputs
-
-    if args.input_file:
-        return parse_inputs(Path(args.input_file).read_text(), source=args.input_file)
-    if args.input is None:
-        raise ValueError("--input or --input-file is required")
-    return parse_inputs(args.input)
 
 
 # ---- commands ------------------------------------------------------------------
@@ -66,7 +49,7 @@ def cmd_up(args: argparse.Namespace) -> int:
         host=args.host,
         port=args.port,
         run_dir=args.run_dir,
-        progress=_progress(args.quiet),
+        progress=progress(args.quiet),
         pin=args.pin,
         cpu_wake_latency_us=args.cpu_wake_latency_us,
     )
@@ -103,7 +86,7 @@ def cmd_up(args: argparse.Namespace) -> int:
             time.sleep(0.2)
         return 0
     finally:
-        _progress(args.quiet)("stopping")
+        progress(args.quiet)("stopping")
         mesh.stop()
         if state is not None:
             state.unlink(missing_ok=True)
@@ -196,11 +179,11 @@ def cmd_run(args: argparse.Namespace) -> int:
     from omnirail.client.sdk import Client
     from omnirail.ops.launcher import Mesh
 
-    inputs = _read_inputs(args)
+    inputs = read_inputs(args)
     with Mesh(
         args.file,
         transport="tcp" if args.tcp else None,
-        progress=_progress(args.quiet),
+        progress=progress(args.quiet),
         pin=args.pin,
         cpu_wake_latency_us=args.cpu_wake_latency_us,
     ) as mesh:
@@ -213,7 +196,7 @@ def cmd_run(args: argparse.Namespace) -> int:
             else:
                 result = client.generate(inputs, timeout=args.timeout)
             elapsed = time.perf_counter() - started
-        _progress(args.quiet)(f"request {result.request_id} took {elapsed * 1000:.1f} ms")
+        progress(args.quiet)(f"request {result.request_id} took {elapsed * 1000:.1f} ms")
         print(dumps(result.outputs))
     return 0
 
@@ -222,7 +205,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
     from omnirail.client.jsonio import dumps
     from omnirail.client.sdk import Client
 
-    inputs = _read_inputs(args)
+    inputs = read_inputs(args)
     with Client(args.address, tensors="numpy") as client:
         options = {
             "request_id": args.request_id,
@@ -397,21 +380,10 @@ _WAKE_HELP = (
 )
 
 
-def _wake_us(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"not an integer of µs: {text!r}") from None
-    try:
-        return check_us(value)
-    except ValueError as exc:
-        raise argparse.ArgumentTypeError(str(exc)) from None
-
-
 def _add_wake_flag(parser: argparse.ArgumentParser, what: str) -> None:
     parser.add_argument(
         "--cpu-wake-latency-us",
-        type=_wake_us,
+        type=wake_us,
         default=None,
         metavar="US",
         help=_WAKE_HELP.format(what=what),

@@ -24,6 +24,8 @@ from pydantic import (
 )
 
 from omnirail.config import dotted
+from omnirail.config.errors import ConfigError
+from omnirail.config.graph import walk_graph
 from omnirail.tuning.cpu_latency import MAX_US
 from omnirail.tuning.cpus import parse_cpus
 
@@ -32,18 +34,6 @@ if TYPE_CHECKING:
 
 NAME_RE = re.compile(r"^[A-Za-z][A-Za-z0-9_-]{0,62}$")
 _NAME_HELP = "must start with a letter and contain only letters, digits, '_' or '-' (max 63)"
-
-
-class ConfigError(ValueError):
-    """An invalid pipeline config; `errors` holds every problem found, one per entry."""
-
-    def __init__(self, errors: str | Iterable[str], source: str | None = None) -> None:
-        self.errors: list[str] = [errors] if isinstance(errors, str) else list(errors)
-        self.source = source
-        super().__init__("\n".join(self.errors))
-
-    def __str__(self) -> str:
-        return "\n".join(self.errors)
 
 
 class _Model(BaseModel):
@@ -447,17 +437,6 @@ class PipelineConfig(_Model):
 
 def _backend_conflict(shorthand: str, explicit: str) -> str:
     return f"relay_backend {shorthand!r} conflicts with relay.backend {explicit!r}"
-
-
-def walk_graph(start: set[str], edges: Mapping[str, Iterable[str]]) -> set[str]:
-    seen = set(start)
-    todo = list(start)
-    while todo:
-        for n in edges.get(todo.pop(), ()):
-            if n not in seen:
-                seen.add(n)
-                todo.append(n)
-    return seen
 
 
 def _accepts(fn: Any, param: str) -> bool:

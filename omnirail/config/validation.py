@@ -5,10 +5,14 @@ from __future__ import annotations
 import itertools
 import re
 from collections.abc import Mapping
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from omnirail.config import dotted
-from omnirail.config.models import ConfigError, PipelineConfig, StageConfig, walk_graph
+from omnirail.config.errors import ConfigError
+from omnirail.config.graph import walk_graph
+
+if TYPE_CHECKING:
+    from omnirail.config.models import PipelineConfig, StageConfig
 
 _ENV_NAME_RE = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
 

@@ -1,0 +1,39 @@
+"""Argument helpers every `omnirail` subcommand shares (the bench commands too)."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from collections.abc import Callable
+from pathlib import Path
+
+from omnirail.tuning.cpu_latency import check_us
+
+
+def progress(quiet: bool) -> Callable[[str], None]:
+    def show(msg: str) -> None:
+        if not quiet:
+            print(f"[omnirail] {msg}", file=sys.stderr, flush=True)
+
+    return show
+
+
+def read_inputs(args: argparse.Namespace) -> dict:
+    from omnirail.client.jsonio import parse_inputs
+
+    if args.input_file:
+        return parse_inputs(Path(args.input_file).read_text(), source=args.input_file)
+    if args.input is None:
+        raise ValueError("--input or --input-file is required")
+    return parse_inputs(args.input)
+
+
+def wake_us(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not an integer of µs: {text!r}") from None
+    try:
+        return check_us(value)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
