@@ -1,5 +1,6 @@
 #!/usr/bin/env bash
-# Sets up .venv and runs everything CI runs: lint, generated-code freshness, all tests.
+# Sets up .venv and runs everything CI runs: lint, import layers, generated-code freshness,
+# all tests.
 # Each relay backend's conformance run gets its own pytest process: nixl and ucxx each
 # bring their own UCX build, and tests need not load both into one interpreter (stage
 # processes load only the backends their edges use).
@@ -9,6 +10,7 @@ cd "$(dirname "$0")/.."
 command -v ip >/dev/null || { apt-get install -y -q iproute2 >/dev/null 2>&1 || true; }
 .venv/bin/ruff check .
 .venv/bin/ruff format --check .
+.venv/bin/python scripts/lint_layers.py   # import-linter contracts: layers, no cycles
 pytest=(.venv/bin/python -m pytest -q -ra -p no:cacheprovider)
 backends=(shm nixl ucx torchdist)
 ignore=(--ignore=tests/relay_conformance)
