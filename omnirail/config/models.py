@@ -25,7 +25,7 @@ from pydantic import (
 
 from omnirail.config import dotted
 from omnirail.config.errors import ConfigError
-from omnirail.config.graph import walk_graph
+from omnirail.config.graph import join_groups, walk_graph
 from omnirail.tuning.cpu_latency import MAX_US
 from omnirail.tuning.cpus import parse_cpus
 
@@ -385,22 +385,13 @@ class PipelineConfig(_Model):
         stage's group is the prefix of its per-rank processes (`{group}_tp{rank}`).
         """
         group_of = {s.name: s.process or s.name for s in self.stages}
-        parent: dict[str, str] = {g: g for g in group_of.values()}
-        order = {g: i for i, g in reversed(list(enumerate(group_of[s.name] for s in self.stages)))}
-
-        def find(g: str) -> str:
-            while parent[g] != g:
-                parent[g] = parent[parent[g]]
-                g = parent[g]
-            return g
-
-        for fused in self.fused_stages:
-            roots = sorted({find(group_of[n]) for n in fused if n in group_of}, key=order.get)
-            for r in roots[1:]:
-                parent[r] = roots[0]
+        declared = list(dict.fromkeys(group_of.values()))
+        fused = ([group_of[n] for n in f if n in group_of] for f in self.fused_stages)
+        merged = join_groups(declared, fused)
+        name_of = {g: members[0] for members in merged for g in members}
         groups: dict[str, list[str]] = {}
         for s in self.stages:
-            groups.setdefault(find(group_of[s.name]), []).append(s.name)
+            groups.setdefault(name_of[group_of[s.name]], []).append(s.name)
         return groups
 
     def process_of(self, stage_name: str) -> str:

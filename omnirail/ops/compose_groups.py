@@ -10,6 +10,8 @@ import re
 from dataclasses import dataclass
 
 from omnirail.config import PipelineConfig
+from omnirail.config.graph import join_groups
+from omnirail.ops.plan import plan_processes
 
 # Services the deployment adds beside the stages; a stage service may not take these names.
 RESERVED_SERVICES = ("coordinator", "jaeger", "prometheus")
@@ -55,28 +57,24 @@ def dns_label(name: str) -> str:
 
 
 def plan_services(cfg: PipelineConfig) -> list[StageService]:
-    """One service per process group and replica, in the pipeline's declaration order."""
+    """One service per stage process (`plan_processes`), in the same order."""
     services: list[StageService] = []
     taken: dict[str, str] = {name: f"the {name} service" for name in RESERVED_SERVICES}
-    for group, stages in cfg.process_groups().items():
-        base = dns_label(group)
-        # Stages sharing a process have equal replicas (config validation). Each replica is
-        # its own service, as the launcher starts one process each: a stage advertises one
-        # address, which compose's `deploy.replicas` would give to every replica.
-        replicas = cfg.stage(stages[0]).replicas
-        gpus = tuple(sorted({g for s in stages for g in cfg.stage(s).gpus}))
-        for r in range(replicas) if replicas > 1 else [None]:
-            name = base if r is None else f"{base}-{r}"
-            owner = f"process {group!r}" + ("" if r is None else f" replica {r}")
-            if len(name) > 63:
-                raise ComposeError(f"service name {name!r} for {owner} is longer than 63")
-            if name in taken:
-                raise ComposeError(
-                    f"{owner} and {taken[name]} both map to compose service {name!r}; "
-                    "rename one (service names are lower case, '_' becomes '-')"
-                )
-            taken[name] = owner
-            services.append(StageService(name, group, tuple(stages), r, gpus))
+    for p in plan_processes(cfg):
+        base = dns_label(p.group)
+        # compose's `deploy.replicas` would give every replica the one address a stage
+        # advertises, so each replica is a service of its own.
+        name = base if p.replica is None else f"{base}-{p.replica}"
+        owner = f"process {p.group!r}" + ("" if p.replica is None else f" replica {p.replica}")
+        if len(name) > 63:
+            raise ComposeError(f"service name {name!r} for {owner} is longer than 63")
+        if name in taken:
+            raise ComposeError(
+                f"{owner} and {taken[name]} both map to compose service {name!r}; "
+                "rename one (service names are lower case, '_' becomes '-')"
+            )
+        taken[name] = owner
+        services.append(StageService(name, p.group, p.stages, p.replica, p.gpus))
     return services
 
 
@@ -87,30 +85,17 @@ def ipc_groups(cfg: PipelineConfig, services: list[StageService]) -> list[IpcGro
     namespace. Edges inside a process never touch a relay; other backends cross
     containers on their own.
     """
-    order = {s.name: i for i, s in enumerate(services)}
     by_group: dict[str, list[str]] = {}
     for s in services:
         by_group.setdefault(s.group, []).append(s.name)
-    parent = {s.name: s.name for s in services}
-
-    def find(n: str) -> str:
-        while parent[n] != n:
-            parent[n] = parent[parent[n]]
-            n = parent[n]
-        return n
-
-    for src, dst in shm_edges(cfg):
-        members = by_group[cfg.process_of(src)] + by_group[cfg.process_of(dst)]
-        roots = sorted({find(m) for m in members}, key=order.__getitem__)
-        for r in roots[1:]:
-            parent[r] = roots[0]
-    grouped: dict[str, list[str]] = {}
-    for s in services:
-        grouped.setdefault(find(s.name), []).append(s.name)
+    links = (
+        by_group[cfg.process_of(src)] + by_group[cfg.process_of(dst)] for src, dst in shm_edges(cfg)
+    )
+    grouped = join_groups([s.name for s in services], links)
     budgets = _shm_budgets(cfg, services)
     return [
         IpcGroup(members[0], tuple(members), _SHM_SLACK_MB + sum(budgets[m] for m in members))
-        for members in grouped.values()
+        for members in grouped
         if len(members) > 1
     ]
 

@@ -24,6 +24,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from omnirail.config import PipelineConfig, load_pipeline
+from omnirail.ops.plan import plan_processes
 from omnirail.telemetry import SPAN_DIR_ENV
 from omnirail.tuning.cpu_latency import CpuWakeLatency, check_us, try_hold
 from omnirail.tuning.cpus import available_cpus, format_cpus, spread
@@ -225,13 +226,7 @@ class Mesh:
 
     def _stage_processes(self) -> dict[str, list[str]]:
         """Every stage process the mesh starts, in start order: name -> its stages."""
-        processes: dict[str, list[str]] = {}
-        for group, stages in self.pipeline.process_groups().items():
-            # Stages sharing a process have equal `replicas` (config validation).
-            replicas = self.pipeline.stage(stages[0]).replicas
-            for r in range(replicas):
-                processes[f"stage-{group}" if replicas == 1 else f"stage-{group}-{r}"] = stages
-        return processes
+        return {f"stage-{p.name}": list(p.stages) for p in plan_processes(self.pipeline)}
 
     def _pinned(self, stage_processes: dict[str, list[str]]) -> dict[str, list[str]]:
         """`--cpus` flags for the processes `pin` spreads: the coordinator, then the stage

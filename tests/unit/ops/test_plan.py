@@ -1,0 +1,46 @@
+"""omnirail.ops.plan: the stage processes both the launcher and compose start."""
+
+from __future__ import annotations
+
+from omnirail.config import PipelineConfig
+from omnirail.ops.compose_groups import plan_services
+from omnirail.ops.plan import StageProcess, plan_processes
+
+
+def _cfg() -> PipelineConfig:
+    fn = "tests.integration.stagefns:double"
+    return PipelineConfig.from_dict(
+        {
+            "name": "p",
+            "stages": [
+                {"name": "a", "factory": fn, "next": "b", "process": "front"},
+                {"name": "b", "factory": fn, "next": "c", "process": "front"},
+                {
+                    "name": "c",
+                    "factory": fn,
+                    "next": "d",
+                    **{"replicas": 2, "gpu": [1, 0], "tp_size": 2},
+                },
+                {"name": "d", "factory": fn, "terminal": True},
+            ],
+        },
+        resolve=False,
+    )
+
+
+def test_one_process_per_group_and_replica_in_declaration_order() -> None:
+    assert plan_processes(_cfg()) == [
+        StageProcess("front", ("a", "b")),
+        StageProcess("c", ("c",), 0, (0, 1)),
+        StageProcess("c", ("c",), 1, (0, 1)),
+        StageProcess("d", ("d",)),
+    ]
+    assert [p.name for p in plan_processes(_cfg())] == ["front", "c-0", "c-1", "d"]
+
+
+def test_compose_services_are_the_planned_processes() -> None:
+    cfg = _cfg()
+    services = plan_services(cfg)
+    assert [(s.group, s.stages, s.replica) for s in services] == [
+        (p.group, p.stages, p.replica) for p in plan_processes(cfg)
+    ]
