@@ -42,7 +42,6 @@ COPY omnirail ./omnirail
 COPY coordinator ./coordinator
 COPY stage_service ./stage_service
 COPY relay ./relay
-COPY examples ./examples
 RUN --mount=type=bind,source=.,target=/ctx \
     omnirail-pip-install omnirail
 

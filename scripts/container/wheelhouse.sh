@@ -30,7 +30,7 @@ run_pip() { "${pip[@]}" "$@" 2> >(grep -v "^WARNING: Location 'file:" >&2); }
 
 [[ ${1:-} == --force ]] && rm -rf "$out"
 
-sources=(pyproject.toml README.md omnirail coordinator stage_service relay examples)
+sources=(pyproject.toml README.md omnirail coordinator stage_service relay)
 hash_files() {
   find "$@" -type f ! -path '*/__pycache__/*' ! -name '*.pyc' -print0 | sort -z |
     xargs -0 sha256sum | sha256sum | cut -c1-16

@@ -8,6 +8,7 @@ cycle.
 
 from __future__ import annotations
 
+import shutil
 import subprocess
 import sys
 import zipfile
@@ -33,9 +34,16 @@ def _run(*args: str | Path, cwd: Path = REPO, timeout: float = 300) -> subproces
 
 @pytest.fixture(scope="module")
 def wheel(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    # Built from a copy of what a clean checkout has: an in-tree build would leave build/
+    # here, and setuptools' build/ keeps files deleted from the sources.
+    src = tmp_path_factory.mktemp("src")
+    for name in ("pyproject.toml", "README.md"):
+        shutil.copy2(REPO / name, src / name)
+    for folder in SOURCE_FOLDERS:
+        shutil.copytree(REPO / folder, src / folder, ignore=shutil.ignore_patterns("__pycache__"))
     out = tmp_path_factory.mktemp("wheel")
     proc = _run(
-        sys.executable, "-m", "pip", "wheel", ".", "--no-deps", "--no-build-isolation",
+        sys.executable, "-m", "pip", "wheel", src, "--no-deps", "--no-build-isolation",
         "-q", "-w", out,
     )  # fmt: skip
     assert proc.returncode == 0, proc.stderr
