@@ -14,17 +14,21 @@ from omnirail.relay.base import RelayError
 
 
 class EdgeCredit:
-    """Credits of one edge."""
+    """Credits of one edge: what it holds, and its bounds (`Credits.limit`)."""
 
-    __slots__ = ("nbytes", "slots", "waiters")
+    __slots__ = ("max_bytes", "max_slots", "nbytes", "slots", "waiters")
 
-    def __init__(self) -> None:
+    def __init__(self, max_slots: int = 64, max_bytes: int = 1 << 30) -> None:
         self.slots = 0
         self.nbytes = 0
+        self.max_slots = max_slots
+        self.max_bytes = max_bytes
         self.waiters: deque[tuple[int, asyncio.Future[None]]] = deque()
 
 
 class Credits:
+    """Every edge's credits; `slots` and `nbytes` bound an edge that `limit` did not."""
+
     def __init__(self, slots: int, nbytes: int) -> None:
         self.max_slots = slots
         self.max_bytes = nbytes
@@ -33,13 +37,21 @@ class Credits:
     def edge(self, name: str) -> EdgeCredit:
         credit = self.edges.get(name)
         if credit is None:
-            credit = self.edges[name] = EdgeCredit()
+            credit = self.edges[name] = EdgeCredit(self.max_slots, self.max_bytes)
         return credit
+
+    def limit(self, name: str, slots: int, nbytes: int) -> None:
+        """Bounds edge `name` to `slots` transfers and `nbytes` bytes (its own config)."""
+        if slots < 1 or nbytes < 1:
+            raise ValueError(f"edge {name!r}: credits must be >= 1 (got {slots}, {nbytes})")
+        credit = self.edge(name)
+        credit.max_slots, credit.max_bytes = slots, nbytes
+        self.wake(credit)  # a raised bound may admit who waits
 
     def admits(self, edge: EdgeCredit, nbytes: int) -> bool:
         if edge.slots == 0:
             return True  # an oversize payload still goes once the edge is empty
-        return edge.slots < self.max_slots and edge.nbytes + nbytes <= self.max_bytes
+        return edge.slots < edge.max_slots and edge.nbytes + nbytes <= edge.max_bytes
 
     def try_take(self, edge: EdgeCredit, nbytes: int) -> bool:
         """Takes credit now if no one queues before us and it fits."""
