@@ -121,18 +121,20 @@ class StageObserver:
 
     def relay_put(
         self,
-        req: RequestState,
+        req: RequestState | None,
         target: str,
         backend: str,
         packed: Packed,
         put_ns: int,
         forwarded: bool = False,
     ) -> None:
-        """A result payload was put into `backend` for `target`, starting at `put_ns`
-        (`forwarded`: bytes this stage received were handed on, not copied)."""
+        """A payload was put into `backend` for `target`, starting at `put_ns`
+        (`forwarded`: bytes this stage received were handed on, not copied). `req`: the
+        request of a result, whose span records the put; None for a stream chunk (its
+        puts are counted, not traced)."""
         end_ns = time.time_ns()
         self._metrics.relay_put(backend, target, packed.nbytes, (end_ns - put_ns) / 1e9)
-        if req.span is not None:
+        if req is not None and req.span is not None:
             attrs = {
                 "omnirail.relay.backend": backend,
                 "omnirail.relay.bytes": packed.nbytes,
@@ -141,10 +143,6 @@ class StageObserver:
             if forwarded:
                 attrs["omnirail.relay.forwarded"] = True
             self._tracer.record("relay.put", req.span, put_ns, end_ns, attrs)
-
-    def chunk_put(self, target: str, backend: str, nbytes: int, seconds: float) -> None:
-        """A stream chunk was put into `backend` (`StreamSender`'s `on_put`)."""
-        self._metrics.relay_put(backend, target, nbytes, seconds)
 
     def chunk_out(self, req: RequestState) -> None:
         req.chunks_out += 1

@@ -1,8 +1,7 @@
 """What a stage keeps per request, and the plain helpers around it.
 
 `RequestState` is one request's state at a stage: its metadata, the payloads it holds,
-fan-in progress, its stream input and its tracing/metrics bookkeeping. `PendingSend` is
-a result waiting for relay credit in the stage's output backlog.
+fan-in progress, its stream input and its tracing/metrics bookkeeping.
 """
 
 from __future__ import annotations
@@ -12,12 +11,11 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from omnirail.relay.io import ReceivedPayload
-from omnirail.stage_service.scheduler import IncomingMessage, OutgoingMessage
+from omnirail.stage_service.scheduler import IncomingMessage
 from omnirail.stage_service.stream_in import InStreams
 from omnirail.telemetry.tracer import Span
 from omnirail.v1 import mesh_pb2
 from omnirail.wire.errors import Code, OmniError
-from omnirail.wire.payload import Packed
 
 AckFn = Callable[[OmniError | None], None]
 
@@ -55,22 +53,6 @@ class RequestState:
             if msg.on_taken is not None:
                 msg.on_taken()
         self.streams.early.clear()
-
-
-@dataclass(slots=True)
-class PendingSend:
-    """A result whose payloads are packed and wait for a relay put."""
-
-    request_id: str
-    request: RequestState
-    parts: list[tuple[str, Packed]]
-    # The result goes to one target only, so a relay may forward bytes it received
-    # instead of copying them (`Relay.forward_nowait`).
-    forward: bool = False
-
-
-def request_of(entry: OutgoingMessage | PendingSend) -> str:
-    return entry.request_id
 
 
 class Pending:

@@ -12,24 +12,17 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections import deque
 from collections.abc import Mapping
 from typing import Any, Protocol
 
 from omnirail.config import PipelineConfig
-from omnirail.relay.base import Relay, RelayError, RelayHandle
-from omnirail.relay.io import inline_if_small, inline_payload, receive_payload, relayed_payload
+from omnirail.relay.base import Relay, RelayError
+from omnirail.relay.io import inline_payload, receive_payload
+from omnirail.stage_service.edge_sender import EdgeSender, EdgeSenders, Outgoing, SentToken
 from omnirail.stage_service.edges import EdgeRelays
 from omnirail.stage_service.fanin import FanIn
 from omnirail.stage_service.observe import StageObserver
-from omnirail.stage_service.request_state import (
-    PENDING,
-    AckFn,
-    PendingSend,
-    RequestState,
-    as_error,
-    request_of,
-)
+from omnirail.stage_service.request_state import PENDING, AckFn, RequestState, as_error
 from omnirail.stage_service.routing import Router, Routes
 from omnirail.stage_service.scheduler import (
     CLIENT,
@@ -39,7 +32,7 @@ from omnirail.stage_service.scheduler import (
     Scheduler,
 )
 from omnirail.stage_service.stream_in import drain
-from omnirail.stage_service.stream_out import SentToken, StreamSender
+from omnirail.stage_service.stream_out import StreamSender
 from omnirail.telemetry.logs import ids
 from omnirail.telemetry.metrics import ABORTED, COMPLETED, FAILED, StageMetrics
 from omnirail.telemetry.tracer import Tracer
@@ -100,21 +93,23 @@ class Stage:
         self._hold_early = self.cfg.stream.hold_early_chunks
         # Client-bound chunks ride the Attach stream, inline: keep them under its limit.
         self._max_client_chunk = (pipeline.endpoints.max_message_mb << 20) - (64 << 10)
-        self._streams = StreamSender(
-            name,
-            self.cfg.stream,
-            edges,
-            router.deliver,
-            self._stream_failed,
-            on_put=self._observe.chunk_put,
-        )
-        scheduler.outbox.set_stream_limit(self.cfg.stream.outbox_chunks)
         self._requests: dict[str, RequestState] = {}
         self._aborted = AbortSet()
         # Requests that ended here; late stream items for them are drained, not errors.
         self._ended = AbortSet()
-        self._backlog: deque[OutgoingMessage | PendingSend] = deque()
-        self._sender: asyncio.Task[None] | None = None
+        # Every item to another stage, results and stream items, leaves through its edge's
+        # sender (inline or relayed, order per (request, edge), stream credit).
+        self._senders = EdgeSenders(
+            name,
+            edges,
+            router.deliver,
+            aborted=self._aborted,
+            on_failed=self._send_failed,
+            on_put=self._observe.relay_put,
+            stream=self.cfg.stream,
+        )
+        self._streams = StreamSender(self._senders)
+        scheduler.outbox.set_stream_limit(self.cfg.stream.outbox_chunks)
 
     # ---- lifecycle -----------------------------------------------------------
 
@@ -125,14 +120,7 @@ class Stage:
         self.scheduler.start()
 
     async def stop(self) -> None:
-        if self._sender is not None:
-            self._sender.cancel()
-            try:
-                await self._sender
-            except asyncio.CancelledError:
-                pass
-        self._backlog.clear()
-        await self._streams.close()
+        await self._senders.close()
         self.scheduler.outbox.close()
         await asyncio.to_thread(self.scheduler.stop)
         for rid in list(self._requests):
@@ -325,40 +313,27 @@ class Stage:
     #
     # Results are handled right in the loop callback that the outbox schedules, with no
     # extra task hop, when nothing they send has to wait (inline, or a relay put with free
-    # credit). A send that must wait for edge credit goes to an ordered backlog served by
-    # one task; later results queue behind it so per-edge order holds.
+    # credit). A part that must wait for relay credit goes on in a task of its edge's
+    # sender; the request ends here once every part has left. Nothing else waits for it:
+    # a result is the last thing its request sends on an edge, so order per (request,
+    # edge) holds, and other edges and requests go on.
 
     def _on_outbox(self) -> None:
         for msg in self.scheduler.outbox.drain():
             if msg.type == "stream":
                 # Stream edges keep their own order and credit; results never wait on them.
                 self._send_stream(msg)
-                continue
-            if self._backlog:
-                self._backlog.append(msg)
-                continue
-            pending = self._handle_now(msg)
-            if pending is not None:
-                self._backlog.append(pending)
-                self._sender = asyncio.get_running_loop().create_task(self._drain_backlog())
+            else:
+                self._handle(msg)
 
-    async def _drain_backlog(self) -> None:
-        while self._backlog:
-            head = self._backlog[0]
-            send = self._handle_now(head) if isinstance(head, OutgoingMessage) else head
-            if send is not None:
-                await self._send_relayed(send)
-            self._backlog.popleft()
-
-    def _handle_now(self, msg: OutgoingMessage) -> PendingSend | None:
-        """Sends what of `msg` needs no waiting; returns the rest, if any, for the backlog."""
+    def _handle(self, msg: OutgoingMessage) -> None:
         rid = msg.request_id
         req = self._requests.get(rid)
         if req is None or rid in self._aborted:
-            return None
+            return
         if msg.type == "error":
             self._fail(rid, as_error(msg.data, self.name))
-            return None
+            return
         self._observe.computed(req, msg)
         send_ns = time.time_ns()
         try:
@@ -367,27 +342,41 @@ class Stage:
                 self._reporter.complete(rid, encode_inline(msg.data), req.traceparent)
                 self._observe.sent(req, send_ns)
                 self._finish(rid)
-                return None
-            send = PendingSend(rid, req, [])
-            for target in self._routes.targets(rid, msg.data, req.meta):
-                project = self._project.get(target)
-                packed = pack(project(msg.data) if project is not None else msg.data)
-                send.parts.append((target, packed))
+                return
+            targets = self._routes.targets(rid, msg.data, req.meta)
             # One target: nothing reads the payload after it is sent (the request ends
             # here once it is), so received bytes may be forwarded rather than copied.
-            send.forward = len(send.parts) == 1
-            # Send in order what needs no waiting; the rest waits in the backlog.
-            while send.parts:
-                target, packed = send.parts[0]
-                if not self._send_part_now(req, rid, target, packed, send.forward):
-                    return send
-                send.parts.pop(0)
+            forward = len(targets) == 1
+            parts: list[tuple[EdgeSender, Outgoing]] = []
+            for target in targets:
+                project = self._project.get(target)
+                packed = pack(project(msg.data) if project is not None else msg.data)
+                out = Outgoing(rid, packed, None, req.meta, req.traceparent, None, req, forward)
+                parts.append((self._senders[target], out))
+            # Send in order what needs no waiting; the rest waits for relay credit.
+            later: list[tuple[EdgeSender, Outgoing]] | None = None
+            for sender, out in parts:
+                if not sender.send_now(out):
+                    if later is None:
+                        later = []
+                    later.append((sender, out))
         except Exception as exc:
             self._fail(rid, as_error(exc, self.name))
-            return None
-        self._observe.sent(req, send_ns)
-        self._finish(rid)
-        return None
+            return
+        if later is None:
+            self._observe.sent(req, send_ns)
+            self._finish(rid)
+            return
+        token = SentToken(rid, len(later), lambda _: self._sent_later(rid, req, send_ns))
+        for sender, out in later:
+            out.token = token
+            sender.put_later(out)
+
+    def _sent_later(self, rid: str, req: RequestState, send_ns: int) -> None:
+        """The last part of a result that waited for relay credit has left."""
+        if self._requests.get(rid) is req:
+            self._observe.sent(req, send_ns)
+            self._finish(rid)
 
     # ---- stream output -----------------------------------------------------------
 
@@ -446,71 +435,8 @@ class Stage:
             self._streams.done(rid, target, req.meta, req.traceparent)
         self._streams.close_request(rid)  # targets left out get no done
 
-    def _stream_failed(self, rid: str, exc: BaseException) -> None:
+    def _send_failed(self, rid: str, exc: BaseException) -> None:
         self._fail(rid, as_error(exc, self.name))
-
-    async def _send_relayed(self, send: PendingSend) -> None:
-        rid, req = send.request_id, send.request
-        try:
-            for target, packed in send.parts:
-                if self._send_part_now(req, rid, target, packed, send.forward):
-                    continue
-                put_ns = time.time_ns()
-                edge = self._edges[target]
-                handle = await edge.relay.put(packed, rid, edge.name)
-                if rid in self._aborted:  # aborted while waiting for relay credit
-                    handle.release()
-                    return
-                self._observe.relay_put(req, target, edge.relay.name, packed, put_ns)
-                self._deliver_relayed(req, rid, target, packed, handle)
-        except Exception as exc:
-            self._fail(rid, as_error(exc, self.name))
-            return
-        self._finish(rid)
-
-    def _send_part_now(
-        self, req: RequestState, rid: str, target: str, packed: Packed, forward: bool
-    ) -> bool:
-        """Sends one payload if that needs no waiting; False when it must wait for credit.
-        `forward`: the relay may hand on bytes it received instead of copying them."""
-        edge = self._edges[target]
-        inline = inline_if_small(packed, edge.relay, edge.inline_bytes)
-        if inline is not None:
-            self._deliver(req, rid, target, inline, None)
-            return True
-        put_ns = time.time_ns()
-        handle = edge.relay.forward_nowait(packed, rid, edge.name) if forward else None
-        forwarded = handle is not None
-        if handle is None:
-            handle = edge.relay.put_nowait(packed, rid, edge.name)
-        if handle is None:
-            return False
-        self._observe.relay_put(req, target, edge.relay.name, packed, put_ns, forwarded)
-        self._deliver_relayed(req, rid, target, packed, handle)
-        return True
-
-    def _deliver_relayed(
-        self, req: RequestState, rid: str, target: str, packed: Packed, handle: RelayHandle
-    ) -> None:
-        self._deliver(req, rid, target, relayed_payload(packed, handle), handle)
-
-    def _deliver(
-        self,
-        req: RequestState,
-        rid: str,
-        target: str,
-        payload: common_pb2.Payload,
-        handle: RelayHandle | None,
-    ) -> None:
-        item = mesh_pb2.DeliverItem(
-            request_id=rid,
-            from_stage=self.name,
-            to_stage=target,
-            payload=payload,
-            traceparent=req.traceparent,
-            meta=req.meta,
-        )
-        self._router.deliver(item, handle)
 
     # ---- endings -------------------------------------------------------------
 
@@ -546,14 +472,7 @@ class Stage:
             self._observe.aborted(req, reason)
         self._aborted.add(rid)
         self.scheduler.abort(rid)
-        self._streams.forget(rid)
-        self._drop_backlog(rid)
+        # Drops its waiting stream items and stops its relay puts on every edge.
+        self._senders.forget(rid)
+        self._streams.close_request(rid)
         self._finish(rid, outcome)
-
-    def _drop_backlog(self, rid: str) -> None:
-        if not any(request_of(m) == rid for m in self._backlog):
-            return
-        # The head may be mid-send in the drain task; it notices the abort itself.
-        head = self._backlog[0] if self._sender is not None and not self._sender.done() else None
-        kept = deque(m for m in self._backlog if m is head or request_of(m) != rid)
-        self._backlog = kept
