@@ -1,8 +1,11 @@
 """Turning values into wire payloads and back: the one place the stage layer uses.
 
-Payloads up to the inline bound (and those without tensors) travel inside the message;
-larger ones go through the relay and the message carries the descriptor. Never imports
-torch (the codec imports it lazily when it meets a torch tensor).
+Payloads up to the inline bound (and those without tensors) travel inside the message
+(`inline_if_small`); larger ones go through the relay and the message carries the
+descriptor (`relayed_payload`). The sending itself (inline, forward, put without waiting
+or awaited, then the message) is each edge's `omnirail.stage_service.edge_sender`;
+`receive_payload` reads either kind. Never imports torch (the codec imports it lazily when
+it meets a torch tensor).
 """
 
 from __future__ import annotations
@@ -14,7 +17,7 @@ from omnirail.relay.base import Received, Relay, RelayError, RelayHandle
 from omnirail.relay.inline import BACKEND as INLINE
 from omnirail.relay.inline import oversize_error
 from omnirail.v1 import common_pb2
-from omnirail.wire.payload import Packed, PayloadError, decode_inline, encode_inline, pack, unpack
+from omnirail.wire.payload import Packed, PayloadError, decode_inline, encode_inline, unpack
 
 __all__ = [
     "PayloadError",
@@ -26,7 +29,6 @@ __all__ = [
     "inline_payload",
     "receive_payload",
     "relayed_payload",
-    "send_payload",
 ]
 
 
@@ -50,22 +52,6 @@ def relayed_payload(packed: Packed, handle: RelayHandle) -> common_pb2.Payload:
     pb = common_pb2.Payload(header=packed.header)
     pb.relay.CopyFrom(handle.descriptor)  # cheaper than passing relay= to the constructor
     return pb
-
-
-async def send_payload(
-    value: Any, relay: Relay, *, request_id: str, edge: str, inline_bytes: int
-) -> tuple[common_pb2.Payload, RelayHandle | None]:
-    """Packs `value`; inline when small, else through `relay` (waiting for edge credit).
-
-    The caller sends the Payload, then releases the handle when the receiver acks (or
-    `relay.cleanup(request_id)` on abort).
-    """
-    packed = pack(value)
-    inline = inline_if_small(packed, relay, inline_bytes)
-    if inline is not None:
-        return inline, None
-    handle = await relay.put(packed, request_id, edge)
-    return relayed_payload(packed, handle), handle
 
 
 class ReceivedPayload:

@@ -11,13 +11,21 @@ import numpy as np
 import pytest
 
 from omnirail.relay.base import RelaySettings, create_relay
-from omnirail.relay.io import receive_payload, send_payload
+from omnirail.relay.io import receive_payload, relayed_payload
 from omnirail.relay.shm import sweep_segments
 from omnirail.relay.shm_pool import SHM_DIR
 from omnirail.v1 import common_pb2
+from omnirail.wire.payload import pack
 
 MiB = 1 << 20
 TIMEOUT = 120  # generous: the machine running the tests may be busy
+
+
+async def relayed(value, relay, request_id: str):
+    """`value` put into `relay` on edge "e": its Payload (with the descriptor), the handle."""
+    packed = pack(value)
+    handle = await relay.put(packed, request_id, "e")
+    return relayed_payload(packed, handle), handle
 
 
 def pattern(n: int, seed: int) -> np.ndarray:
@@ -67,9 +75,7 @@ def crashing_sender(prefix: str) -> None:
 
     async def run() -> None:
         relay = create_relay("shm", RelaySettings(name_prefix=prefix, pool_bytes=MiB))
-        await send_payload(
-            np.ones(2 * MiB, np.uint8), relay, request_id="r", edge="e", inline_bytes=0
-        )
+        await relayed(np.ones(2 * MiB, np.uint8), relay, "r")
 
     asyncio.run(run())
     os._exit(0)  # skips atexit, like SIGKILL
@@ -126,7 +132,7 @@ async def test_stream_through_shm_to_another_process(prefix, child):
     reader = asyncio.create_task(read_acks())
     for i, n in enumerate(sizes):
         value = {"x": pattern(n, i), "seed": i}
-        pb, handle = await send_payload(value, relay, request_id=f"r{i}", edge="e", inline_bytes=0)
+        pb, handle = await relayed(value, relay, f"r{i}")
         assert handle is not None
         handles[handle.descriptor.transfer_id] = handle
         child.send(("ack", pb.SerializeToString()))
@@ -143,7 +149,7 @@ async def test_abort_cleanup_and_close_while_receiver_holds_views(prefix, child)
     relay = create_relay("shm", RelaySettings(name_prefix=prefix, pool_bytes=MiB))
     for i in range(4):
         value = {"x": pattern(200_000, i), "seed": i}
-        pb, _ = await send_payload(value, relay, request_id="doomed", edge="e", inline_bytes=0)
+        pb, _ = await relayed(value, relay, "doomed")
         child.send(("hold", pb.SerializeToString()))
     for _ in range(4):
         assert (await recv(child))[2] is True

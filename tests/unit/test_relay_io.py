@@ -1,4 +1,8 @@
-"""omnirail.relay.io: the inline/relay decision and decoding with release on every path."""
+"""omnirail.relay.io: the inline/relay decision and decoding with release on every path.
+
+Sending (the decision, then a put and the message) is the edge sender's and tested with
+it (tests/unit/stage_service/test_edge_sender.py); here a relayed payload is made by hand.
+"""
 
 from __future__ import annotations
 
@@ -15,8 +19,9 @@ from omnirail.relay.io import (
     ReceivedPayload,
     decode_inline,
     encode_inline,
+    inline_if_small,
     receive_payload,
-    send_payload,
+    relayed_payload,
 )
 from omnirail.relay.shm import ShmRelay, sweep_segments
 from omnirail.relay.shm_pool import SHM_DIR
@@ -24,6 +29,13 @@ from omnirail.v1 import common_pb2
 from omnirail.wire.payload import PayloadError, pack
 
 INLINE = 64 << 10
+
+
+async def relayed(value, relay, *, edge: str = "e"):
+    """`value` put into `relay`: its Payload (with the descriptor) and the handle."""
+    packed = pack(value)
+    handle = await relay.put(packed, "r", edge)
+    return relayed_payload(packed, handle), handle
 
 
 @pytest.fixture
@@ -39,8 +51,8 @@ def shm():
 
 async def test_small_payload_travels_inline(shm):
     value = {"ids": [1, 2, 3], "x": torch.arange(10)}
-    pb, handle = await send_payload(value, shm, request_id="r", edge="a->b", inline_bytes=INLINE)
-    assert handle is None and pb.WhichOneof("body") == "inline_data"
+    pb = inline_if_small(pack(value), shm, INLINE)
+    assert pb is not None and pb.WhichOneof("body") == "inline_data"
     assert shm.outstanding("a->b") == (0, 0)
     wire = common_pb2.Payload.FromString(pb.SerializeToString())
     received = await receive_payload(wire, {"shm": shm})
@@ -51,8 +63,9 @@ async def test_small_payload_travels_inline(shm):
 
 async def test_large_payload_goes_through_shm(shm):
     value = {"x": torch.arange(100_000, dtype=torch.float32), "meta": ("a", 1)}
-    pb, handle = await send_payload(value, shm, request_id="r", edge="a->b", inline_bytes=INLINE)
-    assert handle is not None and pb.WhichOneof("body") == "relay"
+    assert inline_if_small(pack(value), shm, INLINE) is None
+    pb, handle = await relayed(value, shm, edge="a->b")
+    assert pb.WhichOneof("body") == "relay"
     assert pb.relay == handle.descriptor and not pb.inline_data
     wire = common_pb2.Payload.FromString(pb.SerializeToString())
     received = await receive_payload(wire, {"shm": shm})
@@ -66,12 +79,12 @@ async def test_large_payload_goes_through_shm(shm):
 
 async def test_copy_true_outlives_release(shm):
     value = np.arange(50_000, dtype=np.int64)
-    pb, handle = await send_payload(value, shm, request_id="r", edge="e", inline_bytes=0)
+    pb, handle = await relayed(value, shm)
     received = await receive_payload(pb, {"shm": shm}, copy=True)
     handle.release()
     received.release()
     # The extent may be reused now; the copy is unaffected.
-    pb2, handle2 = await send_payload(value * 0, shm, request_id="r", edge="e", inline_bytes=0)
+    pb2, handle2 = await relayed(value * 0, shm)
     assert pb2.relay.offset == pb.relay.offset
     assert received.value.flags.writeable and received.value[-1] == 49_999
     handle2.release()
@@ -79,23 +92,21 @@ async def test_copy_true_outlives_release(shm):
 
 async def test_payload_without_tensors_is_always_inline(shm):
     value = {"text": "x" * 200_000}
-    pb, handle = await send_payload(value, shm, request_id="r", edge="e", inline_bytes=0)
-    assert handle is None and pb.WhichOneof("body") == "inline_data"
+    pb = inline_if_small(pack(value), shm, 0)
+    assert pb is not None and pb.WhichOneof("body") == "inline_data"
     assert (await receive_payload(pb, {})).value == value
 
 
 async def test_inline_backend_refuses_large_payloads():
     relay = create_relay("inline")
-    small, handle = await send_payload(
-        np.ones(10), relay, request_id="r", edge="e", inline_bytes=1024
-    )
-    assert handle is None
+    small = inline_if_small(pack(np.ones(10)), relay, 1024)
+    assert small is not None
     with pytest.raises(
         RelayError,
         match=r"payload of 8000 bytes exceeds the inline bound 1024; "
         r"configure a relay backend such as shm",
     ):
-        await send_payload(np.ones(1000), relay, request_id="r", edge="e", inline_bytes=1024)
+        inline_if_small(pack(np.ones(1000)), relay, 1024)
     with pytest.raises(RelayError):
         await relay.put(pack(np.ones(10)), "r", "e")
     with pytest.raises(RelayError):
@@ -138,7 +149,7 @@ class CountingRelay(ShmRelay):
 async def test_errors_release_the_view(shm):
     counting = CountingRelay(shm)
     relays = {"shm": counting}
-    pb, handle = await send_payload(np.ones(1000), shm, request_id="r", edge="e", inline_bytes=0)
+    pb, handle = await relayed(np.ones(1000), shm)
 
     bad_header = common_pb2.Payload(header=b"\xc1garbage", relay=pb.relay)
     with pytest.raises(PayloadError):
