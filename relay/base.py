@@ -5,15 +5,21 @@ A relay moves one packed tensor buffer per payload between processes. The sender
 in a control message, and releases the handle when the receiver acks. The receiver
 `get`s a read-only view and releases it when done. All methods are called from the
 owning process's event loop thread.
+
+Backends are listed in `omnirail.relay.registry` (name, options model, module), imported
+only when a relay of theirs is made; each reads its typed options (`omnirail.relay.options`).
 """
 
 from __future__ import annotations
 
 import abc
-from collections.abc import Callable
+import dataclasses
+from collections.abc import Mapping
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, TypeVar
 
+from omnirail.relay import registry
+from omnirail.relay.options import OptionsError, RelayOptions, parse_options
 from omnirail.v1 import common_pb2
 from omnirail.wire.payload import Packed
 
@@ -22,9 +28,12 @@ class RelayError(RuntimeError):
     """A transfer cannot be done: bad descriptor, peer gone, closed relay."""
 
 
+OptionsT = TypeVar("OptionsT", bound=RelayOptions)
+
+
 @dataclass(frozen=True)
 class RelaySettings:
-    """Backend knobs (built from `RelayConfig`)."""
+    """What one relay object is opened with (built from `RelayConfig.to_settings`)."""
 
     # Bytes of the first pool segment; more segments are added when a payload does not fit.
     pool_bytes: int = 256 << 20
@@ -34,7 +43,34 @@ class RelaySettings:
     credit_bytes: int = 1 << 30
     # Prefix of every OS-visible name (shm segments) so a launcher can sweep leftovers.
     name_prefix: str = "omnirail"
-    options: dict[str, Any] = field(default_factory=dict)
+    # Device of the stage's tensors ("cpu", "cuda:0").
+    device: str = "cpu"
+    # torchdist: this process's rank and the group's size.
+    rank: int | None = None
+    world_size: int | None = None
+    # The backend's typed options; a mapping is parsed by `create_relay` (or `options_as`).
+    options: RelayOptions | Mapping[str, Any] = field(default_factory=dict)
+
+    def options_as(self, backend: str, model: type[OptionsT]) -> OptionsT:
+        """The options as `model` (parsed when given as a mapping); RelayError when the
+        backend refuses them."""
+        if isinstance(self.options, model):
+            return self.options
+        try:
+            return parse_options(backend, model, self.options)  # type: ignore[return-value]
+        except OptionsError as e:
+            raise RelayError(str(e)) from None
+
+    def options_dict(self) -> dict[str, Any]:
+        """The options as set (plain values, no defaults filled in)."""
+        if isinstance(self.options, RelayOptions):
+            return self.options.model_dump(mode="json", exclude_unset=True)
+        return dict(self.options)
+
+    def as_dict(self) -> dict[str, Any]:
+        """JSON-able fields (`RelaySettings(**as_dict())` makes these settings again)."""
+        fields = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
+        return {**fields, "options": self.options_dict()}
 
 
 class RelayHandle(abc.ABC):
@@ -117,55 +153,18 @@ class Relay(abc.ABC):
         return None
 
 
-RelayFactory = Callable[[RelaySettings], Relay]
-_REGISTRY: dict[str, RelayFactory] = {}
-
-
-def register_relay(name: str, factory: RelayFactory) -> None:
-    _REGISTRY[name] = factory
-
-
 def relay_backends() -> list[str]:
-    _load_builtin()
-    return sorted(_REGISTRY)
+    return sorted(registry.BACKENDS)
 
 
 def create_relay(name: str, settings: RelaySettings | None = None) -> Relay:
-    _load_builtin()
-    try:
-        factory = _REGISTRY[name]
-    except KeyError:
-        raise RelayError(
-            f"unknown relay backend {name!r}; known: {', '.join(sorted(_REGISTRY))}"
-        ) from None
-    return factory(settings or RelaySettings())
-
-
-def _load_builtin() -> None:
-    # Importing registers them; kept lazy so `omnirail.relay.base` stays cheap to import.
-    from omnirail.relay import inline, shm  # noqa: F401
-
-    # Optional backends register lazily: importing them must not need their libraries.
-    for name, module in _OPTIONAL.items():
-        if name not in _REGISTRY:
-            _REGISTRY[name] = _lazy(module)
-
-
-_OPTIONAL = {
-    "nixl": "omnirail.relay.nixl",
-    "ucx": "omnirail.relay.ucx",
-    "torchdist": "omnirail.relay.torchdist",
-}
-
-
-def _lazy(module: str) -> RelayFactory:
-    def factory(settings: RelaySettings) -> Relay:
-        import importlib
-
-        importlib.import_module(module)  # registers the real factory, replacing this one
-        real = _REGISTRY[next(k for k, v in _OPTIONAL.items() if v == module)]
-        if real is factory:
-            raise RelayError(f"{module} did not register its relay backend")
-        return real(settings)
-
-    return factory
+    """A relay of backend `name`; its module is imported now, its options parsed first
+    (RelayError names every option it refuses)."""
+    entry = registry.backend(name)
+    if entry is None:
+        raise RelayError(f"unknown relay backend {name!r}; known: {', '.join(relay_backends())}")
+    settings = settings or RelaySettings()
+    options = settings.options_as(name, entry.options)
+    if options is not settings.options:
+        settings = dataclasses.replace(settings, options=options)
+    return entry.load()(settings)

@@ -1,11 +1,12 @@
 """Copy-in of packed payloads into relay memory for the sending relays (shm and the pulled ones).
 
 Small payloads are copied inline by the caller: a thread hand-off costs more than the copy.
-Payloads of at least `copy_thread_bytes` (default 8 MiB) are copied in a worker thread so the
-event loop keeps serving other streams, and split across up to `copy_threads` threads
-(default 2): one thread's memcpy does not saturate memory bandwidth (on a 2-vCPU VM, a 64 MiB
-copy runs at about 10 GB/s on one thread and 12-13 GB/s on two). Parts are at least
-`_MIN_PART` bytes, so the extra hand-off never costs more than a small share of a part.
+Payloads of at least `copy_thread_bytes` (default 8 MiB; see `CopyOptions`) are copied in a
+worker thread so the event loop keeps serving other streams, and split across up to
+`copy_threads` threads (default 2): one thread's memcpy does not saturate memory bandwidth
+(on a 2-vCPU VM, a 64 MiB copy runs at about 10 GB/s on one thread and 12-13 GB/s on two).
+Parts are at least `_MIN_PART` bytes, so the extra hand-off never costs more than a small
+share of a part.
 """
 
 from __future__ import annotations
@@ -13,29 +14,17 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import itertools
-from collections.abc import Callable, Mapping
-from typing import Any
+from collections.abc import Callable
 
 import numpy as np
 
-from omnirail.relay.base import RelayError
+from omnirail.relay.options import DEFAULT_COPY_THREAD_BYTES, DEFAULT_COPY_THREADS, CopyOptions
 from omnirail.wire.payload import Packed
 
-DEFAULT_COPY_THREAD_BYTES = 8 << 20
-DEFAULT_COPY_THREADS = 2
+__all__ = ["DEFAULT_COPY_THREADS", "DEFAULT_COPY_THREAD_BYTES", "Copier", "split_parts"]
+
 _MIN_PART = 4 << 20
 _PART_ALIGN = 4096  # parts start on page boundaries: no two threads write one cache line
-
-
-def option_problems(options: Mapping[str, Any]) -> list[str]:
-    """What is wrong with the copy options in `options` (config validation and `Copier`)."""
-    problems = []
-    for key, minimum in (("copy_thread_bytes", 0), ("copy_threads", 1)):
-        if key in options:
-            value = options[key]
-            if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
-                problems.append(f"{key} must be an integer >= {minimum}, got {value!r}")
-    return problems
 
 
 def split_parts(nbytes: int, threads: int) -> list[tuple[int, int]]:
@@ -52,12 +41,9 @@ def split_parts(nbytes: int, threads: int) -> list[tuple[int, int]]:
 class Copier:
     """Copies `Packed` payloads into relay memory, off the loop and in parts when large."""
 
-    def __init__(self, options: Mapping[str, Any]) -> None:
-        problems = option_problems(options)
-        if problems:
-            raise RelayError(f"relay option {'; '.join(problems)}")
-        self.thread_bytes: int = options.get("copy_thread_bytes", DEFAULT_COPY_THREAD_BYTES)
-        self.threads: int = options.get("copy_threads", DEFAULT_COPY_THREADS)
+    def __init__(self, options: CopyOptions) -> None:
+        self.thread_bytes: int = options.copy_thread_bytes
+        self.threads: int = options.copy_threads
         # Helpers only ever run one part each and never wait, so a copy that waits for
         # them cannot deadlock, however many copies run at once.
         self._helpers = (

@@ -1,7 +1,8 @@
 """`inline` relay: payload bytes ride inside the control message, up to the inline bound.
 
-`send_payload` never calls `put` for payloads within the bound, so with this backend
-configured a larger payload is an error rather than a silent MiB-sized protobuf.
+A sender never calls `put` for payloads within the bound (`relay.io.inline_if_small`), so
+with this backend configured a larger payload is an error rather than a silent MiB-sized
+protobuf.
 """
 
 from __future__ import annotations
@@ -12,8 +13,8 @@ from omnirail.relay.base import (
     RelayError,
     RelayHandle,
     RelaySettings,
-    register_relay,
 )
+from omnirail.relay.options import InlineOptions
 from omnirail.v1 import common_pb2
 from omnirail.wire.payload import Packed
 
@@ -32,6 +33,7 @@ class InlineRelay(Relay):
 
     def __init__(self, settings: RelaySettings | None = None) -> None:
         self.settings = settings or RelaySettings()
+        self.options = self.settings.options_as(BACKEND, InlineOptions)
 
     async def put(self, packed: Packed, request_id: str, edge: str) -> RelayHandle:
         raise RelayError(
@@ -49,6 +51,3 @@ class InlineRelay(Relay):
 
     def close(self) -> None:
         pass
-
-
-register_relay(BACKEND, InlineRelay)

@@ -15,11 +15,12 @@ Receiver: `get` checks the extent against the bounds the sender itself answered,
 into its own registered receive pool (chunked, so one large fetch does not stall the loop
 for long; transfer handles cached per extent pair) and notifies the sender on release.
 
-Options (`RelaySettings.options`): `ucx_error_handling_mode` ("none" default, "peer" for
-multi-host), `progress_thread` (False), `num_threads` (0), `fetch_timeout_s` (30),
-`chunk_bytes` (8 MiB), `spin_us` (30: busy polling before yielding), `handle_cache` (128
-per peer), plus the PullRelay ones (`peer_wait_s`, `copy_thread_bytes`). GPU memory is
-not moved yet: pools are host memory, as `omnirail.wire.payload.pack` refuses CUDA tensors.
+Options (`omnirail.relay.options.NixlOptions`, defaults there): `ucx_error_handling_mode`
+("none", "peer" for multi-host), `progress_thread`, `num_threads`, `fetch_timeout_s`,
+`chunk_bytes` (at least 64 KiB are read at a time), `spin_us` (busy polling before
+yielding), `handle_cache` (per peer), plus those of every pulled backend (`PulledOptions`).
+GPU memory is not moved yet: pools are host memory, as `omnirail.wire.payload.pack` refuses
+CUDA tensors.
 """
 
 from __future__ import annotations
@@ -33,8 +34,9 @@ from collections import OrderedDict
 from collections.abc import Callable
 from typing import Any
 
-from omnirail.relay.base import RelayError, RelaySettings, register_relay
+from omnirail.relay.base import RelayError, RelaySettings
 from omnirail.relay.host_pool import HostExtent, HostSegment
+from omnirail.relay.options import NixlOptions
 from omnirail.relay.pull import OFFSET_BITS, OFFSET_MASK, PulledHandle, PulledReceived, PullRelay
 from omnirail.v1 import common_pb2
 from omnirail.wire.payload import Packed
@@ -58,6 +60,7 @@ BACKEND = "nixl"
 # (a sleep rounds up to the selector's 1 ms anyway).
 _YIELD_S = 200e-6
 _POLL_MIN_S = 50e-6
+_MIN_CHUNK = 64 << 10  # smaller `chunk_bytes` read this much at a time
 _POLL_MAX_S = 2e-3
 # Notification messages: release (kind, tid, offset), ask / no such segment (kind, index),
 # segment (kind, index, base, size) followed by the segment's partial metadata.
@@ -101,14 +104,16 @@ class NixlReceived(PulledReceived):
 
 class NixlRelay(PullRelay):
     name = BACKEND
+    options_model = NixlOptions
+    options: NixlOptions
 
     def __init__(self, settings: RelaySettings | None = None) -> None:
         super().__init__(settings)
-        opts = self.settings.options
-        self._fetch_timeout = float(opts.get("fetch_timeout_s", 30.0))
-        self._chunk = max(int(opts.get("chunk_bytes", 8 << 20)), 64 << 10)
-        self._spin_s = float(opts.get("spin_us", 30.0)) * 1e-6
-        self._cache_size = max(int(opts.get("handle_cache", 128)), 0)
+        opts = self.options
+        self._fetch_timeout = opts.fetch_timeout_s
+        self._chunk = max(opts.chunk_bytes, _MIN_CHUNK)
+        self._spin_s = opts.spin_us * 1e-6
+        self._cache_size = opts.handle_cache
         self._regs: list[Any] = []  # registered descriptor lists, deregistered on close
         self._segments: dict[int, tuple[int, int, bytes]] = {}  # sender: base, size, meta
         self._stuck: list[Any] = []  # transfer handles NIXL would not release yet
@@ -117,15 +122,13 @@ class NixlRelay(PullRelay):
         empty = nixl_api.nixlBind.nixlRegDList(nixl_api.nixlBind.DRAM_SEG)
         self._meta: bytes = self._agent.get_partial_agent_metadata(empty, True)
 
-    def _make_agent(self, opts: dict[str, Any]) -> Any:
+    def _make_agent(self, opts: NixlOptions) -> Any:
         # "peer": UCX detects dead peers (multi-host); "none" lets same-host transports
         # run without the wireup handshake that needs the other side's progress.
-        mode = str(opts.get("ucx_error_handling_mode", "none"))
-        if mode not in ("none", "peer"):
-            raise RelayError(f"nixl relay: ucx_error_handling_mode {mode!r} is not none|peer")
-        threads = int(opts.get("num_threads", 0))
+        mode = opts.ucx_error_handling_mode
+        threads = opts.num_threads
         config = nixl_api.nixl_agent_config(
-            enable_prog_thread=bool(opts.get("progress_thread", False)),
+            enable_prog_thread=opts.progress_thread,
             enable_listen_thread=False,  # metadata travels in peer infos, not sockets
             num_threads=threads,
             backends=[],  # made below, with our init parameters
@@ -436,6 +439,3 @@ class NixlRelay(PullRelay):
             handle.release()
         except Exception:
             self._stuck.append(handle)
-
-
-register_relay(BACKEND, NixlRelay)

@@ -32,6 +32,7 @@ from omnirail.relay.base import Received, Relay, RelayError, RelayHandle, RelayS
 from omnirail.relay.copy import Copier
 from omnirail.relay.credits import Credits, EdgeCredit
 from omnirail.relay.host_pool import HostExtent, HostPool, HostSegment
+from omnirail.relay.options import PulledOptions
 from omnirail.v1 import common_pb2
 from omnirail.wire.payload import Packed
 
@@ -40,7 +41,6 @@ OFFSET_BITS = 40
 OFFSET_MASK = (1 << OFFSET_BITS) - 1
 MAX_SEGMENTS = 1 << 16
 PEER_ID_RE = re.compile(r"^[A-Za-z0-9_.-]{1,200}$")
-DEFAULT_PEER_WAIT_S = 5.0
 _POLL_MIN_S = 50e-6
 _POLL_MAX_S = 2e-3
 _EMPTY = memoryview(b"")
@@ -109,10 +109,12 @@ class PulledReceived(Received):
 class PullRelay(Relay):
     name = ""
     acks_in_band = False
+    # The backend's options model (a subclass's own); `self.options` is one of it.
+    options_model: type[PulledOptions] = PulledOptions
 
     def __init__(self, settings: RelaySettings | None = None) -> None:
         self.settings = settings or RelaySettings()
-        opts = self.settings.options
+        self.options = self.settings.options_as(self.name, self.options_model)
         self.peer_id = make_peer_id(self.settings.name_prefix)
         self._credits = Credits(self.settings.credit_slots, self.settings.credit_bytes)
         self._pool: HostPool | None = None  # sender pool, made on the first put
@@ -126,8 +128,8 @@ class PullRelay(Relay):
         self._peer_infos: dict[str, bytes] = {}
         self._peers_changed: asyncio.Event | None = None
         self._poller: asyncio.Task[None] | None = None
-        self._copier = Copier(opts)
-        self._peer_wait_s = float(opts.get("peer_wait_s", DEFAULT_PEER_WAIT_S))
+        self._copier = Copier(self.options)
+        self._peer_wait_s = self.options.peer_wait_s
         self.closed = False
 
     # ---------------------------------------------------------------- backend hooks

@@ -14,11 +14,11 @@ on instead of copying it (`forward_nowait`). The descriptor then names the origi
 sender's segment and transfer, and the final receiver's release mark returns the bytes to
 that sender; the forwarding stage's own release of its view no longer marks anything.
 
-`RelaySettings.options`: `copy_thread_bytes` (default 8 MiB): payloads at least this large
-are copied in a worker thread so the event loop keeps serving other streams meanwhile, split
-across `copy_threads` threads (default 2; see `omnirail.relay.copy`). `forward_views`
-(default true): false makes every put copy (e.g. when a downstream stage cannot see an
-upstream stage's /dev/shm).
+Options (`omnirail.relay.options.ShmOptions`): `copy_thread_bytes` (default 8 MiB): payloads
+at least this large are copied in a worker thread so the event loop keeps serving other
+streams meanwhile, split across `copy_threads` threads (default 2; see `omnirail.relay.copy`).
+`forward_views` (default true): false makes every put copy (e.g. when a downstream stage
+cannot see an upstream stage's /dev/shm).
 """
 
 from __future__ import annotations
@@ -29,9 +29,7 @@ import mmap
 import os
 import stat
 from collections import deque
-from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Any
 
 import numpy as np
 
@@ -41,10 +39,10 @@ from omnirail.relay.base import (
     RelayError,
     RelayHandle,
     RelaySettings,
-    register_relay,
 )
 from omnirail.relay.copy import Copier
 from omnirail.relay.credits import Credits, EdgeCredit
+from omnirail.relay.options import ShmOptions
 from omnirail.relay.shm_pool import (
     ALIGN,
     MARK_SLOTS,
@@ -68,14 +66,6 @@ assert MARK_SLOTS == 1 << _SLOT_BITS
 # Credit waiters poll the marks with a backoff between these bounds (seconds).
 _POLL_MIN_S = 50e-6
 _POLL_MAX_S = 2e-3
-
-
-def option_problems(options: Mapping[str, Any]) -> list[str]:
-    """What is wrong with the shm-only options (config validation and `ShmRelay`)."""
-    forward = options.get("forward_views", True)
-    if not isinstance(forward, bool):
-        return [f"forward_views must be true or false, got {forward!r}"]
-    return []
 
 
 class ShmHandle(RelayHandle):
@@ -243,6 +233,7 @@ class ShmRelay(Relay):
 
     def __init__(self, settings: RelaySettings | None = None) -> None:
         self.settings = settings or RelaySettings()
+        self.options = self.settings.options_as(BACKEND, ShmOptions)
         self._pool: ShmPool | None = None  # created on the first put: receivers need none
         self._credits = Credits(self.settings.credit_slots, self.settings.credit_bytes)
         self._ids = itertools.count(1)
@@ -251,13 +242,9 @@ class ShmRelay(Relay):
         self._marks: memoryview | None = None
         self._poller: asyncio.Task[None] | None = None
         self._maps: dict[str, _Mapping] = {}
-        problems = option_problems(self.settings.options)
-        if problems:
-            raise RelayError(f"relay option {'; '.join(problems)}")
-        self._copier = Copier(self.settings.options)
+        self._copier = Copier(self.options)
         # Views handed out by `get` and not yet released, when forwarding is on.
-        forward = self.settings.options.get("forward_views", True)
-        self._held: set[ShmReceived] | None = set() if forward else None
+        self._held: set[ShmReceived] | None = set() if self.options.forward_views else None
         self._forwards: set[ShmForward] = set()  # forwarded views this stage answers for
         self.closed = False
 
@@ -573,6 +560,3 @@ class ShmRelay(Relay):
             self._pool.close()
         for name in list(self._maps):
             self._drop(name)
-
-
-register_relay(BACKEND, ShmRelay)

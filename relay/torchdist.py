@@ -1,9 +1,10 @@
 """`torchdist` relay: receiver-pulled transfers over a private torch.distributed gloo group.
 
-Options: `rank`, `world_size` (from `RelayConfig`), `init_method` ("tcp://host:port"; rank 0
-hosts the TCPStore, port 0 picks a free one that `relay.init_method` names), `timeout_s`
-(rendezvous, default 120), `fetch_timeout_s` (bound of every transfer wait, default 30),
-`host`/`gloo_host` (the address gloo binds). The group is private (TCPStore plus
+Settings: `rank`, `world_size` (`RelaySettings` fields, from `RelayConfig`). Options
+(`omnirail.relay.options.TorchdistOptions`, defaults there): `init_method`
+("tcp://host:port"; rank 0 hosts the TCPStore, port 0 picks a free one that
+`relay.init_method` names), `timeout_s` (rendezvous), `fetch_timeout_s` (bound of every
+transfer wait), `host`/`gloo_host` (the address gloo binds). The group is private (TCPStore plus
 ProcessGroupGloo, never the default group), so a process may hold several relays. It
 rendezvouses in a thread from construction; `connect` and transfers await it.
 
@@ -37,15 +38,14 @@ from urllib.parse import urlsplit
 import torch
 import torch.distributed as dist
 
-from omnirail.relay.base import Received, Relay, RelayError, RelaySettings, register_relay
+from omnirail.relay.base import Received, Relay, RelayError, RelaySettings
 from omnirail.relay.host_pool import HostExtent
+from omnirail.relay.options import TorchdistOptions
 from omnirail.relay.pull import PulledHandle, PulledReceived, PullRelay
 from omnirail.v1 import common_pb2
 from omnirail.wire.payload import Packed
 
 BACKEND = "torchdist"
-DEFAULT_TIMEOUT_S = 120.0
-DEFAULT_FETCH_TIMEOUT_S = 30.0
 # gloo tags are 32-bit; Python passes a C int. A receive on WAKE_TAG that times out on
 # purpose makes gloo close every pair of the group, which wakes every wait (see `_break`).
 WAKE_TAG, MESSAGE_TAG, FIRST_REPLY_TAG, MAX_TAG = 0, 1, 2, (1 << 31) - 1
@@ -67,27 +67,37 @@ def _daemon(target: Callable[..., None], name: str, *args: Any) -> threading.Thr
     return thread
 
 
-def _parse(opts: dict[str, Any]) -> tuple[int, int, str, int]:
-    """(rank, world_size, host, port) from options; RelayError names what is wrong."""
-    try:
-        rank, world = int(opts["rank"]), int(opts["world_size"])
-        url = urlsplit(str(opts["init_method"]))
-        if not 0 <= rank < world or url.scheme != "tcp" or not url.hostname or url.port is None:
-            raise ValueError("want 0 <= rank < world_size, init_method 'tcp://host:port'")
-    except (KeyError, TypeError, ValueError) as e:
-        given = {k: opts.get(k) for k in ("rank", "world_size", "init_method")}
-        raise RelayError(f"torchdist relay: bad options {given}: {e}") from None
+def _parse(settings: RelaySettings, opts: TorchdistOptions) -> tuple[int, int, str, int]:
+    """(rank, world_size, host, port); RelayError names what is wrong."""
+    rank, world, init = settings.rank, settings.world_size, opts.init_method
+    url = urlsplit(init or "")
+    if (
+        not isinstance(rank, int)
+        or not isinstance(world, int)
+        or not 0 <= rank < world
+        or url.hostname is None
+        or url.port is None
+    ):
+        given = {"rank": rank, "world_size": world, "init_method": init}
+        raise RelayError(
+            f"torchdist relay: bad settings {given}: want 0 <= rank < world_size, "
+            "init_method 'tcp://host:port'"
+        )
     return rank, world, url.hostname, url.port
 
 
 def pair_settings(first: Relay, settings: RelaySettings, index: int) -> RelaySettings:
     """Settings of rank `index` in `first`'s group: its world and the address it listens on
     (so a rank 0 made with "tcp://host:0" can be joined)."""
-    opts = settings.options
-    init = getattr(first, "init_method", None) or opts.get("init_method")
-    world = getattr(first, "world_size", None) or opts.get("world_size", 2)
-    paired = {**opts, "rank": index, "world_size": world, "init_method": init}
-    return dataclasses.replace(settings, options=paired)
+    opts = settings.options_as(BACKEND, TorchdistOptions)
+    init = getattr(first, "init_method", None) or opts.init_method
+    world = getattr(first, "world_size", None) or settings.world_size or 2
+    return dataclasses.replace(
+        settings,
+        rank=index,
+        world_size=world,
+        options=opts.model_copy(update={"init_method": init}),
+    )
 
 
 class _Waiters:
@@ -176,18 +186,19 @@ class _Received(Received):
 
 class TorchDistRelay(PullRelay):
     name = BACKEND
+    options_model = TorchdistOptions
+    options: TorchdistOptions
 
     def __init__(self, settings: RelaySettings | None = None) -> None:
         super().__init__(settings)
-        opts = self.settings.options
-        self.rank, self.world_size, host, port = _parse(opts)
-        self._timeout_s = float(opts.get("timeout_s", DEFAULT_TIMEOUT_S))
-        self._fetch_timeout_s = float(opts.get("fetch_timeout_s", DEFAULT_FETCH_TIMEOUT_S))
+        opts = self.options
+        self.rank, self.world_size, host, port = _parse(self.settings, opts)
+        self._timeout_s = opts.timeout_s
+        self._fetch_timeout_s = opts.fetch_timeout_s
         # gloo binds where peers reach us; for a loopback group, loopback (torch's default
         # device picks the hostname's address, which a loopback-only peer may not reach).
         loopback = host in ("localhost", "::1") or host.startswith("127.")
-        self._gloo_host = str(opts.get("gloo_host") or opts.get("host") or "")
-        self._gloo_host = self._gloo_host or (host if loopback else "")
+        self._gloo_host = opts.gloo_host or opts.host or (host if loopback else "")
         self._lock = threading.Lock()  # rendezvous thread vs loop: _pg, _done, _waiting
         self._pg: Any = None
         self._error: BaseException | None = None
@@ -464,6 +475,3 @@ class TorchDistRelay(PullRelay):
         for thread in [*self._threads, *self._waiters.threads]:
             if thread is not threading.current_thread():
                 thread.join(max(deadline - time.monotonic(), 0))
-
-
-register_relay(BACKEND, TorchDistRelay)

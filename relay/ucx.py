@@ -1,6 +1,6 @@
 """`ucx` relay: the receiver pulls each payload from the sender's pool over UCX (ucxx).
 
-Each relay owns a UCX worker listening on `options["port"]` (0: any) and publishes {"host",
+Each relay owns a UCX worker listening on option `port` (0: any) and publishes {"host",
 "port"}. A receiver keeps one endpoint per sender (opened on first use, again after an
 error); its one active message (HELLO) names a tag, and its requests are tagged messages on
 it. For GET(transfer id, offset, nbytes, tag) the receiver first posts two tagged receives:
@@ -14,13 +14,14 @@ and only then does the sender release it (`served`): as with shm's release marks
 credit bounds what receivers hold, not only what is in flight.
 
 ucxx's asyncio layer waits for a request by spinning the loop unless a notifier thread runs;
-this module drives its worker from the owning loop instead. `options["progress"]`:
+this module drives its worker from the owning loop instead. Option `progress`:
 "blocking" (default) progresses when the worker's epoll fd fires, then re-arms it;
 "polling" spins the loop unarmed while transfers are in flight (faster on idle cores only).
 A cma read runs inside progress, on the loop thread. Endpoints use peer error handling, so
 a dead peer fails its requests at once; `fetch_timeout_s` (default 30) bounds any fetch.
 `host`: the published address (default 127.0.0.1; the listener takes every interface);
 `ucx_config`: UCX settings of this relay's context (e.g. {"TLS": "tcp"}). Host memory only.
+Options are `omnirail.relay.options.UcxOptions` (defaults there).
 """
 
 from __future__ import annotations
@@ -46,8 +47,9 @@ import ucxx._lib.libucxx as ucx_api
 from ucxx._lib.arr import Array
 from ucxx.types import Tag
 
-from omnirail.relay.base import Received, RelayError, RelaySettings, register_relay
+from omnirail.relay.base import Received, RelayError, RelaySettings
 from omnirail.relay.host_pool import HostExtent
+from omnirail.relay.options import UcxOptions
 from omnirail.relay.pull import PulledHandle, PullRelay
 from omnirail.v1 import common_pb2
 from omnirail.wire.payload import Packed
@@ -63,7 +65,6 @@ _REQ = struct.Struct("<B7x5Q")
 _GET, _DONE, _HELLO = 1, 2, 3
 _NOT_LIVE = struct.pack("<Q", 1)  # the only status: a live transfer gets its bytes instead
 _CTL = 1 << 63  # set in request tags, clear in reply tags
-DEFAULT_FETCH_TIMEOUT_S = 30.0
 _WATCHDOG_S = 0.05  # progress anyway this often while transfers are in flight
 _CLOSE_S = 0.1  # bound of a synchronous close
 # cma rendezvous (one copy) under peer error handling: UCX allows it only where the memory
@@ -243,17 +244,17 @@ class UcxReceived(Received):
 
 class UcxRelay(PullRelay):
     name = BACKEND
+    options_model = UcxOptions
+    options: UcxOptions
 
     def __init__(self, settings: RelaySettings | None = None) -> None:
         super().__init__(settings)
-        opts = self.settings.options
-        self._host = str(opts.get("host") or "127.0.0.1")
-        self._fetch_timeout_s = float(opts.get("fetch_timeout_s", DEFAULT_FETCH_TIMEOUT_S))
-        mode = str(opts.get("progress", "blocking"))
-        if mode not in ("blocking", "polling"):
-            raise RelayError(f"ucx relay: progress must be blocking or polling, not {mode!r}")
+        opts = self.options
+        self._host = opts.host or "127.0.0.1"
+        self._fetch_timeout_s = opts.fetch_timeout_s
+        mode = opts.progress
         config = {k: v for k, v in _UCX_DEFAULTS.items() if f"UCX_{k}" not in os.environ}
-        config.update({str(k): str(v) for k, v in dict(opts.get("ucx_config") or {}).items()})
+        config.update(opts.ucx_config)
         self._tags = itertools.count(1)
         self._conns: set[_Conn] = set()
         self._greeting: set[_Conn] = set()  # accepted, HELLO not read yet
@@ -261,7 +262,7 @@ class UcxRelay(PullRelay):
             self._eng = _Engine(config, polling=mode == "polling")
             # Needs no loop: connection requests wait until the worker progresses.
             self._listener: Any = ucx_api.UCXListener.create(
-                self._eng.worker, int(opts.get("port", 0)), self._accept, deliver_endpoint=True
+                self._eng.worker, opts.port, self._accept, deliver_endpoint=True
             )
         except ucxx.exceptions.UCXError as e:
             raise RelayError(f"ucx relay: cannot start UCX: {e}") from e
@@ -505,6 +506,3 @@ class UcxRelay(PullRelay):
             self._close_ep(conn.ep)
         self._listener = None
         self._eng.close(f"{self.name} relay closed")
-
-
-register_relay(BACKEND, UcxRelay)

@@ -4,13 +4,13 @@ and a start-up that fails naming the edge when a backend cannot start."""
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 from dataclasses import dataclass, field
 
 from omnirail.config import PipelineConfig, RelayConfig
 from omnirail.relay.base import Relay, RelayError, create_relay
+from omnirail.relay.options import DEFAULT_CONNECT_TIMEOUT_S, PulledOptions, RelayOptions
 from omnirail.wire.errors import Code, OmniError
-
-DEFAULT_CONNECT_TIMEOUT_S = 60.0
 
 
 class RelayStartupError(OmniError):
@@ -69,21 +69,26 @@ async def open_relays(plans: dict[str, RelayPlan], name_prefix: str, host: str) 
     """Creates and connects every planned relay; RelayStartupError names the edges."""
     relays: dict[str, Relay] = {}
     try:
+        options: list[RelayOptions] = []
         for backend, plan in plans.items():
-            settings = plan.config.to_settings(name_prefix)
-            if host:
-                # Backends with their own listener (ucx) bind where peers reach this process.
-                settings.options.setdefault("host", host)
             try:
+                settings = plan.config.to_settings(name_prefix)
+                opts = settings.options
+                if host and isinstance(opts, PulledOptions) and opts.host is None:
+                    # Backends with their own listener (ucx) bind where peers reach us.
+                    opts = opts.model_copy(update={"host": host})
+                    settings = dataclasses.replace(settings, options=opts)
                 relays[backend] = create_relay(backend, settings)
             except (ImportError, RelayError, OSError, ValueError) as e:
                 hint = ""
                 if isinstance(e, ImportError):
                     hint = f" (install the extra: pip install 'omnirail[{backend}]')"
                 raise RelayStartupError(f"{plan.describe()} cannot start: {e}{hint}") from e
+            if isinstance(settings.options, RelayOptions):
+                options.append(settings.options)
         timeout = max(
-            float(p.config.options.get("connect_timeout_s", DEFAULT_CONNECT_TIMEOUT_S))
-            for p in plans.values()
+            (o.connect_timeout_s for o in options if isinstance(o, PulledOptions)),
+            default=DEFAULT_CONNECT_TIMEOUT_S,
         )
 
         async def connect(backend: str) -> None:

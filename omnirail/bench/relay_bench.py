@@ -347,7 +347,7 @@ def _receiver_settings(backend: str, relay: Any, settings: Any, overrides: dict)
 
         settings = pair_settings(relay, settings, 1)
     if overrides:
-        settings = dataclasses.replace(settings, options={**settings.options, **overrides})
+        settings = dataclasses.replace(settings, options={**settings.options_dict(), **overrides})
     return settings
 
 
@@ -376,7 +376,7 @@ async def _bench(
             "--receiver",
             f"--fd={theirs.fileno()}",
             f"--backend={backend}",
-            f"--settings={json.dumps(dataclasses.asdict(peer_settings))}",
+            f"--settings={json.dumps(peer_settings.as_dict())}",
         ],
         pass_fds=[theirs.fileno()],
     )
@@ -429,7 +429,7 @@ async def _bench(
         except subprocess.TimeoutExpired:
             proc.kill()
             proc.wait()
-    return {"backend": backend, "options": settings.options, "sizes": results}
+    return {"backend": backend, "options": settings.options_dict(), "sizes": results}
 
 
 def run_relay_bench(
@@ -452,10 +452,12 @@ def run_relay_bench(
 
     prefix = f"omnirail-bench{os.getpid()}"
     options = dict(options or {})
+    ranks: dict[str, int] = {}
     if backend == "torchdist":
         # Two ranks of a fresh group; rank 0 (this process) picks the store's port.
-        options = {"rank": 0, "world_size": 2, "init_method": "tcp://127.0.0.1:0", **options}
-    settings = RelaySettings(name_prefix=prefix, options=options)
+        ranks = {"rank": 0, "world_size": 2}
+        options = {"init_method": "tcp://127.0.0.1:0", **options}
+    settings = RelaySettings(name_prefix=prefix, options=options, **ranks)
     try:
         return asyncio.run(
             _bench(

@@ -41,6 +41,13 @@ class _Model(BaseModel):
 
 
 class RelayConfig(_Model):
+    """One level of relay config (pipeline `relay`, `stages[].relay`, `relay_to[T]`).
+
+    `options` belong to the backend: they are checked against its model
+    (`omnirail.relay.options`), and a level that changes the backend without setting
+    options starts from none.
+    """
+
     backend: str = Field("shm", min_length=1)
     # Payloads whose packed tensor buffer is at most this many bytes travel in the message.
     inline_bytes: int = Field(65536, ge=0)
@@ -59,26 +66,38 @@ class RelayConfig(_Model):
         return self
 
     def to_settings(self, name_prefix: str) -> RelaySettings:
-        """Backend knobs for `omnirail.relay.base.create_relay`.
-
-        `device`, `rank` and `world_size` have no field in RelaySettings, so they ride in
-        `options` (explicit `options` entries win).
-        """
+        """Backend knobs for `omnirail.relay.base.create_relay`, options typed by the
+        backend's model (a ValueError names what it refuses; an unknown backend keeps them
+        as given: `create_relay` refuses the backend)."""
+        from omnirail.relay import registry
         from omnirail.relay.base import RelaySettings
+        from omnirail.relay.options import RelayOptions, parse_options
 
-        options: dict[str, Any] = {"device": self.device}
-        if self.rank is not None:
-            options["rank"] = self.rank
-        if self.world_size is not None:
-            options["world_size"] = self.world_size
-        options.update(self.options)
+        options: RelayOptions | dict[str, Any] = dict(self.options)
+        model = registry.options_model(self.backend)
+        if model is not None:
+            options = parse_options(self.backend, model, self.options)
         return RelaySettings(
             pool_bytes=self.pool_mb << 20,
             credit_slots=self.credits,
             credit_bytes=self.credit_mb << 20,
             name_prefix=name_prefix,
+            device=self.device,
+            rank=self.rank,
+            world_size=self.world_size,
             options=options,
         )
+
+    def updated_by(self, override: RelayConfig | None) -> tuple[RelayConfig, set[str]]:
+        """This config with the fields `override` sets, and the names of the fields it
+        changed that way. A backend change without options resets the options (they
+        belong to the backend they were written for)."""
+        if override is None:
+            return self, set()
+        fields = set(override.model_fields_set)
+        if "backend" in fields and override.backend != self.backend:
+            fields.add("options")  # override.options: its own, or none
+        return self.model_copy(update={k: getattr(override, k) for k in fields}), fields
 
 
 class EndpointsConfig(_Model):
@@ -327,14 +346,12 @@ class PipelineConfig(_Model):
 
     def relay_for(self, stage_name: str, target: str | None = None) -> RelayConfig:
         """The relay a stage sends with: the pipeline's, updated by the fields the stage's
-        `relay` sets explicitly, then (for edge `stage_name -> target`) by `relay_to`."""
+        `relay` sets explicitly, then (for edge `stage_name -> target`) by `relay_to`
+        (see `RelayConfig.updated_by`)."""
         stage = self.stage(stage_name)
         cfg = self.relay
-        overrides = [stage.relay, stage.relay_to.get(target) if target else None]
-        for override in overrides:
-            if override is not None:
-                changed = {k: getattr(override, k) for k in override.model_fields_set}
-                cfg = cfg.model_copy(update=changed)
+        for override in (stage.relay, stage.relay_to.get(target) if target else None):
+            cfg, _ = cfg.updated_by(override)
         return cfg
 
     def relays_touching(self, stage_name: str) -> list[tuple[str, RelayConfig]]:

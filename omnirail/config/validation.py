@@ -61,8 +61,7 @@ def validate(cfg: PipelineConfig, resolve: bool = True) -> None:
     problem = _backend_problem(cfg.relay.backend)
     if problem:
         err(f"pipeline.relay.backend: {problem}")
-    for problem in _option_problems(cfg.relay.options):
-        err(f"pipeline.relay.options: {problem}")
+    _check_relay_options(cfg, by_name, err)
     _check_dotted(cfg, by_name, resolve, err)
     if errors:
         raise ConfigError(errors)
@@ -130,8 +129,6 @@ def _check_stage(
             problem = _backend_problem(relay.backend)
             if problem:
                 err(f"{at}.{where}.backend: {problem}")
-        for problem in _option_problems(relay.options) if relay is not None else ():
-            err(f"{at}.{where}.options: {problem}")
     for target in s.project_payload:
         if target not in (nxt or []):
             err(f"{at}.project_payload: target {target!r} is not in next")
@@ -180,21 +177,41 @@ def _check_torchdist(cfg: PipelineConfig, by_name: Mapping[str, StageConfig], er
             ranks.setdefault(rank, group)
 
 
-def _option_problems(options: dict[str, Any]) -> list[str]:
-    """Relay options a backend would refuse at start-up (those of every backend: an edge
-    may change its backend without clearing them)."""
-    from omnirail.relay import copy, shm
+def _check_relay_options(cfg: PipelineConfig, by_name: Mapping[str, StageConfig], err: Any) -> None:
+    """Options set at each level, against the backend the level's merged config selects
+    (`pipeline.relay`, `stages[x].relay`, `stages[x].relay_to[t]`): unknown keys, types
+    and ranges, as the backend's options model (`omnirail.relay.options`) checks them."""
+    levels: list[tuple[str, str, dict[str, Any]]] = [
+        ("pipeline.relay", cfg.relay.backend, cfg.relay.options)
+    ]
+    for name, s in by_name.items():
+        if s.relay is not None and "options" in s.relay.model_fields_set:
+            levels.append((f"stages[{name}].relay", cfg.relay_for(name).backend, s.relay.options))
+        for target, relay in s.relay_to.items():
+            if "options" in relay.model_fields_set:
+                backend = cfg.relay_for(name, target).backend
+                levels.append((f"stages[{name}].relay_to[{target}]", backend, relay.options))
+    for where, backend, options in levels:
+        for key, problem in _option_problems(backend, options):
+            err(f"{where}.options.{key}: {problem}")
 
-    return [*copy.option_problems(options), *shm.option_problems(options)]
+
+def _option_problems(backend: str, options: dict[str, Any]) -> list[tuple[str, str]]:
+    from omnirail.relay import registry
+    from omnirail.relay.options import option_problems
+
+    model = registry.options_model(backend)
+    if model is None:
+        return []  # an unknown backend: reported where it is set
+    return option_problems(backend, model, options)
 
 
 def _backend_problem(backend: str) -> str | None:
-    from omnirail.relay.base import relay_backends
+    from omnirail.relay.registry import BACKENDS
 
-    known = relay_backends()
-    if backend in known:
+    if backend in BACKENDS:
         return None
-    return f"unknown relay backend {backend!r}; known: {', '.join(known)}"
+    return f"unknown relay backend {backend!r}; known: {', '.join(sorted(BACKENDS))}"
 
 
 def _check_refs(

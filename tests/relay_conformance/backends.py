@@ -33,6 +33,8 @@ class BackendSpec:
     # Whether it moves torch.cuda tensors; the `device=cuda` cases skip until it does.
     gpu: bool = False
     options: dict[str, Any] = field(default_factory=dict)  # RelaySettings.options
+    # Other RelaySettings fields every relay of the backend needs (torchdist: rank, world).
+    settings: dict[str, Any] = field(default_factory=dict)
     # Bytes of pool memory a sender holds (to see that repeated transfers reuse it).
     footprint: Callable[[Relay], int] | None = None
     # OS-visible names (files, segments) under a name prefix, and how to remove leftovers.

@@ -31,7 +31,7 @@ def prefix() -> str:
 def backend(request: pytest.FixtureRequest, prefix: str) -> BackendSpec:
     spec: BackendSpec = request.param
     try:
-        create_relay(spec.name, RelaySettings(name_prefix=prefix, options=spec.options)).close()
+        create_relay(spec.name, settings_for(spec, prefix)).close()
     except (ImportError, RelayError) as e:
         # A backend whose library is not installed here (nixl, ucx, ...) is not a failure.
         pytest.skip(f"relay backend {spec.name!r} is unavailable here: {e}")
@@ -40,6 +40,7 @@ def backend(request: pytest.FixtureRequest, prefix: str) -> BackendSpec:
 
 def settings_for(backend: BackendSpec, prefix: str, **kw: Any) -> RelaySettings:
     kw.setdefault("pool_bytes", POOL_BYTES)
+    kw = {**backend.settings, **kw}
     return RelaySettings(name_prefix=prefix, options=dict(backend.options), **kw)
 
 

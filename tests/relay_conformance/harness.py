@@ -113,7 +113,7 @@ class Peer:
         path = [str(ROOT), *filter(None, os.environ.get("PYTHONPATH", "").split(os.pathsep))]
         env = dict(os.environ, PYTHONPATH=os.pathsep.join(path))
         args = ["--fd", str(theirs.fileno()), "--backend", spec.name]
-        args += ["--settings", json.dumps(dataclasses.asdict(settings))]
+        args += ["--settings", json.dumps(settings.as_dict())]
         proc = subprocess.Popen(
             [sys.executable, "-m", "tests.relay_conformance.peer", *args],
             pass_fds=[theirs.fileno()],

@@ -15,11 +15,10 @@ def _pair(first: Relay, settings: RelaySettings, index: int) -> RelaySettings:
 
 TORCHDIST = BackendSpec(
     "torchdist",
+    # The first relay of a test is rank 0 of 2 on a free port; `_pair` makes the other.
+    settings={"rank": 0, "world_size": 2},
     options={
         "peer_wait_s": 1.0,
-        # The first relay of a test is rank 0 of 2 on a free port; `_pair` makes the other.
-        "rank": 0,
-        "world_size": 2,
         "init_method": "tcp://127.0.0.1:0",
         # Short: a rendezvous nobody joins (the availability probe) gives up soon, and
         # sends to a killed receiver fail soon; still far above any transfer here.

@@ -258,15 +258,14 @@ def test_edge_relay_writes_a_loadable_derived_pipeline(tmp_path: Path) -> None:
 
 
 def test_edge_relay_keeps_options_the_author_set_and_skips_no_ops(tmp_path: Path) -> None:
-    opts = {"relay_to": {"e": {"options": {"ucx_config": {"TLS": "tcp,cuda_copy"}}}}}
+    # Options valid for the edge's backend as written (shm) and for the one compose picks.
+    opts = {"relay_to": {"e": {"options": {"copy_threads": 1}}}}
     path = split_pipeline(tmp_path, c_x=opts)
     bundle = gen(path, None, "c_x->e=ucx", "b->d=ucx")  # b->d already is ucx
     _, text = side_file(bundle, ".compose.yaml")
     data = yaml.safe_load(text)
     c_x = next(s for s in data["stages"] if s["name"] == "c_x")
-    assert c_x["relay_to"]["e"] == {"options": {"ucx_config": {"TLS": "tcp,cuda_copy"}}} | {
-        "backend": "ucx"
-    }
+    assert c_x["relay_to"]["e"] == {"options": {"copy_threads": 1}, "backend": "ucx"}
     only_no_op = gen(path, None, "b->d=ucx")
     assert [p.name for p in only_no_op.side_files] == ["pipeline.prometheus.yml"]
 

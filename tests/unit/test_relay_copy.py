@@ -8,8 +8,8 @@ import itertools
 import numpy as np
 import pytest
 
-from omnirail.relay.base import RelayError
 from omnirail.relay.copy import _MIN_PART, _PART_ALIGN, DEFAULT_COPY_THREADS, Copier, split_parts
+from omnirail.relay.options import CopyOptions, OptionsError, parse_options
 from omnirail.wire.payload import pack
 
 MiB = 1 << 20
@@ -37,20 +37,20 @@ def test_large_payloads_split_into_aligned_parts_that_cover_them():
 @pytest.mark.parametrize(
     "options, match",
     [
-        ({"copy_threads": 0}, "copy_threads must be an integer >= 1, got 0"),
-        ({"copy_threads": "2"}, "copy_threads must be an integer >= 1, got '2'"),
-        ({"copy_threads": True}, "copy_threads"),
-        ({"copy_thread_bytes": -1}, "copy_thread_bytes must be an integer >= 0"),
-        ({"copy_thread_bytes": 1.5}, "copy_thread_bytes"),
+        ({"copy_threads": 0}, "copy_threads: input should be greater than or equal to 1"),
+        ({"copy_threads": "2"}, "copy_threads: input should be a valid integer"),
+        ({"copy_threads": True}, "copy_threads: input should be a valid integer"),
+        ({"copy_thread_bytes": -1}, "copy_thread_bytes: input should be greater than or equal"),
+        ({"copy_thread_bytes": 1.5}, "copy_thread_bytes: input should be a valid integer"),
     ],
 )
 def test_bad_options_are_refused_by_name(options, match):
-    with pytest.raises(RelayError, match=match):
-        Copier(options)
+    with pytest.raises(OptionsError, match=match):
+        parse_options("shm", CopyOptions, options)
 
 
 def test_defaults():
-    copier = Copier({})
+    copier = Copier(CopyOptions())
     assert copier.threads == DEFAULT_COPY_THREADS and copier.thread_bytes == 8 * MiB
     copier.close()
 
@@ -66,7 +66,7 @@ def _payload(nbytes: int):
 @pytest.mark.parametrize("threads", [1, 2, 3])
 async def test_threaded_copy_writes_every_byte(threads):
     packed = _payload(13 * MiB + 77)
-    copier = Copier({"copy_threads": threads})
+    copier = Copier(CopyOptions(copy_threads=threads))
     target = np.full(packed.nbytes, 0xAB, np.uint8)
     try:
         await copier.start(packed, target)
@@ -79,7 +79,7 @@ async def test_threaded_copy_writes_every_byte(threads):
 
 async def test_copies_at_once_share_the_helpers_and_still_copy_after_close():
     packed = _payload(9 * MiB)
-    copier = Copier({"copy_threads": 2})
+    copier = Copier(CopyOptions(copy_threads=2))
     targets = [np.zeros(packed.nbytes, np.uint8) for _ in range(4)]
     await asyncio.gather(*(copier.start(packed, t) for t in targets))
     copier.close()
@@ -92,7 +92,7 @@ async def test_copies_at_once_share_the_helpers_and_still_copy_after_close():
 
 async def test_a_copy_into_a_too_small_target_raises():
     packed = _payload(9 * MiB)
-    copier = Copier({"copy_threads": 2})
+    copier = Copier(CopyOptions(copy_threads=2))
     small = np.zeros(packed.nbytes - 1, np.uint8)  # too small: every part refuses it
     with pytest.raises(Exception, match="smaller than"):
         await copier.start(packed, small)

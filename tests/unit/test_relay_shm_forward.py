@@ -163,7 +163,7 @@ async def test_forwarding_can_be_turned_off(make_relay):
 
 
 def test_bad_forward_option_fails_at_creation(prefix):
-    with pytest.raises(RelayError, match="forward_views must be true or false, got 'yes'"):
+    with pytest.raises(RelayError, match="forward_views: input should be a valid boolean"):
         create_relay("shm", RelaySettings(name_prefix=prefix, options={"forward_views": "yes"}))
 
 

@@ -21,9 +21,11 @@ dist = pytest.importorskip("torch.distributed")
 torchdist = pytest.importorskip("omnirail.relay.torchdist")
 
 
-def settings(**options: Any) -> RelaySettings:
-    base = {"rank": 0, "world_size": 2, "init_method": "tcp://127.0.0.1:0", "timeout_s": 20.0}
-    return RelaySettings(pool_bytes=1 << 20, options={**base, **options})
+def settings(rank: Any = 0, world_size: Any = 2, **options: Any) -> RelaySettings:
+    base = {"init_method": "tcp://127.0.0.1:0", "timeout_s": 20.0}
+    return RelaySettings(
+        pool_bytes=1 << 20, rank=rank, world_size=world_size, options={**base, **options}
+    )
 
 
 @pytest.mark.parametrize(
@@ -59,10 +61,10 @@ def test_pair_settings_join_the_first_relays_group() -> None:
     first = create_relay("torchdist", settings(peer_wait_s=0.5))
     try:
         paired = torchdist.pair_settings(first, settings(peer_wait_s=0.5), 1)
-        assert paired.options["rank"] == 1
-        assert paired.options["world_size"] == 2
-        assert paired.options["init_method"] == first.init_method  # type: ignore[attr-defined]
-        assert paired.options["peer_wait_s"] == 0.5
+        assert paired.rank == 1
+        assert paired.world_size == 2
+        assert paired.options.init_method == first.init_method  # type: ignore[attr-defined,union-attr]
+        assert paired.options.peer_wait_s == 0.5  # type: ignore[union-attr]
     finally:
         first.close()
 

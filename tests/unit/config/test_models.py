@@ -89,16 +89,21 @@ def test_relay_for_merges_stage_override_over_pipeline_default() -> None:
 
 def test_relay_to_settings() -> None:
     from omnirail.relay.base import RelaySettings
+    from omnirail.relay.options import ShmOptions
 
-    r = RelayConfig(pool_mb=2, credits=3, credit_mb=4, rank=1, world_size=2, options={"x": 1})
+    r = RelayConfig(
+        pool_mb=2, credits=3, credit_mb=4, rank=1, world_size=2, options={"copy_threads": 1}
+    )
     s = r.to_settings("omni-run1")
     assert isinstance(s, RelaySettings)
     assert s.pool_bytes == 2 << 20
     assert s.credit_slots == 3
     assert s.credit_bytes == 4 << 20
     assert s.name_prefix == "omni-run1"
-    assert s.options == {"device": "cpu", "rank": 1, "world_size": 2, "x": 1}
-    assert RelayConfig(options={"device": "cuda:1"}).to_settings("p").options["device"] == "cuda:1"
+    # device, rank and world_size are settings fields; the options are the backend's model.
+    assert (s.device, s.rank, s.world_size) == ("cpu", 1, 2)
+    assert s.options == ShmOptions(copy_threads=1)
+    assert RelayConfig(device="cuda:1").to_settings("p").device == "cuda:1"
 
 
 def test_relay_defaults() -> None:
