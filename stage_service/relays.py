@@ -1,5 +1,11 @@
 """The relays one stage process opens: which backends its edges use, with what settings,
-and a start-up that fails naming the edge when a backend cannot start."""
+and a start-up that fails naming the edge when a backend cannot start.
+
+A process opens each backend once, with the per-process fields (`pool_mb`, `device`,
+`rank`, `world_size`, `options`) that `omnirail.config.relays.process_relays` decides for
+it (and that config validation checks could all apply); per-edge fields (`credits`,
+`credit_mb`, `inline_bytes`, `backend`) are set per edge (`omnirail.stage_service.edges`).
+"""
 
 from __future__ import annotations
 
@@ -7,7 +13,8 @@ import asyncio
 import dataclasses
 from dataclasses import dataclass, field
 
-from omnirail.config import PipelineConfig, RelayConfig
+from omnirail.config import ConfigError, PipelineConfig, RelayConfig
+from omnirail.config.relays import process_relays
 from omnirail.relay.base import Relay, RelayError, create_relay
 from omnirail.relay.options import DEFAULT_CONNECT_TIMEOUT_S, PulledOptions, RelayOptions
 from omnirail.wire.errors import Code, OmniError
@@ -23,7 +30,8 @@ class RelayStartupError(OmniError):
 @dataclass
 class RelayPlan:
     backend: str
-    config: RelayConfig  # of the first edge that uses the backend
+    # What the process opens the backend with (its per-process fields; see process_relays).
+    config: RelayConfig
     edges: list[str] = field(default_factory=list)
 
     def describe(self) -> str:
@@ -33,28 +41,15 @@ class RelayPlan:
 
 
 def plan_relays(pipeline: PipelineConfig, stage_names: list[str]) -> dict[str, RelayPlan]:
-    """Backends the hosted stages send with (per edge) and receive from (upstream edges)."""
-    plans: dict[str, RelayPlan] = {}
-
-    def use(cfg: RelayConfig, edge: str, hosted: str) -> None:
-        plan = plans.get(cfg.backend)
-        if plan is None:
-            # The rank (torchdist) is the hosted stage's, whichever edge names the backend.
-            rank = pipeline.relay_for(hosted).rank
-            if rank is not None and cfg.rank != rank:
-                cfg = cfg.model_copy(update={"rank": rank})
-            plan = plans[cfg.backend] = RelayPlan(cfg.backend, cfg)
-        if edge not in plan.edges:
-            plan.edges.append(edge)
-
-    for name in stage_names:
-        for edge, cfg in pipeline.relays_touching(name):
-            use(cfg, edge, name)
-    for plan in plans.values():
-        # "stage->*" stands for the stage's own default; drop it where real edges exist.
-        real = [e for e in plan.edges if not e.endswith("->*")]
-        plan.edges = real or plan.edges
-    return plans
+    """Backends the hosted stages send with (their own relay and outgoing edges) and
+    receive over (upstream edges), each with the config this process opens it with.
+    Raises ConfigError when a per-process field could not apply (validation refuses such
+    a config; this guards configs built without it)."""
+    process = pipeline.process_of(stage_names[0]) if stage_names else ""
+    opened, problems = process_relays(pipeline, stage_names, process)
+    if problems:
+        raise ConfigError(problems)
+    return {b: RelayPlan(b, p.config, p.edges) for b, p in opened.items()}
 
 
 def relay_host(address: str) -> str:

@@ -43,9 +43,12 @@ class _Model(BaseModel):
 class RelayConfig(_Model):
     """One level of relay config (pipeline `relay`, `stages[].relay`, `relay_to[T]`).
 
-    `options` belong to the backend: they are checked against its model
-    (`omnirail.relay.options`), and a level that changes the backend without setting
-    options starts from none.
+    Per edge: `backend`, `inline_bytes`, `credits`, `credit_mb` (each edge gets its own
+    merged value). Per process: `pool_mb`, `device`, `rank`, `world_size` and `options`
+    (one relay object per backend per process; `omnirail.config.relays` decides what each
+    process opens a backend with and refuses overrides that could not apply). `options`
+    belong to the backend: they are checked against its model (`omnirail.relay.options`),
+    and a level that changes the backend without setting options starts from none.
     """
 
     backend: str = Field("shm", min_length=1)

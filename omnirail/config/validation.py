@@ -62,6 +62,7 @@ def validate(cfg: PipelineConfig, resolve: bool = True) -> None:
     if problem:
         err(f"pipeline.relay.backend: {problem}")
     _check_relay_options(cfg, by_name, err)
+    _check_process_relays(cfg, err)
     _check_dotted(cfg, by_name, resolve, err)
     if errors:
         raise ConfigError(errors)
@@ -204,6 +205,19 @@ def _option_problems(backend: str, options: dict[str, Any]) -> list[tuple[str, s
     if model is None:
         return []  # an unknown backend: reported where it is set
     return option_problems(backend, model, options)
+
+
+def _check_process_relays(cfg: PipelineConfig, err: Any) -> None:
+    """Per-process relay fields one process could not apply (see omnirail.config.relays)."""
+    from omnirail.config.relays import process_relays
+
+    for group, members in cfg.process_groups().items():
+        try:
+            _, problems = process_relays(cfg, list(dict.fromkeys(members)), group)
+        except KeyError:
+            continue  # a dangling reference, reported elsewhere
+        for problem in problems:
+            err(problem)
 
 
 def _backend_problem(backend: str) -> str | None:
