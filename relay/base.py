@@ -33,7 +33,11 @@ OptionsT = TypeVar("OptionsT", bound=RelayOptions)
 
 @dataclass(frozen=True)
 class RelaySettings:
-    """What one relay object is opened with (built from `RelayConfig.to_settings`)."""
+    """What one relay object is opened with (built from `RelayConfig.to_settings`).
+
+    Everything here is per relay object, i.e. per process and backend, except the credits:
+    they are the default bound of an edge that `Relay.set_edge_credits` did not set.
+    """
 
     # Bytes of the first pool segment; more segments are added when a payload does not fit.
     pool_bytes: int = 256 << 20
@@ -132,6 +136,12 @@ class Relay(abc.ABC):
     @abc.abstractmethod
     def close(self) -> None:
         """Frees the pool and every OS resource; idempotent."""
+
+    def set_edge_credits(self, edge: str, slots: int, nbytes: int) -> None:
+        """Bounds edge `edge` to `slots` unacked transfers and `nbytes` bytes (instead of
+        the settings' defaults); called for every edge before its first put. Backends
+        without edge credit ignore it."""
+        return None
 
     # ---- peers: for backends whose receivers reach the sender by themselves ----------
     # The mesh publishes each process's `local_info()` through the coordinator (Attach,

@@ -344,6 +344,9 @@ class PullRelay(Relay):
     def outstanding(self, edge: str) -> tuple[int, int]:
         return self._credits.outstanding(edge)
 
+    def set_edge_credits(self, edge: str, slots: int, nbytes: int) -> None:
+        self._credits.limit(edge, slots, nbytes)
+
     def _start_polling(self) -> None:
         if type(self)._progress is PullRelay._progress or self.closed:
             return

@@ -18,7 +18,8 @@ Options (`omnirail.relay.options.ShmOptions`): `copy_thread_bytes` (default 8 Mi
 at least this large are copied in a worker thread so the event loop keeps serving other
 streams meanwhile, split across `copy_threads` threads (default 2; see `omnirail.relay.copy`).
 `forward_views` (default true): false makes every put copy (e.g. when a downstream stage
-cannot see an upstream stage's /dev/shm).
+cannot see an upstream stage's /dev/shm). Edge credits: `RelaySettings` gives the default
+bound, `set_edge_credits` one edge's own.
 """
 
 from __future__ import annotations
@@ -423,6 +424,9 @@ class ShmRelay(Relay):
     def outstanding(self, edge: str) -> tuple[int, int]:
         """(transfers, bytes) unacked on `edge`."""
         return self._credits.outstanding(edge)
+
+    def set_edge_credits(self, edge: str, slots: int, nbytes: int) -> None:
+        self._credits.limit(edge, slots, nbytes)
 
     # ------------------------------------------------------------------ receiver side
 

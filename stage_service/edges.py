@@ -1,10 +1,15 @@
-"""The relay each outgoing edge of a stage sends with (per-edge selection, `relay_to`)."""
+"""The relay each outgoing edge of a stage sends with (per-edge selection, `relay_to`).
+
+Every per-edge field of an edge's merged config applies to that edge: its backend picks
+the relay, `inline_bytes` its inline bound, and `credits` / `credit_mb` bound it in the
+sender's relay (`Relay.set_edge_credits`), whichever config the relay was opened with.
+"""
 
 from __future__ import annotations
 
 from collections.abc import Mapping
 
-from omnirail.config import PipelineConfig
+from omnirail.config import PipelineConfig, RelayConfig
 from omnirail.relay.base import Relay
 
 
@@ -20,28 +25,45 @@ class EdgeRelay:
 
 
 class EdgeRelays:
-    def __init__(self, stage: str, default: Relay, inline_bytes: int) -> None:
+    def __init__(
+        self,
+        stage: str,
+        default: Relay,
+        inline_bytes: int,
+        credits: tuple[int, int] | None = None,
+    ) -> None:
         self._stage = stage
         self._default = default
         self._inline_bytes = inline_bytes
+        # (slots, bytes) of an edge outside the static ones (None: the relay's default).
+        self._credits = credits
         self._edges: dict[str, EdgeRelay] = {}
 
     @classmethod
     def of(cls, pipeline: PipelineConfig, stage: str, relays: Mapping[str, Relay]) -> EdgeRelays:
-        """Every edge of `stage` with the backend its config picks (from `relays`)."""
+        """Every edge of `stage` with the backend its config picks (from `relays`), its
+        inline bound and its credits."""
         cfg = pipeline.relay_for(stage)
-        edges = cls(stage, relays[cfg.backend], cfg.inline_bytes)
+        edges = cls(stage, relays[cfg.backend], cfg.inline_bytes, _credits(cfg))
         for target in pipeline.edges_of(stage):
             edge_cfg = pipeline.relay_for(stage, target)
-            edges._edges[target] = EdgeRelay(
-                f"{stage}->{target}", relays[edge_cfg.backend], edge_cfg.inline_bytes
-            )
+            edges._add(target, relays[edge_cfg.backend], edge_cfg.inline_bytes, _credits(edge_cfg))
         return edges
+
+    def _add(
+        self, target: str, relay: Relay, inline_bytes: int, credits: tuple[int, int] | None
+    ) -> EdgeRelay:
+        edge = self._edges[target] = EdgeRelay(f"{self._stage}->{target}", relay, inline_bytes)
+        if credits is not None:
+            relay.set_edge_credits(edge.name, *credits)
+        return edge
 
     def __getitem__(self, target: str) -> EdgeRelay:
         edge = self._edges.get(target)
         if edge is None:  # a target outside the static edges: the stage's own relay
-            edge = self._edges[target] = EdgeRelay(
-                f"{self._stage}->{target}", self._default, self._inline_bytes
-            )
+            edge = self._add(target, self._default, self._inline_bytes, self._credits)
         return edge
+
+
+def _credits(cfg: RelayConfig) -> tuple[int, int]:
+    return cfg.credits, cfg.credit_mb << 20

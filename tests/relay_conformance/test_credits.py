@@ -36,6 +36,24 @@ async def test_full_slots_block_until_the_receiver_releases(open_peer: OpenPeer)
     assert await peer.release(held[1:]) == {held[1].seq: held[1].crc}
 
 
+async def test_an_edge_keeps_its_own_credits(open_peer: OpenPeer) -> None:
+    """`set_edge_credits` bounds one edge; the settings' credits bound the others."""
+    peer = await open_peer(credit_slots=8, credit_bytes=64 * MiB)
+    peer.relay.set_edge_credits("one", 1, 64 * MiB)
+    held = [await peer.put(pattern(1000, 1), edge="one", hold=True)]
+    check(held[0], await held[0].result())
+    blocked = asyncio.create_task(peer.put(pattern(1000, 2), edge="one"))
+    assert await still_blocked(blocked), "a put beyond the edge's own credit completed"
+    for i in range(3):  # the other edge still has the settings' 8 slots
+        held.append(await peer.put(pattern(1000, 10 + i), edge="edge", hold=True))
+        check(held[-1], await held[-1].result())
+    assert not blocked.done()
+    await peer.release(held[:1])
+    second = await asyncio.wait_for(blocked, TIMEOUT)
+    check(second, await second.result())
+    await peer.release(held[1:])
+
+
 async def test_byte_credit_blocks_and_oversize_payload_goes_alone(open_peer: OpenPeer) -> None:
     peer = await open_peer(credit_slots=64, credit_bytes=256 * KiB)
     first = await peer.put(pattern(200 * KiB, 1), hold=True)
