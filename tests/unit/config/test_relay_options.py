@@ -159,3 +159,41 @@ def test_an_unknown_backend_is_reported_once_not_its_options() -> None:
         "pipeline.relay.backend: unknown relay backend 'rdma'; known: inline, nixl, shm, "
         "torchdist, ucx"
     ]
+
+
+def _readme_options() -> dict[str, set[str]]:
+    """Backtick-quoted names in README's option bullets ("Choosing a relay backend"), by
+    the backends each bullet is about."""
+    import re
+    from pathlib import Path
+
+    text = (Path(__file__).parents[3] / "README.md").read_text(encoding="utf-8")
+    section = text.split("## Choosing a relay backend", 1)[1].split("\n## ", 1)[0]
+    bullets = section.split("The options of each backend:", 1)[1].split("\n\n", 2)[1]
+    heads = {
+        "- `shm` and all pulled backends": ("shm", "nixl", "ucx", "torchdist"),
+        "- `shm`:": ("shm",),
+        "- all pulled backends:": ("nixl", "ucx", "torchdist"),
+        "- `nixl`:": ("nixl",),
+        "- `ucx`:": ("ucx",),
+        "- `torchdist`:": ("torchdist",),
+    }
+    found: dict[str, set[str]] = {b: set() for b in README_OPTIONS}
+    not_options = {"none", "peer", "blocking", "polling", "relay", "rank", "world_size"}
+    for bullet in re.split(r"\n(?=- )", bullets.strip()):
+        (backends,) = [b for head, b in heads.items() if bullet.startswith(head)]
+        for name in re.findall(r"`([a-z_]+)`", bullet):
+            if name not in not_options and name not in found:
+                for backend in backends:
+                    found[backend].add(name)
+    return found
+
+
+def test_readme_lists_exactly_the_options_of_each_backend() -> None:
+    from omnirail.relay import registry
+
+    for backend, names in _readme_options().items():
+        model = registry.options_model(backend)
+        assert model is not None
+        assert names == set(model.model_fields), backend
+        assert names == set(README_OPTIONS[backend]), backend  # all tried above
