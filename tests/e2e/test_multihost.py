@@ -73,10 +73,9 @@ def _pipeline(path: Path, hosts: list[Host], error_mode: str) -> None:
                 "next": "sink",
                 # UCX sees one machine and would pick shared-memory transports, whose
                 # signalling does not cross network namespaces (README): use TCP, as
-                # between real hosts.
-                "relay_to": {
-                    "sink": {"backend": "ucx", "options": {**cross, "ucx_config": {"TLS": "tcp"}}}
-                },
+                # between real hosts. (ucx has no ucx_error_handling_mode: its endpoints
+                # always use peer error handling.)
+                "relay_to": {"sink": {"backend": "ucx", "options": {"ucx_config": {"TLS": "tcp"}}}},
             },
             {
                 "name": "sink",
