@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Regenerates omnirail/v1/*_pb2*.py from protos/. Generated code is committed;
-# tests/unit/test_protos_fresh.py fails when this script would change it.
+# tests/unit/wire/test_protos_fresh.py fails when this script would change it.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 out="${1:-.}"

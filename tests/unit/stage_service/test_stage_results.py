@@ -12,7 +12,8 @@ import numpy as np
 from omnirail.stage_service.edges import EdgeRelays
 from omnirail.stage_service.scheduler import IncomingMessage, OutgoingMessage
 from omnirail.stage_service.stage import Stage
-from tests.unit.stage_fakes import (
+from tests.unit.stage_service.relay_fakes import ScriptedRelay
+from tests.unit.stage_service.stage_fakes import (
     FakeReporter,
     FakeRouter,
     Harness,
@@ -21,7 +22,6 @@ from tests.unit.stage_fakes import (
     pipeline,
     until,
 )
-from tests.unit.stage_service.relay_fakes import ScriptedRelay
 
 
 def big_result(sched: RecordingScheduler, msg: IncomingMessage) -> list[OutgoingMessage]:

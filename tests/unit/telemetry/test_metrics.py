@@ -27,7 +27,7 @@ from omnirail.telemetry.metrics import (
 )
 from omnirail.v1 import common_pb2
 from omnirail.wire.errors import Code, OmniError
-from tests.unit.stage_fakes import (
+from tests.unit.stage_service.stage_fakes import (
     FakeReporter,
     FakeRouter,
     RecordingScheduler,
@@ -265,7 +265,13 @@ def test_metrics_endpoint_flags_win_over_config() -> None:
 
 
 def test_metrics_config_defaults_and_ranges() -> None:
-    stages = [{"name": "a", "factory": "tests.unit.stage_fakes:make_plain", "terminal": True}]
+    stages = [
+        {
+            "name": "a",
+            "factory": "tests.unit.stage_service.stage_fakes:make_plain",
+            "terminal": True,
+        }
+    ]
     cfg = PipelineConfig.from_dict({"stages": stages})
     assert (cfg.metrics.enabled, cfg.metrics.host, cfg.metrics.port) == (True, "127.0.0.1", 0)
     assert cfg.metrics.stage_port == 0

@@ -18,7 +18,7 @@ from omnirail.stage_service.scheduler import (
     OutgoingMessage,
     SimpleScheduler,
 )
-from tests.unit.scheduler_support import TIMEOUT, Collector, new
+from tests.unit.stage_service.scheduler_support import TIMEOUT, Collector, new
 
 
 @pytest.fixture

@@ -32,7 +32,7 @@ from omnirail.v1 import common_pb2, mesh_pb2
 from omnirail.wire.errors import OmniError
 from omnirail.wire.payload import decode_inline, encode_inline
 
-HERE = "tests.unit.stage_fakes"
+HERE = "tests.unit.stage_service.stage_fakes"
 TIMEOUT = 5.0  # generous: only reached when something is broken
 TRACE = "00-0af7651916cd43dd8448eb211c80319c-b7ad6b7169203331-01"
 

@@ -26,7 +26,7 @@ from omnirail.ops.compose import (
     write_bundle,
 )
 
-REPO = Path(__file__).resolve().parents[2]
+REPO = Path(__file__).resolve().parents[3]
 QUICKSTART = REPO / "examples/quickstart/pipeline.yaml"
 STREAMING = REPO / "examples/streaming/pipeline.yaml"
 FIXED = ["coordinator", "jaeger", "prometheus"]

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-REPO = Path(__file__).resolve().parents[2]
+REPO = Path(__file__).resolve().parents[3]
 COMMITTED = REPO / "omnirail" / "v1"
 HINT = "generated stubs are stale; run scripts/gen_protos.sh and commit omnirail/v1/"
 

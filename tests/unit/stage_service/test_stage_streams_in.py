@@ -15,7 +15,7 @@ from omnirail.config import PipelineConfig
 from omnirail.stage_service.host import build_scheduler
 from omnirail.stage_service.streaming import StreamingScheduler
 from omnirail.wire.errors import Code, OmniError
-from tests.unit.stage_fakes import (
+from tests.unit.stage_service.stage_fakes import (
     HERE,
     TRACE,
     Harness,

@@ -21,7 +21,7 @@ from omnirail.relay.base import Relay, RelayError, RelaySettings, create_relay
 from omnirail.wire.payload import pack
 
 nixl = pytest.importorskip("omnirail.relay.nixl")
-ROOT = Path(__file__).resolve().parents[2]
+ROOT = Path(__file__).resolve().parents[3]
 MiB = 1 << 20
 
 

@@ -43,8 +43,8 @@ def module_dir(tmp_path: Path) -> Iterator[tuple[Path, str]]:
         ("collections:OrderedDict", collections.OrderedDict),
         ("collections.OrderedDict", collections.OrderedDict),
         ("collections:OrderedDict.fromkeys", collections.OrderedDict.fromkeys),
-        ("tests.unit.test_dotted:Holder.method", Holder.method),
-        ("tests.unit.test_dotted.Holder.method", Holder.method),
+        ("tests.unit.config.test_dotted:Holder.method", Holder.method),
+        ("tests.unit.config.test_dotted.Holder.method", Holder.method),
         ("importlib.util.find_spec", importlib.util.find_spec),
     ],
 )
@@ -97,7 +97,7 @@ def test_missing_attribute_both_forms() -> None:
     with pytest.raises(AttributeError, match="has no attribute 'nope'"):
         dotted.resolve("os.path.nope")
     with pytest.raises(AttributeError, match="'Holder' has no attribute 'nope'"):
-        dotted.resolve("tests.unit.test_dotted:Holder.nope")
+        dotted.resolve("tests.unit.config.test_dotted:Holder.nope")
 
 
 def test_module_error_is_import_error(module_dir: tuple[Path, str]) -> None:
@@ -136,7 +136,7 @@ def test_base_dir_is_added_to_sys_path(module_dir: tuple[Path, str]) -> None:
 
 def test_cache_returns_same_object_until_cleared(monkeypatch: pytest.MonkeyPatch) -> None:
     dotted.clear_cache()
-    path = "tests.unit.test_dotted:VALUE"
+    path = "tests.unit.config.test_dotted:VALUE"
     assert dotted.resolve(path) == "original"
     monkeypatch.setattr(sys.modules[__name__], "VALUE", "changed")
     assert dotted.resolve(path) == "original"

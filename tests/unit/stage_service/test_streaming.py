@@ -13,7 +13,7 @@ import pytest
 
 from omnirail.stage_service.scheduler import IncomingMessage
 from omnirail.stage_service.streaming import StreamingScheduler, StreamState
-from tests.unit.scheduler_support import TIMEOUT, Collector, new
+from tests.unit.stage_service.scheduler_support import TIMEOUT, Collector, new
 
 
 def chunk(rid: str, data: Any, n: int = 0) -> IncomingMessage:

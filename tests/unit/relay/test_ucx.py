@@ -27,7 +27,7 @@ from omnirail.v1 import common_pb2
 from omnirail.wire.payload import pack
 
 MiB = 1 << 20
-ROOT = Path(__file__).resolve().parents[2]
+ROOT = Path(__file__).resolve().parents[3]
 Remote = tuple[subprocess.Popen[str], bytes, list[common_pb2.RelayDescriptor]]
 
 # A sender in its own process: prints its info, then the descriptors of three puts (hex).

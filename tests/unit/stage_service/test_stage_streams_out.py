@@ -12,7 +12,7 @@ import pytest
 from omnirail.config import PipelineConfig
 from omnirail.stage_service.scheduler import CLIENT
 from omnirail.wire.errors import Code
-from tests.unit.stage_fakes import (
+from tests.unit.stage_service.stage_fakes import (
     HERE,
     Harness,
     RecordingScheduler,

@@ -10,7 +10,7 @@ from pathlib import Path
 
 from omnirail.tuning.grpc_env import EXPERIMENTS_ENV, POSIX_IO
 
-REPO = Path(__file__).resolve().parents[2]
+REPO = Path(__file__).resolve().parents[3]
 
 PROBE = """
 import json, os, sys

@@ -9,7 +9,7 @@ import torch
 from omnirail.relay.base import RelayError, RelaySettings, create_relay
 from omnirail.relay.shm import ShmForward, ShmRelay
 from omnirail.wire.payload import pack, unpack
-from tests.unit import test_relay_shm as shm_tests
+from tests.unit.relay import test_shm as shm_tests
 
 # The shm tests' fixtures: segments under a fresh prefix, relays closed and swept after.
 prefix = shm_tests.prefix

@@ -14,7 +14,7 @@ import pytest
 
 from omnirail.stage_service.ar import ARRequest, ARScheduler, ARStep
 from omnirail.stage_service.scheduler import IncomingMessage
-from tests.unit.scheduler_support import TIMEOUT, Collector, new
+from tests.unit.stage_service.scheduler_support import TIMEOUT, Collector, new
 
 
 def countdown(batch: list[ARRequest]) -> list[ARStep]:
