@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import json
 import os
+import re
+import shutil
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")  # nothing is ever downloaded
 
@@ -13,7 +15,7 @@ import torch
 pytest.importorskip("transformers")
 pytest.importorskip("PIL")
 
-from examples.qwen3_omni import tiny_model
+from examples.qwen3_omni import tiny_model, weights
 from examples.qwen3_omni.processor import load_processor
 
 KINDS = ["text", "image", "audio"]
@@ -129,3 +131,267 @@ def test_processor_prompt(processor):
     assert inputs["input_features"].shape[:2] == (1, 128)
     with pytest.raises(ValueError, match="video input needs torchvision"):
         processor(text="<|vision_start|><|video_pad|><|vision_end|>", videos=[object()])
+
+
+# --- load_submodule ------------------------------------------------------------------------
+
+
+class _CountingOpen:
+    """Wraps `safe_open` to record the files opened and the tensors read."""
+
+    def __init__(self):
+        self.files: list[str] = []
+        self.tensors: list[str] = []
+
+    def __call__(self, file, *args, **kwargs):
+        from safetensors import safe_open
+
+        self.files.append(os.path.basename(file))
+        counter, handle = self, safe_open(file, *args, **kwargs)
+
+        class Handle:
+            def __enter__(self):
+                self.f = handle.__enter__()
+                return self
+
+            def __exit__(self, *exc):
+                return handle.__exit__(*exc)
+
+            def keys(self):
+                return self.f.keys()
+
+            def get_tensor(self, name):
+                counter.tensors.append(name)
+                return self.f.get_tensor(name)
+
+        return Handle()
+
+
+def _index(model_dir) -> dict[str, str]:
+    return json.loads((model_dir / "model.safetensors.index.json").read_text())["weight_map"]
+
+
+@pytest.mark.parametrize("name", list(weights.SUBMODULES))
+def test_load_submodule_equals_reference(name, tiny_dir, reference, monkeypatch):
+    spec = weights.SUBMODULES[name]
+    opened = _CountingOpen()
+    monkeypatch.setattr(weights, "safe_open", opened)
+    module = weights.load_submodule(tiny_dir, name, torch.device("cpu"))
+    assert not module.training
+    own = dict(module.named_parameters())
+    ref = weights.reference_parameters(reference, name)
+    assert own.keys() == ref.keys()
+    assert all(torch.equal(own[k], ref[k]) for k in own)
+    assert sum(p.numel() for p in own.values()) == sum(p.numel() for p in ref.values())
+    # Buffers (rope frequencies, codebook offsets, ...) as from_pretrained builds them.
+    ref_buffers = {
+        own_prefix + key: buf
+        for (own_prefix, _), attr in zip(spec.parts, spec.reference, strict=True)
+        for key, buf in reference.get_submodule(attr).named_buffers()
+    }
+    buffers = dict(module.named_buffers())
+    assert buffers.keys() == ref_buffers.keys()
+    assert all(torch.equal(buffers[k], ref_buffers[k]) for k in buffers)
+    # Exactly the tensors under the submodule's prefixes were read, each once, from only the
+    # shards holding them.
+    index = _index(tiny_dir)
+    wanted = sorted(k for k in index if k.startswith(spec.prefixes))
+    assert sorted(opened.tensors) == wanted
+    assert sorted(opened.files) == sorted({index[k] for k in wanted})
+
+
+def test_a_submodule_opens_only_its_shards(tiny_dir, monkeypatch):
+    shards = set(_index(tiny_dir).values())
+    opened = _CountingOpen()
+    monkeypatch.setattr(weights, "safe_open", opened)
+    weights.load_submodule(tiny_dir, "thinker.audio_tower", "cpu")
+    assert 0 < len(opened.files) < len(shards)
+
+
+def test_load_submodule_runs_as_the_reference(tiny_dir, reference):
+    codes = torch.randint(0, tiny_model.CODEBOOK_SIZE, (1, tiny_model.NUM_CODE_GROUPS, 12))
+    code2wav = weights.load_submodule(tiny_dir, "code2wav")
+    with torch.no_grad():
+        assert torch.equal(code2wav(codes), reference.code2wav(codes))
+    thinker = weights.load_submodule(tiny_dir, "thinker.text")
+    ids = torch.tensor([[1, 2, 3, 4]])
+    with torch.no_grad():
+        ours = thinker.lm_head(thinker.model(input_ids=ids).last_hidden_state)
+        theirs = reference.thinker(input_ids=ids).logits
+    assert torch.equal(ours, theirs)
+
+
+def _copy_dir(src, dst):
+    shutil.copytree(src, dst)
+    return dst
+
+
+def _rewrite_shard(model_dir, tensor: str, edit) -> str:
+    """Applies `edit(tensors)` to the shard holding `tensor` and updates the index."""
+    from safetensors.torch import load_file, save_file
+
+    index_file = model_dir / "model.safetensors.index.json"
+    index = json.loads(index_file.read_text())
+    shard = index["weight_map"][tensor]
+    tensors = load_file(model_dir / shard)
+    edit(tensors)
+    save_file(tensors, model_dir / shard, metadata={"format": "pt"})
+    index["weight_map"] = {k: v for k, v in index["weight_map"].items() if v != shard}
+    index["weight_map"].update(dict.fromkeys(tensors, shard))
+    index_file.write_text(json.dumps(index))
+    return shard
+
+
+def _error(model_dir, name="thinker.audio_tower") -> str:
+    with pytest.raises(weights.ModelDirError) as excinfo:
+        weights.load_submodule(model_dir, name, "cpu")
+    message = str(excinfo.value)
+    assert "\n" not in message
+    return message
+
+
+def test_error_no_config(tiny_dir, tmp_path):
+    model_dir = _copy_dir(tiny_dir, tmp_path / "m")
+    (model_dir / "config.json").unlink()
+    assert _error(model_dir) == (
+        f"{model_dir}/config.json: no such file (a model directory needs config.json)"
+    )
+    assert _error(tmp_path / "nowhere") == (
+        f"model_path {str(tmp_path / 'nowhere')!r} is not a directory"
+    )
+
+
+def test_error_another_architecture(tiny_dir, tmp_path):
+    model_dir = _copy_dir(tiny_dir, tmp_path / "m")
+    config = json.loads((model_dir / "config.json").read_text())
+    config["model_type"] = "qwen2"
+    (model_dir / "config.json").write_text(json.dumps(config))
+    assert _error(model_dir) == (
+        f"{model_dir}/config.json: model_type is 'qwen2', not 'qwen3_omni_moe'"
+        " (another architecture)"
+    )
+
+
+def test_error_missing_shard(tiny_dir, tmp_path):
+    model_dir = _copy_dir(tiny_dir, tmp_path / "m")
+    shard = _index(model_dir)["thinker.audio_tower.conv2d1.weight"]
+    (model_dir / shard).unlink()
+    assert _error(model_dir) == (
+        f"{model_dir}/{shard}: no such file (a shard named by model.safetensors.index.json)"
+    )
+    # A stage whose tensors are all in other shards still loads.
+    others = [
+        n
+        for n, s in weights.SUBMODULES.items()
+        if all(_index(model_dir)[k] != shard for k in _index(model_dir) if k.startswith(s.prefixes))
+    ]
+    assert others
+    weights.load_submodule(model_dir, others[0], "cpu")
+
+
+def test_error_missing_tensor(tiny_dir, tmp_path):
+    model_dir = _copy_dir(tiny_dir, tmp_path / "m")
+    _rewrite_shard(
+        model_dir,
+        "thinker.audio_tower.conv2d1.weight",
+        lambda t: t.pop("thinker.audio_tower.conv2d1.weight"),
+    )
+    assert _error(model_dir) == (
+        "thinker.audio_tower: missing tensor thinker.audio_tower.conv2d1.weight"
+        f" (in no file of {model_dir})"
+    )
+    # One expert's weight, in the checkpoint's one-tensor-per-expert layout.
+    expert = "thinker.model.layers.1.mlp.experts.2.up_proj.weight"
+    _rewrite_shard(model_dir, expert, lambda t: t.pop(expert))
+    assert _error(model_dir, "thinker.model") == (
+        f"thinker.model: missing tensor {expert} (in no file of {model_dir})"
+    )
+
+
+def test_error_index_names_a_tensor_the_shard_lacks(tiny_dir, tmp_path):
+    model_dir = _copy_dir(tiny_dir, tmp_path / "m")
+    name = "thinker.audio_tower.conv2d1.weight"
+    shard = _rewrite_shard(model_dir, name, lambda t: t.pop(name))
+    index_file = model_dir / "model.safetensors.index.json"
+    index = json.loads(index_file.read_text())
+    index["weight_map"][name] = shard
+    index_file.write_text(json.dumps(index))
+    assert _error(model_dir).startswith(f"{model_dir}/{shard}: cannot read tensor {name} (")
+
+
+def test_error_unexpected_tensors(tiny_dir, tmp_path):
+    model_dir = _copy_dir(tiny_dir, tmp_path / "m")
+
+    def add(tensors):
+        tensors["thinker.audio_tower.extra.weight"] = torch.zeros(2)
+        tensors["thinker.audio_tower.layers.9.fc1.bias"] = torch.zeros(2)
+
+    _rewrite_shard(model_dir, "thinker.audio_tower.conv2d1.weight", add)
+    assert _error(model_dir) == (
+        "thinker.audio_tower: unexpected tensors under thinker.audio_tower.:"
+        " thinker.audio_tower.extra.weight, thinker.audio_tower.layers.9.fc1.bias"
+        " (not in the module)"
+    )
+
+
+def test_error_shape_mismatch(tiny_dir, tmp_path):
+    model_dir = _copy_dir(tiny_dir, tmp_path / "m")
+    name = "thinker.audio_tower.conv2d1.weight"
+
+    def reshape(tensors):
+        tensors[name] = torch.zeros(3, 1, 3, 3)
+
+    shard = _rewrite_shard(model_dir, name, reshape)
+    assert _error(model_dir) == (
+        f"tensor {name} in {model_dir}/{shard} has shape [3, 1, 3, 3],"
+        " the module's conv2d1.weight needs [16, 1, 3, 3]"
+    )
+    expert = "talker.model.layers.0.mlp.experts.3.down_proj.weight"
+
+    def reshape_expert(tensors):
+        tensors[expert] = torch.zeros(32, 31)
+
+    shard = _rewrite_shard(model_dir, expert, reshape_expert)
+    assert _error(model_dir, "talker") == (
+        f"tensor {expert} in {model_dir}/{shard} has shape [32, 31],"
+        " the module's model.layers.0.mlp.experts.down_proj needs [32, 32] per expert"
+    )
+
+
+def test_unknown_submodule(tiny_dir):
+    with pytest.raises(
+        ValueError, match=re.escape("unknown submodule 'thinker.foo'; one of thinker.audio")
+    ):
+        weights.load_submodule(tiny_dir, "thinker.foo")
+
+
+def test_single_file_checkpoint_with_fused_experts(tiny_dir, tmp_path, reference):
+    """One model.safetensors (no index), the thinker's experts stored fused as transformers
+    holds them: read as is."""
+    from safetensors.torch import load_file, save_file
+
+    model_dir = tmp_path / "single"
+    model_dir.mkdir()
+    shutil.copy(tiny_dir / "config.json", model_dir / "config.json")
+    tensors: dict[str, torch.Tensor] = {}
+    for shard in sorted(set(_index(tiny_dir).values())):
+        tensors.update(load_file(tiny_dir / shard))
+    for key, value in dict(reference.thinker.model.language_model.named_parameters()).items():
+        if ".mlp.experts." in key:
+            tensors[f"thinker.model.{key}"] = value.detach().clone()
+    tensors = {
+        k: v
+        for k, v in tensors.items()
+        if not re.search(r"experts\.\d+\.", k) or not k.startswith("thinker.")
+    }
+    assert "thinker.model.layers.0.mlp.experts.gate_up_proj" in tensors
+    assert "talker.model.layers.0.mlp.experts.0.gate_proj.weight" in tensors
+    save_file(tensors, model_dir / "model.safetensors", metadata={"format": "pt"})
+    for name in ("thinker.model", "talker"):
+        module = weights.load_submodule(model_dir, name)
+        ref = weights.reference_parameters(reference, name)
+        assert all(torch.equal(p, ref[k]) for k, p in module.named_parameters())
+    (model_dir / "model.safetensors").unlink()
+    assert _error(model_dir) == (
+        f"{model_dir}: neither model.safetensors.index.json nor model.safetensors is there"
+    )
