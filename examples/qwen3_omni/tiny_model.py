@@ -6,8 +6,10 @@ several safetensors shards (model.safetensors.index.json), a byte-level BPE toke
 Qwen3-Omni's special tokens and chat template, and the processor's image processor and
 Whisper feature extractor. The result loads with
 `Qwen3OmniMoeForConditionalGeneration.from_pretrained(path)` (see `load_reference` for the
-one transformers bug it works around) and `processor.load_processor(path)`, and
-`reference_generate` runs the reference `generate()` greedily on it.
+transformers bug it works around) and `processor.load_processor(path)`, and
+`reference_generate` runs the reference `generate()` greedily on it (`generate_kwargs`).
+transformers 5.24 leaves the talker's MoE expert weights uninitialised (`torch.empty`);
+`make_tiny_model` draws them itself, so the same seed gives the same files.
 
 Shapes (see `tiny_config`): thinker text model 2 layers x 64 wide with 4 experts (2 per
 token); audio encoder 1 layer x 32; vision encoder 2 blocks x 32 (patch 16, merge 2,

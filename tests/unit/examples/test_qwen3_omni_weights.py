@@ -395,3 +395,12 @@ def test_single_file_checkpoint_with_fused_experts(tiny_dir, tmp_path, reference
     assert _error(model_dir) == (
         f"{model_dir}: neither model.safetensors.index.json nor model.safetensors is there"
     )
+
+
+def test_load_submodule_in_another_dtype(tiny_dir, reference):
+    module = weights.load_submodule(tiny_dir, "code2wav", "cpu", dtype=torch.bfloat16)
+    ref = weights.reference_parameters(reference, "code2wav")
+    for key, param in module.named_parameters():
+        assert param.dtype == torch.bfloat16
+        assert torch.equal(param, ref[key].to(torch.bfloat16))
+    assert module.code_offset.dtype == reference.code2wav.code_offset.dtype  # integer buffer
