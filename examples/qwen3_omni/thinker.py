@@ -331,10 +331,11 @@ class ThinkerRunner:
         Each request runs its own forward with its own cache, one after another, rather than
         one batched forward: batching requests of different lengths means padding and
         attention masks and, in the MoE, expert matmuls over a different set of rows, and
-        matmuls of other shapes sum in other orders, so the floats change (by ~1e-7
-        relative) and a greedy choice between two close logits can flip. Stepping each
-        request alone keeps every request bitwise equal to its solo run, whoever else is
-        running.
+        matmuls of other shapes sum in other orders, so the floats change and a greedy
+        choice between two close logits can flip. (Measured on this project's CPU: one
+        `F.linear` over 8 rows differs from 8 one-row calls by up to 8e-6 at 64 wide and
+        1e-4 at 2048 wide.) Stepping each request alone keeps every request bitwise equal to
+        its solo run, whoever else is running.
         """
         return [self.step(state) for state in states]
 

@@ -231,6 +231,18 @@ def test_max_new_tokens_one_and_default_eos(processor, runner):
     assert pre.state.eos_token_ids == frozenset()
 
 
+def test_embed_is_the_thinker_embedding(reference, runner):
+    """The talker's tts_bos/eos/pad inputs come from the thinker's embedding table."""
+    config = reference.config
+    ids = torch.tensor(
+        [[config.tts_bos_token_id, config.tts_eos_token_id, config.tts_pad_token_id]]
+    )
+    with torch.no_grad():
+        ref = reference.thinker.get_input_embeddings()(ids)
+    assert torch.equal(runner.embed(ids), ref)
+    assert runner.embed(ids[0].tolist()).shape == (3, runner.hidden_size)
+
+
 # ---- continuous batching ----------------------------------------------------------------
 
 PROMPTS = [
