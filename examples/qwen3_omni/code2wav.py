@@ -1,0 +1,262 @@
+"""Qwen3-Omni's codec vocoder (code2wav) decoding a stream of codec frames as they arrive.
+
+    streamer = Code2WavStreamer(code2wav)  # or Code2WavStreamer.from_pretrained(path, device)
+    state = streamer.start()
+    audio = streamer.push(state, frame)    # frame (num_quantizers,): samples, often empty
+    audio = streamer.flush(state)          # at the end of the stream: the rest
+
+Every call returns a 1-D float32 tensor of 24 kHz samples (possibly empty) on the module's
+device; their concatenation is the request's waveform, equal to the reference's
+`code2wav.chunked_decode(codes, chunk_size=300, left_context_size=25)` (what
+`Qwen3OmniMoeForConditionalGeneration.generate()` returns) up to float rounding.
+
+How, and why that bound: code2wav is a sliding-window transformer over the 12.5 Hz code frames
+followed by a convolution stack that upsamples each frame to `total_upsample` (1920) samples.
+Both are causal up to a fixed tail: decoding `t` frames gives `1920 t - d` samples (`d`, 555
+for Qwen3-Omni's decoder, is what the causal transposed convolutions drop at the end), and
+those are the first samples of decoding any longer prefix. The reference decodes in
+*segments* of 300 frames, each with 25 frames of left context whose samples it drops, so its
+waveform restarts the transformer at every segment boundary and lacks `d` samples there.
+The streamer decodes the same segments (segment k: frames `[300k - 25, 300(k+1))`, the first
+25 only as context), and inside a segment it emits audio every `chunk_frames` frames:
+
+- the transformer runs incrementally over the segment with its own KV cache (a sliding-window
+  cache: equal to a full forward up to float rounding, ~1e-7 relative), and
+- the convolution stack, whose receptive field is short (`conv_context` frames, measured once
+  from the module's structure), is recomputed on the new frames plus `conv_context` frames
+  before them, and only the samples that this window determines exactly are kept.
+
+So the streamed waveform equals the reference within float rounding for any length, past 300
+frames included (no samples are added or lost at boundaries: the same `d` samples per segment
+are missing, as in the reference). Measured on the tiny model: < 1e-6 absolute. With
+`segment_frames=None` the stream is one segment: equal to `code2wav(codes)` (the decode of
+all frames at once, with none of the reference's segment restarts) instead.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+from transformers import DynamicCache
+
+SEGMENT_FRAMES = 300  # the reference chunked_decode's chunk_size
+SEGMENT_CONTEXT = 25  # and its left_context_size
+CHUNK_FRAMES = 12  # frames per emitted audio chunk (0.96 s at 12.5 Hz)
+FIRST_CHUNK_FRAMES = 4  # the first chunk of a request, sooner (0.32 s)
+
+
+@dataclass(eq=False)
+class Code2WavState:
+    """One request's decoding state (build it with `Code2WavStreamer.start`)."""
+
+    frames_in: int = 0  # code frames received
+    samples_out: int = 0  # samples emitted
+    segment_start: int = 0  # first frame of the current segment (after its context)
+    window: list[torch.Tensor] = field(default_factory=list)  # the segment's frames, context first
+    context: int = 0  # how many of `window` are context
+    cache: Any = None  # the transformer's cache over `window`
+    hidden: torch.Tensor | None = None  # (1, H, n): transformer output, the last n of `window`
+    hidden_start: int = 0  # index in `window` of hidden's first column
+    emitted: int = 0  # samples of the segment window emitted (or dropped as context)
+    chunks: int = 0
+    finished: bool = False
+
+
+class Code2WavStreamer:
+    """Streams code2wav (`Qwen3OmniMoeCode2Wav`) per request; see the module docstring.
+
+    `chunk_frames`: emit once this many new frames have arrived (`first_chunk_frames` for a
+    request's first chunk); `segment_frames`/`segment_context`: the reference's chunking
+    (None: one segment); `conv_context`: frames of left context for the convolution stack
+    (measured from the module when None).
+    """
+
+    def __init__(
+        self,
+        code2wav: Any,
+        *,
+        chunk_frames: int = CHUNK_FRAMES,
+        first_chunk_frames: int | None = FIRST_CHUNK_FRAMES,
+        segment_frames: int | None = SEGMENT_FRAMES,
+        segment_context: int = SEGMENT_CONTEXT,
+        conv_context: int | None = None,
+    ) -> None:
+        if chunk_frames < 1:
+            raise ValueError(f"chunk_frames must be >= 1, got {chunk_frames}")
+        if first_chunk_frames is not None and first_chunk_frames < 1:
+            raise ValueError(f"first_chunk_frames must be >= 1, got {first_chunk_frames}")
+        if segment_frames is not None and segment_frames < 1:
+            raise ValueError(f"segment_frames must be >= 1, got {segment_frames}")
+        if segment_context < 0:
+            raise ValueError(f"segment_context must be >= 0, got {segment_context}")
+        self.code2wav = code2wav
+        self.config = code2wav.config
+        self.device = next(code2wav.parameters()).device
+        self.chunk_frames = chunk_frames
+        self.first_chunk_frames = first_chunk_frames or chunk_frames
+        self.segment_frames = segment_frames
+        self.segment_context = segment_context
+        self.num_quantizers = self.config.num_quantizers
+        self.codebook_size = self.config.codebook_size
+        self.upsample = int(code2wav.total_upsample)
+        with torch.no_grad():
+            self.tail, reach = self._measure()
+        # Frames before the first new sample that can still reach it, plus one of margin.
+        self.conv_context = math.ceil(reach) + 1 if conv_context is None else conv_context
+
+    @classmethod
+    def from_pretrained(
+        cls, model_path: str | Path, device: Any = "cpu", **options: Any
+    ) -> Code2WavStreamer:
+        """Loads only code2wav's tensors from the checkpoint directory `model_path`."""
+        from .weights import load_submodule
+
+        return cls(load_submodule(model_path, "code2wav", device), **options)
+
+    # ---- per request ------------------------------------------------------------------
+
+    def start(self) -> Code2WavState:
+        return Code2WavState()
+
+    def push(self, state: Code2WavState, frames: torch.Tensor) -> torch.Tensor:
+        """Adds code frame(s): `(num_quantizers,)` for one, `(n, num_quantizers)` for several.
+        Returns the samples this makes ready (often none)."""
+        if state.finished:
+            raise RuntimeError("frames pushed after flush")
+        frames = torch.as_tensor(frames)
+        if frames.ndim == 1:
+            frames = frames.unsqueeze(0)
+        if frames.ndim != 2 or frames.shape[1] != self.num_quantizers:
+            raise ValueError(
+                f"code frames must be ({self.num_quantizers},) or (n, {self.num_quantizers}), "
+                f"got {tuple(frames.shape)}"
+            )
+        if frames.dtype not in (torch.int64, torch.int32) or (
+            frames.numel()
+            and not (0 <= int(frames.min()) and int(frames.max()) < self.codebook_size)
+        ):
+            raise ValueError(f"codes must be integers in [0, {self.codebook_size})")
+        out = []
+        for frame in frames.to(self.device, torch.long):
+            if self._segment_full(state):  # its samples are all out: start the next one
+                self._next_segment(state)
+            state.window.append(frame)
+            state.frames_in += 1
+            new = len(state.window) - state.context - self._emitted_frames(state)
+            due = self.chunk_frames if state.chunks else self.first_chunk_frames
+            if new >= due or self._segment_full(state):
+                out.append(self._emit(state))
+        return self._cat(out)
+
+    def flush(self, state: Code2WavState) -> torch.Tensor:
+        """The samples of every frame not yet emitted; the request's stream ends here."""
+        out = self._emit(state) if state.window else self._cat([])
+        state.finished = True
+        self.release(state)
+        return out
+
+    def release(self, state: Code2WavState) -> None:
+        """Drops the request's cache and buffers (at its end, or when it is aborted)."""
+        state.window = []
+        state.cache = None
+        state.hidden = None
+
+    # ---- decoding ---------------------------------------------------------------------
+
+    def samples(self, frames: int) -> int:
+        """Samples the decode of `frames` frames gives (0 for none)."""
+        return max(frames * self.upsample - self.tail, 0)
+
+    def _segment_full(self, state: Code2WavState) -> bool:
+        return (
+            self.segment_frames is not None
+            and len(state.window) - state.context >= self.segment_frames
+        )
+
+    def _emitted_frames(self, state: Code2WavState) -> int:
+        """Frames of the window (after its context) whose samples have all been emitted."""
+        return max((state.emitted + self.tail) // self.upsample - state.context, 0)
+
+    def _next_segment(self, state: Code2WavState) -> None:
+        """Starts the next segment as the reference's chunked_decode does: its left context
+        is the last `segment_context` frames (fewer only if the stream is shorter)."""
+        start = state.segment_start + len(state.window) - state.context
+        context = self.segment_context if start - self.segment_context > 0 else start
+        state.window = state.window[len(state.window) - context :] if context else []
+        state.context = context
+        state.segment_start = start
+        state.cache = None
+        state.hidden = None
+        state.hidden_start = 0
+        state.emitted = context * self.upsample  # the context's samples are dropped
+
+    def _emit(self, state: Code2WavState) -> torch.Tensor:
+        """Runs the transformer over the window's new frames and the convolution stack over
+        what the unemitted samples need; returns those samples."""
+        c2w = self.code2wav
+        n = len(state.window)
+        end = self.samples(n)
+        if end <= state.emitted:
+            return self._cat([])
+        with torch.no_grad():
+            have = 0 if state.hidden is None else state.hidden_start + state.hidden.shape[-1]
+            if have < n:
+                codes = torch.stack(state.window[have:], dim=-1).unsqueeze(0)  # (1, Q, new)
+                embeds = c2w.code_embedding(codes + c2w.code_offset).mean(1)
+                if state.cache is None:
+                    state.cache = DynamicCache(config=self.config)
+                hidden = c2w.pre_transformer(
+                    inputs_embeds=embeds, cache=state.cache, use_cache=True
+                ).last_hidden_state.permute(0, 2, 1)
+                state.hidden = (
+                    hidden if state.hidden is None else torch.cat((state.hidden, hidden), dim=-1)
+                )
+            # The first frame whose samples are not all out, less the convolutions' reach.
+            first = max(state.emitted // self.upsample - self.conv_context, 0)
+            if first < state.hidden_start:
+                raise AssertionError("code2wav streamer: dropped hidden states still needed")
+            assert state.hidden is not None
+            wav = self._convs(state.hidden[..., first - state.hidden_start :])
+            # Only the conv_context frames before the next chunk need keeping.
+            keep_from = max(self.samples(n) // self.upsample - self.conv_context - 1, 0)
+            if keep_from > state.hidden_start:
+                state.hidden = state.hidden[..., keep_from - state.hidden_start :]
+                state.hidden_start = keep_from
+        out = wav[0, 0, state.emitted - first * self.upsample :]
+        state.emitted = end
+        state.samples_out += out.shape[0]
+        state.chunks += 1
+        return out.float()
+
+    def _convs(self, hidden: torch.Tensor) -> torch.Tensor:
+        """code2wav's forward after its transformer: (1, H, n) -> (1, 1, samples(n))."""
+        for blocks in self.code2wav.upsample:
+            for block in blocks:
+                hidden = block(hidden)
+        wav = hidden
+        for block in self.code2wav.decoder:
+            wav = block(wav)
+        return wav.clamp(min=-1, max=1)
+
+    def _measure(self) -> tuple[int, float]:
+        """(samples a decode drops at its end, reach of one frame into later frames): from the
+        module's structure, by pushing NaN through the convolution stack (a NaN reaches
+        exactly the outputs that depend on it, whatever the weights)."""
+        frames, probe = 32, 8
+        p = next(self.code2wav.parameters())
+        hidden = torch.zeros((1, self.config.hidden_size, frames), dtype=p.dtype, device=p.device)
+        tail = frames * self.upsample - self._convs(hidden).shape[-1]
+        hidden[..., probe] = float("nan")
+        reached = torch.isnan(self._convs(hidden)[0, 0]).nonzero().flatten()
+        last = int(reached.max()) if reached.numel() else probe * self.upsample
+        return tail, (last + 1 - probe * self.upsample) / self.upsample
+
+    def _cat(self, parts: list[torch.Tensor]) -> torch.Tensor:
+        parts = [p for p in parts if p.numel()]
+        if not parts:
+            return torch.zeros(0, dtype=torch.float32, device=self.device)
+        return parts[0] if len(parts) == 1 else torch.cat(parts)

@@ -1,0 +1,656 @@
+"""Qwen3-Omni's talker (with its code predictor) as a per-request streaming step machine.
+
+The talker turns the thinker's text into codec frames, one frame of `num_code_groups` codes
+per step: the talker's MoE decoder picks the first code (group 0) and the code predictor the
+other groups. `TalkerRunner` does exactly what transformers'
+`Qwen3OmniMoeForConditionalGeneration.generate()` does after the thinker, but per request and
+incrementally, so that the talker can run one token behind a streaming thinker:
+
+    runner = TalkerRunner.from_pretrained(model_path, device)  # or TalkerRunner.from_model(m)
+    state = runner.start(prompt)        # TalkerPrompt: what the thinker's prefill gives
+    runner.push_text(state, embed)      # each generated token's thinker input embedding
+    runner.end_text(state)              # the thinker's text ended
+    out = runner.step(state)            # TalkerStep: .frame (groups,), .finished, .needs_input
+
+What crosses from thinker to talker, per request (the same tensors `generate()` derives from
+`thinker_result.hidden_states`):
+
+1. once, after the thinker's prefill, a `TalkerPrompt`: the prompt's token ids `(S,)`, the
+   thinker's input embeddings of the prompt `(S, D)` (`hidden_states[0]`: the text model's
+   input, media features merged in), its hidden states at `talker_config.accept_hidden_layer`
+   (`(S, D)`, or only the rows of the multimodal positions, `(M, D)`; not needed without
+   media), and for the 3D rope the image/video grids `(n, 3)` and the audio feature lengths
+   `(n,)` (`feature_attention_mask.sum(-1)`);
+2. then, for every generated text token that the thinker feeds back into itself (every
+   generated token but its last), that token's thinker input embedding `(D,)`, in order;
+3. finally, that the text ended (the thinker stopped at its end-of-turn token or at its
+   `max_new_tokens`).
+
+The talker's prompt is the user turns of the thinker's prompt (text positions through
+`text_projection` of the thinker's embeddings, media positions through `hidden_projection` of
+its hidden states) followed by the assistant part: `<|im_start|>assistant\\n`, 4 x tts_pad,
+tts_bos and the first generated token, each added to the codec control embeddings (nothink,
+think_bos, think_eos, speaker, codec_pad, codec_bos). The prefill therefore waits for the first
+generated token's embedding. Each later step adds to the previous frame's summed codec
+embeddings one "trailing text" embedding: the next generated token's, then tts_eos once the
+text has ended, then tts_pad. Step `k` (k >= 1) thus needs generated token `k`: the talker runs
+one token behind the thinker, and `step` answers `needs_input` while that token has not
+arrived and the text has not ended.
+
+Each request has its own KV cache and its own positions (transformers keeps `rope_deltas` on
+the shared module; here they never touch it), so requests can be stepped interleaved in any
+order and each gets exactly what it gets alone. Logits processing is the reference's: greedy
+(or sampled with the reference's warpers), `repetition_penalty` (1.05 in `generate()`) over the
+talker's own generated codes, and the top 1024 ids of the talker's vocabulary suppressed
+except `codec_eos`. A request ends at `codec_eos` or after `max_new_tokens` talker tokens; as in
+`generate()`, the token that ends it (eos, or the last one allowed) gets no frame, so a request
+yields at most `max_new_tokens - 1` frames.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+from transformers import DynamicCache
+from transformers.generation.logits_process import (
+    LogitsProcessorList,
+    RepetitionPenaltyLogitsProcessor,
+    SuppressTokensLogitsProcessor,
+    TemperatureLogitsWarper,
+    TopKLogitsWarper,
+    TopPLogitsWarper,
+)
+
+# The reference generate()'s defaults for the talker and (when sampling) its code predictor.
+REPETITION_PENALTY = 1.05
+TALKER_TEMPERATURE = 0.9
+TALKER_TOP_K = 50
+TALKER_TOP_P = 1.0
+PREDICTOR_TOP_K = 50
+PREDICTOR_TOP_P = 0.8
+MAX_NEW_TOKENS = 4096
+
+
+@dataclass
+class TalkerPrompt:
+    """What the thinker hands the talker once per request, after its prefill (batch dim
+    dropped). `hidden` may be None when the prompt has no media, and may hold only the rows
+    of the multimodal positions (in order) instead of all `S`."""
+
+    input_ids: torch.Tensor  # (S,) long: the thinker's prompt
+    embeds: torch.Tensor  # (S, D): thinker input embeddings of the prompt
+    hidden: torch.Tensor | None = None  # (S, D) or (M, D): hidden states at accept_hidden_layer
+    image_grid_thw: torch.Tensor | None = None  # (images, 3)
+    video_grid_thw: torch.Tensor | None = None  # (videos, 3)
+    audio_feature_lengths: torch.Tensor | None = None  # (audios,)
+    video_second_per_grid: torch.Tensor | None = None  # (videos,)
+    use_audio_in_video: bool = False
+
+
+@dataclass
+class TalkerStep:
+    """One step's outcome: a codec frame `(num_code_groups,)` long, on the CPU (None when
+    the step made none: parked for input, or the request ended); `finished` once the request
+    is over; `needs_input` when it waits for the thinker's next token (nothing was run)."""
+
+    frame: torch.Tensor | None = None
+    finished: bool = False
+    needs_input: bool = False
+
+
+@dataclass(eq=False)
+class TalkerState:
+    """One request's talker state (build it with `TalkerRunner.start`)."""
+
+    user_embeds: torch.Tensor  # (1, U, H): the talker's user part
+    user_ids: torch.Tensor  # (1, U)
+    assistant_head: torch.Tensor  # (3, D): thinker embeddings of <|im_start|>assistant\n
+    rope: dict[str, Any]  # grids and lengths for the 3D rope
+    speaker_id: int
+    max_new_tokens: int
+    processors: LogitsProcessorList
+    do_sample: bool = False
+    generator: torch.Generator | None = None
+    predictor_processors: LogitsProcessorList | None = None
+    # Thinker embeddings of the text after <|im_start|>assistant\n, (D,) each; None once used.
+    text: list[torch.Tensor | None] = field(default_factory=list)
+    text_done: bool = False
+    # Generation state, set by the prefill.
+    steps: int = 0  # talker tokens generated so far
+    tokens: list[int] = field(default_factory=list)  # the talker's group-0 codes, in order
+    frames: int = 0
+    cache: Any = None
+    positions: torch.Tensor | None = None  # (4, 1, L) position ids of the last forward
+    attention_length: int = 0
+    past_hidden: torch.Tensor | None = None  # (1, 1, H): last layer, last position
+    frame_embed: torch.Tensor | None = None  # (1, 1, H): the last frame's summed codec embeds
+    eos_ids: tuple[int, ...] = ()
+    finished: bool = False
+
+    @property
+    def started(self) -> bool:
+        return self.cache is not None or self.finished
+
+
+class TalkerRunner:
+    """The talker with its code predictor, stepping requests one at a time.
+
+    `talker` is a `Qwen3OmniMoeTalkerForConditionalGeneration` (with `code_predictor`,
+    `text_projection`, `hidden_projection`, `codec_head`), `config` the checkpoint's
+    `Qwen3OmniMoeConfig`, `tts_embeds` the thinker's input embeddings of the tts_bos, tts_eos
+    and tts_pad tokens `(3, D)` (rows of the thinker's embedding table; see
+    `read_tts_embeds`). The module is only read: every request's state is its own.
+    """
+
+    def __init__(self, talker: Any, config: Any, tts_embeds: torch.Tensor) -> None:
+        self.talker = talker
+        self.config = config
+        self.talker_config = config.talker_config
+        # transformers 5.24: the talker's 3D rope reads `config.audio_config.n_window`
+        # (audio and an image in one request), which the talker's config lacks.
+        if not hasattr(self.talker.config, "audio_config"):
+            self.talker.config.audio_config = config.thinker_config.audio_config
+        self.device = next(talker.parameters()).device
+        self.dtype = talker.dtype
+        text = self.talker_config.text_config
+        self.vocab_size = text.vocab_size
+        self.hidden_size = text.hidden_size
+        self.num_code_groups = self.talker_config.num_code_groups
+        self.codec_eos_id = self.talker_config.codec_eos_token_id
+        self.suppress_tokens = [
+            i for i in range(self.vocab_size - 1024, self.vocab_size) if i != self.codec_eos_id
+        ]
+        thinker = config.thinker_config
+        self.mm_token_ids = (thinker.audio_token_id, thinker.image_token_id, thinker.video_token_id)
+        if tts_embeds.shape[0] != 3:
+            raise ValueError(
+                f"tts_embeds must be (3, D) (bos, eos, pad), got {tuple(tts_embeds.shape)}"
+            )
+        with torch.no_grad():
+            # As generate(): the three rows projected together, (1, 1, H) each.
+            projected = self.talker.text_projection(
+                tts_embeds.to(self.device, self.dtype).unsqueeze(0)
+            )
+        self.tts_bos, self.tts_eos, self.tts_pad = projected.chunk(3, dim=1)
+
+    # ---- construction -----------------------------------------------------------------
+
+    @classmethod
+    def from_model(cls, model: Any) -> TalkerRunner:
+        """From a whole `Qwen3OmniMoeForConditionalGeneration` (tests, or when it is loaded
+        anyway): its talker, config and the thinker's embedding rows."""
+        cfg = model.config
+        ids = torch.tensor([cfg.tts_bos_token_id, cfg.tts_eos_token_id, cfg.tts_pad_token_id])
+        with torch.no_grad():
+            embeds = model.thinker.get_input_embeddings()(ids.to(model.thinker.device))
+        return cls(model.talker, cfg, embeds)
+
+    @classmethod
+    def from_pretrained(cls, model_path: str | Path, device: Any = "cpu") -> TalkerRunner:
+        """Loads only the talker's tensors (and three rows of the thinker's embedding table)
+        from the checkpoint directory `model_path`, onto `device`."""
+        from .weights import load_submodule, read_config
+
+        config = read_config(model_path)
+        talker = load_submodule(model_path, "talker", device)
+        ids = [config.tts_bos_token_id, config.tts_eos_token_id, config.tts_pad_token_id]
+        return cls(talker, config, read_tts_embeds(model_path, ids))
+
+    # ---- per request ------------------------------------------------------------------
+
+    def start(
+        self,
+        prompt: TalkerPrompt,
+        *,
+        speaker: str = "ethan",
+        max_new_tokens: int = MAX_NEW_TOKENS,
+        repetition_penalty: float = REPETITION_PENALTY,
+        do_sample: bool = False,
+        temperature: float = TALKER_TEMPERATURE,
+        top_k: int = TALKER_TOP_K,
+        top_p: float = TALKER_TOP_P,
+        seed: int | None = None,
+        eos_token_id: int | None = None,
+    ) -> TalkerState:
+        """A new request's state from the thinker's prompt parts (the talker's user part is
+        computed here). Nothing runs through the talker until the first text token arrives.
+
+        The arguments are `generate()`'s `talker_*` ones; `eos_token_id` overrides the
+        config's codec_eos (for tests: the suppressed ids stay those of the config)."""
+        talker_speakers = self.talker_config.speaker_id
+        speaker_id = talker_speakers.get(speaker.lower()) if speaker else None
+        if speaker_id is None:
+            raise ValueError(f"speaker {speaker!r} is not one of {sorted(talker_speakers)}")
+        if max_new_tokens < 1:
+            raise ValueError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
+        if eos_token_id is not None and not 0 <= eos_token_id < self.vocab_size:
+            raise ValueError(f"eos_token_id {eos_token_id} is outside the talker's vocabulary")
+        user_embeds, user_ids = self._user_part(prompt)
+        head, tail = self._assistant_rows(prompt)
+        processors = LogitsProcessorList()
+        if repetition_penalty != 1.0:
+            processors.append(RepetitionPenaltyLogitsProcessor(repetition_penalty))
+        processors.append(SuppressTokensLogitsProcessor(self.suppress_tokens, device=self.device))
+        predictor_processors = None
+        generator = None
+        if do_sample:
+            processors.extend(_warpers(temperature, top_k, top_p))
+            predictor_processors = LogitsProcessorList(
+                _warpers(1.0, PREDICTOR_TOP_K, PREDICTOR_TOP_P)
+            )
+            generator = torch.Generator(device=self.device)
+            generator.manual_seed(seed if seed is not None else torch.seed())
+        state = TalkerState(
+            user_embeds=user_embeds,
+            user_ids=user_ids,
+            assistant_head=head,
+            rope={
+                "image_grid_thw": _opt(prompt.image_grid_thw),
+                "video_grid_thw": _opt(prompt.video_grid_thw),
+                "audio_feature_lengths": _opt(prompt.audio_feature_lengths),
+                "video_second_per_grid": _opt(prompt.video_second_per_grid),
+                "use_audio_in_video": prompt.use_audio_in_video,
+            },
+            speaker_id=speaker_id,
+            max_new_tokens=max_new_tokens,
+            processors=processors,
+            do_sample=do_sample,
+            generator=generator,
+            predictor_processors=predictor_processors,
+            eos_ids=(self.codec_eos_id if eos_token_id is None else eos_token_id,),
+        )
+        if tail.shape[0]:
+            self.push_text(state, tail)
+        return state
+
+    def push_text(self, state: TalkerState, embeds: torch.Tensor) -> None:
+        """Adds the thinker input embedding of the next generated text token(s): `(D,)` for
+        one, `(n, D)` for several, in order."""
+        if state.finished:
+            return  # the talker ended first (codec_eos): the rest of the text is not spoken
+        if state.text_done:
+            raise RuntimeError("text pushed after end_text")
+        embeds = embeds.detach()
+        if embeds.ndim == 1:
+            state.text.append(embeds)
+        elif embeds.ndim == 2:
+            state.text.extend(embeds.unbind(0))
+        else:
+            raise ValueError(f"text embeddings must be (D,) or (n, D), got {tuple(embeds.shape)}")
+
+    def end_text(self, state: TalkerState) -> None:
+        """The thinker's text ended: after its last pushed token the talker reads tts_eos,
+        then tts_pad."""
+        if not state.finished:
+            state.text_done = True
+
+    def ready(self, state: TalkerState) -> bool:
+        """Whether `step` can run now (False: it would answer `needs_input`)."""
+        if state.finished:
+            return True
+        if not state.started:
+            return bool(state.text) or state.text_done
+        # Step k >= 1 reads trailing text entry k - 1, which is generated token k.
+        return state.text_done or len(state.text) > state.steps
+
+    def step(self, state: TalkerState) -> TalkerStep:
+        """Runs one talker step for this request: generates the next group-0 code and, unless
+        it ends the request, the code predictor's other groups, and returns that frame."""
+        if state.finished:
+            return TalkerStep(finished=True)
+        if not self.ready(state):
+            return TalkerStep(needs_input=True)
+        with torch.no_grad():
+            if not state.started:
+                logits = self._prefill(state)
+            else:
+                logits = self._decode(state)
+            token = self._choose(state, logits, state.processors)
+            state.tokens.append(token)
+            state.steps += 1
+            if token in state.eos_ids or state.steps >= state.max_new_tokens:
+                self.release(state)
+                return TalkerStep(finished=True)
+            frame = self._predict(state, token)
+        state.frames += 1
+        return TalkerStep(frame=frame)
+
+    def release(self, state: TalkerState) -> None:
+        """Drops the request's cache and buffers (at its end, or when it is aborted)."""
+        state.finished = True
+        state.cache = None
+        state.past_hidden = None
+        state.frame_embed = None
+        state.positions = None
+        state.text = []
+        state.user_embeds = state.user_embeds[:, :0]
+
+    # ---- the model --------------------------------------------------------------------
+
+    def _user_part(self, prompt: TalkerPrompt) -> tuple[torch.Tensor, torch.Tensor]:
+        """`_get_talker_user_parts` over the whole prompt, then only the user turns' positions,
+        as generate() gathers them (one request: no padding)."""
+        talker = self.talker
+        input_ids = prompt.input_ids.to(self.device).reshape(1, -1)
+        seq = input_ids.shape[1]
+        embeds = prompt.embeds.to(self.device).reshape(1, seq, -1)
+        mm_mask = torch.zeros_like(input_ids, dtype=torch.bool)
+        for token_id in self.mm_token_ids:
+            mm_mask |= input_ids == token_id
+        cfg = self.config
+        positions = torch.arange(seq, device=self.device).unsqueeze(0)
+        im_start = torch.where(
+            input_ids == cfg.im_start_token_id, positions, positions.new_full((), -1)
+        )
+        previous_im_start = torch.cummax(im_start, dim=-1).values.clamp_min(0)
+        roles = input_ids.gather(1, (previous_im_start + 1).clamp_max(seq - 1))
+        user_mask = roles == cfg.user_token_id
+        if not user_mask.any():
+            raise ValueError("the prompt has no user turn")
+        user_length = int(user_mask.sum())
+        user_indices = torch.where(user_mask, seq + positions, positions).argsort(dim=-1)[
+            :, -user_length:
+        ]
+        with torch.no_grad():
+            full = torch.empty((1, seq, self.hidden_size), device=self.device, dtype=self.dtype)
+            if mm_mask.any():
+                if prompt.hidden is None:
+                    raise ValueError("the prompt has media positions but no thinker hidden states")
+                hidden = prompt.hidden.to(self.device)
+                n_mm = int(mm_mask.sum())
+                if hidden.shape[0] == seq:
+                    mm_hidden = hidden.reshape(1, seq, -1)[mm_mask]
+                elif hidden.shape[0] == n_mm:
+                    mm_hidden = hidden.reshape(n_mm, -1)
+                else:
+                    raise ValueError(
+                        f"thinker hidden states have {hidden.shape[0]} rows: need the prompt's "
+                        f"{seq} or its {n_mm} media positions"
+                    )
+                full[mm_mask] = talker.hidden_projection(mm_hidden)
+            full[~mm_mask] = talker.text_projection(embeds[~mm_mask])
+            user_embeds = full.gather(1, user_indices.unsqueeze(-1).expand(-1, -1, full.shape[-1]))
+        return user_embeds, input_ids.gather(1, user_indices)
+
+    def _assistant_rows(self, prompt: TalkerPrompt) -> tuple[torch.Tensor, torch.Tensor]:
+        """The thinker embeddings from the last `<|im_start|>assistant` on: its three tokens
+        (`<|im_start|>assistant\\n`), and any prompt text after them, which the talker reads
+        before the generated tokens (none with the usual generation prompt)."""
+        cfg = self.config
+        ids = prompt.input_ids.reshape(-1)
+        starts = torch.nonzero(
+            (ids[:-1] == cfg.im_start_token_id) & (ids[1:] == cfg.assistant_token_id)
+        ).flatten()
+        if starts.numel() == 0:
+            raise ValueError("the prompt has no <|im_start|>assistant (no generation prompt)")
+        start = int(starts[-1])
+        if ids.shape[0] - start < 3:
+            raise ValueError("the prompt ends inside its <|im_start|>assistant line")
+        embeds = prompt.embeds.reshape(ids.shape[0], -1).to(self.device)
+        return embeds[start : start + 3], embeds[start + 3 :]
+
+    def _prefill(self, state: TalkerState) -> torch.Tensor:
+        """`_get_talker_assistant_parts` with the first generated token (if any), then the
+        talker's forward over user + assistant parts. Returns the last position's logits."""
+        talker = self.talker
+        cfg = self.talker_config
+        # generate() projects <|im_start|>assistant\n and the text after it together.
+        rows = [state.assistant_head]
+        if state.text:
+            rows.append(_take(state.text, 0).to(self.device).reshape(1, -1))
+        assistant_hidden = talker.text_projection(torch.cat(rows, dim=0).unsqueeze(0))
+        assistant_text = torch.cat(
+            (
+                assistant_hidden[:, :3],
+                self.tts_pad.expand(1, 4, -1),
+                self.tts_bos.expand(1, -1, -1),
+                assistant_hidden[:, 3:4],
+            ),
+            dim=1,
+        )
+        special = torch.tensor(
+            [
+                [
+                    cfg.codec_nothink_id,
+                    cfg.codec_think_bos_id,
+                    cfg.codec_think_eos_id,
+                    state.speaker_id,
+                    cfg.codec_pad_id,
+                    cfg.codec_bos_id,
+                ]
+            ],
+            device=self.device,
+            dtype=torch.long,
+        )
+        assistant_codec = torch.cat(
+            (
+                torch.zeros((1, 3, self.hidden_size), device=self.device, dtype=self.dtype),
+                talker.get_input_embeddings()(special),
+            ),
+            dim=1,
+        )
+        assistant_embeds = assistant_text + assistant_codec
+        assistant_ids = torch.full(
+            (1, assistant_text.shape[1]),
+            self.config.tts_pad_token_id,
+            dtype=torch.long,
+            device=self.device,
+        )
+        inputs_embeds = torch.cat((state.user_embeds, assistant_embeds), dim=1)
+        talker_ids = torch.cat((state.user_ids, assistant_ids), dim=1)
+        length = inputs_embeds.shape[1]
+        attention_mask = torch.ones((1, length), dtype=torch.long, device=self.device)
+        state.positions = self._prefill_positions(state, talker_ids, attention_mask)
+        state.attention_length = length
+        state.cache = DynamicCache(config=self.talker_config.text_config)
+        out = talker(
+            inputs_embeds=inputs_embeds,
+            attention_mask=attention_mask,
+            position_ids=state.positions,
+            cache=state.cache,
+            use_cache=True,
+            output_hidden_states=True,
+        )
+        state.user_embeds = state.user_embeds[:, :0]  # in the cache now
+        state.past_hidden = out.hidden_states[0][-1][:, -1:]
+        return out.logits[:, -1, :]
+
+    def _prefill_positions(
+        self, state: TalkerState, talker_ids: torch.Tensor, attention_mask: torch.Tensor
+    ) -> torch.Tensor:
+        """`_prepare_position_ids_for_generation` of the talker, without writing
+        `rope_deltas` on the module: text positions, then the three rope rows (3D for media)."""
+        text_positions = attention_mask.long().cumsum(-1) - 1
+        text_positions = text_positions.masked_fill(attention_mask == 0, 0)
+        rope = state.rope
+        has_media = rope["audio_feature_lengths"] is not None or any(
+            grid is not None and grid.numel() > 0
+            for grid in (rope["image_grid_thw"], rope["video_grid_thw"])
+        )
+        if has_media:
+            vision_positions, _ = self.talker.get_rope_index(
+                talker_ids,
+                image_grid_thw=rope["image_grid_thw"],
+                video_grid_thw=rope["video_grid_thw"],
+                attention_mask=attention_mask,
+                use_audio_in_video=rope["use_audio_in_video"] or False,
+                audio_seqlens=rope["audio_feature_lengths"],
+                second_per_grids=rope["video_second_per_grid"],
+            )
+        else:
+            vision_positions = text_positions.unsqueeze(0).expand(3, -1, -1)
+        return torch.cat([text_positions[None, ...], vision_positions], dim=0)
+
+    def _decode(self, state: TalkerState) -> torch.Tensor:
+        """One talker decode step on the last frame's codec embeddings plus the next trailing
+        text embedding. Returns the logits."""
+        j = state.steps - 1  # trailing text entry: generated token j + 1
+        if j + 1 < len(state.text):
+            trailing = self.talker.text_projection(
+                _take(state.text, j + 1).to(self.device).reshape(1, 1, -1)
+            )
+        elif j == max(len(state.text) - 1, 0):
+            trailing = self.tts_eos  # the text ended right after the last pushed token
+        else:
+            trailing = self.tts_pad
+        inputs_embeds = state.frame_embed + trailing
+        assert state.positions is not None
+        positions = state.positions[..., -1:] + 1
+        state.positions = positions
+        state.attention_length += 1
+        attention_mask = torch.ones(
+            (1, state.attention_length), dtype=torch.long, device=self.device
+        )
+        out = self.talker(
+            inputs_embeds=inputs_embeds,
+            attention_mask=attention_mask,
+            position_ids=positions,
+            cache=state.cache,
+            use_cache=True,
+            output_hidden_states=True,
+            generation_step=j,  # only echoed back (+1) by the talker's forward
+        )
+        state.past_hidden = out.hidden_states[0][-1][:, -1:]
+        return out.logits[:, -1, :]
+
+    def _choose(
+        self,
+        state: TalkerState,
+        logits: torch.Tensor,
+        processors: LogitsProcessorList | None,
+        previous: torch.Tensor | None = None,
+    ) -> int:
+        scores = logits.to(copy=True, dtype=torch.float32, device=self.device)
+        if processors:
+            if previous is None:
+                previous = torch.tensor([state.tokens], dtype=torch.long, device=self.device)
+            scores = processors(previous, scores)
+        if state.do_sample:
+            probs = torch.softmax(scores, dim=-1)
+            return int(torch.multinomial(probs, 1, generator=state.generator)[0, 0])
+        return int(torch.argmax(scores, dim=-1)[0])
+
+    def _predict(self, state: TalkerState, token: int) -> torch.Tensor:
+        """The code predictor's groups 1.. for group-0 code `token` (as the talker's
+        `prepare_inputs_for_generation` runs it), and the frame's summed codec embeddings
+        for the next talker step. Returns the frame `(num_code_groups,)`."""
+        predictor = self.talker.code_predictor
+        token_ids = torch.tensor([[token]], dtype=torch.long, device=self.device)
+        last_id_hidden = self.talker.get_input_embeddings()(token_ids)
+        inputs_embeds = torch.cat((state.past_hidden, last_id_hidden), dim=1)
+        cache = DynamicCache(config=predictor.config)
+        codes: list[int] = []
+        residual_hiddens = []
+        empty = torch.empty((1, 0), dtype=torch.long, device=self.device)
+        length = inputs_embeds.shape[1]
+        out = predictor(
+            inputs_embeds=inputs_embeds,
+            attention_mask=torch.ones((1, length), dtype=torch.long, device=self.device),
+            position_ids=torch.arange(length, device=self.device).unsqueeze(0),
+            cache=cache,
+            use_cache=True,
+        )
+        for group in range(1, self.num_code_groups):
+            previous = (
+                torch.tensor([codes], dtype=torch.long, device=self.device) if codes else empty
+            )
+            code = self._choose(state, out.logits[:, -1, :], state.predictor_processors, previous)
+            codes.append(code)
+            code_ids = torch.tensor([[code]], dtype=torch.long, device=self.device)
+            if group == self.num_code_groups - 1:
+                residual_hiddens.append(predictor.get_input_embeddings()[-1](code_ids))
+                break
+            # The next predictor step's input is this code's embedding (generation step
+            # `group`), which generate() also takes as the frame's residual embedding.
+            embed = predictor.get_input_embeddings()[group - 1](code_ids)
+            residual_hiddens.append(embed)
+            length += 1
+            out = predictor(
+                input_ids=code_ids,  # embedded by the predictor itself, as `embed` above
+                attention_mask=torch.ones((1, length), dtype=torch.long, device=self.device),
+                position_ids=torch.tensor([[length - 1]], device=self.device),
+                cache=cache,
+                use_cache=True,
+                generation_steps=group,
+            )
+        codec_hiddens = torch.cat([last_id_hidden, *residual_hiddens], dim=1)
+        state.frame_embed = codec_hiddens.sum(1, keepdim=True)
+        return torch.tensor([token, *codes], dtype=torch.long)
+
+
+def _take(items: list[Any], i: int) -> Any:
+    item, items[i] = items[i], None
+    if item is None:
+        raise AssertionError(f"text embedding {i} was used twice")
+    return item
+
+
+def _warpers(temperature: float, top_k: int, top_p: float) -> list[Any]:
+    out: list[Any] = []
+    if temperature != 1.0:
+        out.append(TemperatureLogitsWarper(temperature))
+    if top_k:
+        out.append(TopKLogitsWarper(top_k))
+    if top_p < 1.0:
+        out.append(TopPLogitsWarper(top_p))
+    return out
+
+
+def _opt(value: Any) -> Any:
+    return None if value is None else torch.as_tensor(value)
+
+
+def read_tts_embeds(model_path: str | Path, ids: Sequence[int]) -> torch.Tensor:
+    """Rows `ids` of the thinker's input embedding table (`thinker.model.embed_tokens.weight`)
+    read from the checkpoint without loading the table: `(len(ids), D)`."""
+    from safetensors import safe_open
+
+    path = Path(model_path)
+    name = "thinker.model.embed_tokens.weight"
+    index = path / "model.safetensors.index.json"
+    if index.is_file():
+        files = json.loads(index.read_text())["weight_map"]
+        if name not in files:
+            raise ValueError(f"{index}: no tensor {name!r}")
+        file = path / files[name]
+    else:
+        file = path / "model.safetensors"
+    with safe_open(str(file), framework="pt") as f:
+        table = f.get_slice(name)
+        return torch.stack([table[i : i + 1][0] for i in ids])
+
+
+def inputs_from_thinker_generate(
+    config: Any, inputs: dict[str, Any], thinker_result: Any
+) -> tuple[TalkerPrompt, torch.Tensor]:
+    """What a thinker hands the talker, derived from transformers' `thinker.generate(...,
+    output_hidden_states=True, return_dict_in_generate=True)` exactly as
+    `Qwen3OmniMoeForConditionalGeneration.generate()` derives it (one request): the
+    `TalkerPrompt`, and the generated tokens' input embeddings `(n - 1, D)` (every generated
+    token but the last, which the thinker never feeds back). The executable form of the
+    thinker-to-talker contract; tests use it on the reference thinker."""
+    layer = config.talker_config.accept_hidden_layer
+    steps = thinker_result.hidden_states
+    embeds = torch.cat([h[0] for h in steps], dim=1)[0]
+    hidden = torch.cat([h[layer] for h in steps], dim=1)[0]
+    input_ids = inputs["input_ids"][0]
+    seq = input_ids.shape[0]
+    mask = inputs.get("feature_attention_mask")
+    return (
+        TalkerPrompt(
+            input_ids=input_ids,
+            embeds=embeds[:seq],
+            hidden=hidden[:seq],
+            image_grid_thw=inputs.get("image_grid_thw"),
+            video_grid_thw=inputs.get("video_grid_thw"),
+            audio_feature_lengths=None if mask is None else torch.sum(mask, dim=1),
+            video_second_per_grid=inputs.get("video_second_per_grid"),
+            use_audio_in_video=bool(inputs.get("use_audio_in_video", False)),
+        ),
+        embeds[seq:],
+    )
