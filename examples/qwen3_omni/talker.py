@@ -305,6 +305,11 @@ class TalkerRunner:
             return TalkerStep(finished=True)
         if not self.ready(state):
             return TalkerStep(needs_input=True)
+        if not state.started and not state.text:
+            # The text ended before any token was fed back (the thinker's first token was its
+            # last): nothing to speak. (generate() fails here on a size mismatch.)
+            self.release(state)
+            return TalkerStep(finished=True)
         with torch.no_grad():
             if not state.started:
                 logits = self._prefill(state)
@@ -494,7 +499,7 @@ class TalkerRunner:
             trailing = self.talker.text_projection(
                 _take(state.text, j + 1).to(self.device).reshape(1, 1, -1)
             )
-        elif j == max(len(state.text) - 1, 0):
+        elif j + 1 == len(state.text):
             trailing = self.tts_eos  # the text ended right after the last pushed token
         else:
             trailing = self.tts_pad
