@@ -7,22 +7,24 @@ other groups. `TalkerRunner` does exactly what transformers'
 incrementally, so that the talker can run one token behind a streaming thinker:
 
     runner = TalkerRunner.from_pretrained(model_path, device)  # or TalkerRunner.from_model(m)
-    state = runner.start(prompt)        # TalkerPrompt: what the thinker's prefill gives
+    state = runner.start(prompt, image_grid_thw=..., audio_feature_lengths=...)
     runner.push_text(state, embed)      # each generated token's thinker input embedding
     runner.end_text(state)              # the thinker's text ended
     out = runner.step(state)            # TalkerStep: .frame (groups,), .finished, .needs_input
 
 What crosses from thinker to talker, per request (the same tensors `generate()` derives from
-`thinker_result.hidden_states`):
+`thinker_result.hidden_states`; `thinker.ThinkerRunner` produces them):
 
-1. once, after the thinker's prefill, a `TalkerPrompt`: the prompt's token ids `(S,)`, the
-   thinker's input embeddings of the prompt `(S, D)` (`hidden_states[0]`: the text model's
-   input, media features merged in), its hidden states at `talker_config.accept_hidden_layer`
-   (`(S, D)`, or only the rows of the multimodal positions, `(M, D)`; not needed without
-   media), and for the 3D rope the image/video grids `(n, 3)` and the audio feature lengths
-   `(n,)` (`feature_attention_mask.sum(-1)`);
+1. once, after the thinker's prefill, its `thinker.TalkerPrompt`: the prompt's token ids
+   `(1, S)`, the thinker's input embeddings of the prompt `(1, S, D)` (`hidden_states[0]`:
+   the text model's input, media features merged in) and its hidden states at
+   `talker_config.accept_hidden_layer` (`(1, S, D)`; only its multimodal rows are read, and
+   it may be None without media); with it, for the talker's 3D rope, the image grids
+   `(images, 3)` and the audio feature lengths `(audios,)` (`feature_attention_mask.sum(-1)`),
+   which come from the encoders (`ImageEncoding.grid_thw`, `AudioEncoding.feature_lengths`);
 2. then, for every generated text token that the thinker feeds back into itself (every
-   generated token but its last), that token's thinker input embedding `(D,)`, in order;
+   generated token but its last), that token's thinker input embedding (`StepOutput.
+   fed_embed`, `(1, 1, D)`), in order;
 3. finally, that the text ended (the thinker stopped at its end-of-turn token or at its
    `max_new_tokens`).
 
@@ -66,6 +68,8 @@ from transformers.generation.logits_process import (
     TopPLogitsWarper,
 )
 
+from .thinker import TalkerPrompt
+
 # The reference generate()'s defaults for the talker and (when sampling) its code predictor.
 REPETITION_PENALTY = 1.05
 TALKER_TEMPERATURE = 0.9
@@ -74,22 +78,6 @@ TALKER_TOP_P = 1.0
 PREDICTOR_TOP_K = 50
 PREDICTOR_TOP_P = 0.8
 MAX_NEW_TOKENS = 4096
-
-
-@dataclass
-class TalkerPrompt:
-    """What the thinker hands the talker once per request, after its prefill (batch dim
-    dropped). `hidden` may be None when the prompt has no media, and may hold only the rows
-    of the multimodal positions (in order) instead of all `S`."""
-
-    input_ids: torch.Tensor  # (S,) long: the thinker's prompt
-    embeds: torch.Tensor  # (S, D): thinker input embeddings of the prompt
-    hidden: torch.Tensor | None = None  # (S, D) or (M, D): hidden states at accept_hidden_layer
-    image_grid_thw: torch.Tensor | None = None  # (images, 3)
-    video_grid_thw: torch.Tensor | None = None  # (videos, 3)
-    audio_feature_lengths: torch.Tensor | None = None  # (audios,)
-    video_second_per_grid: torch.Tensor | None = None  # (videos,)
-    use_audio_in_video: bool = False
 
 
 @dataclass
@@ -207,6 +195,11 @@ class TalkerRunner:
         self,
         prompt: TalkerPrompt,
         *,
+        image_grid_thw: torch.Tensor | None = None,
+        audio_feature_lengths: torch.Tensor | None = None,
+        video_grid_thw: torch.Tensor | None = None,
+        video_second_per_grid: torch.Tensor | None = None,
+        use_audio_in_video: bool = False,
         speaker: str = "ethan",
         max_new_tokens: int = MAX_NEW_TOKENS,
         repetition_penalty: float = REPETITION_PENALTY,
@@ -217,11 +210,14 @@ class TalkerRunner:
         seed: int | None = None,
         eos_token_id: int | None = None,
     ) -> TalkerState:
-        """A new request's state from the thinker's prompt parts (the talker's user part is
+        """A new request's state from the thinker's `TalkerPrompt` (the talker's user part is
         computed here). Nothing runs through the talker until the first text token arrives.
 
-        The arguments are `generate()`'s `talker_*` ones; `eos_token_id` overrides the
-        config's codec_eos (for tests: the suppressed ids stay those of the config)."""
+        `image_grid_thw`, `audio_feature_lengths` (and for video `video_grid_thw`,
+        `video_second_per_grid`, `use_audio_in_video`): the request's media, for the 3D rope,
+        as `generate()` passes them to the talker. The other arguments are `generate()`'s
+        `talker_*` ones; `eos_token_id` overrides the config's codec_eos (for tests: the
+        suppressed ids stay those of the config)."""
         talker_speakers = self.talker_config.speaker_id
         speaker_id = talker_speakers.get(speaker.lower()) if speaker else None
         if speaker_id is None:
@@ -250,11 +246,11 @@ class TalkerRunner:
             user_ids=user_ids,
             assistant_head=head,
             rope={
-                "image_grid_thw": _opt(prompt.image_grid_thw),
-                "video_grid_thw": _opt(prompt.video_grid_thw),
-                "audio_feature_lengths": _opt(prompt.audio_feature_lengths),
-                "video_second_per_grid": _opt(prompt.video_second_per_grid),
-                "use_audio_in_video": prompt.use_audio_in_video,
+                "image_grid_thw": self._opt(image_grid_thw),
+                "video_grid_thw": self._opt(video_grid_thw),
+                "audio_feature_lengths": self._opt(audio_feature_lengths),
+                "video_second_per_grid": self._opt(video_second_per_grid),
+                "use_audio_in_video": use_audio_in_video,
             },
             speaker_id=speaker_id,
             max_new_tokens=max_new_tokens,
@@ -269,19 +265,16 @@ class TalkerRunner:
         return state
 
     def push_text(self, state: TalkerState, embeds: torch.Tensor) -> None:
-        """Adds the thinker input embedding of the next generated text token(s): `(D,)` for
-        one, `(n, D)` for several, in order."""
+        """Adds the thinker input embeddings of the next generated text token(s), in order:
+        `(..., D)`, e.g. one `StepOutput.fed_embed` `(1, 1, D)`, or `(n, D)` for several."""
         if state.finished:
             return  # the talker ended first (codec_eos): the rest of the text is not spoken
         if state.text_done:
             raise RuntimeError("text pushed after end_text")
-        embeds = embeds.detach()
-        if embeds.ndim == 1:
-            state.text.append(embeds)
-        elif embeds.ndim == 2:
-            state.text.extend(embeds.unbind(0))
-        else:
-            raise ValueError(f"text embeddings must be (D,) or (n, D), got {tuple(embeds.shape)}")
+        width = self.config.thinker_config.text_config.hidden_size
+        if embeds.ndim == 0 or embeds.shape[-1] != width:
+            raise ValueError(f"text embeddings must be (..., {width}), got {tuple(embeds.shape)}")
+        state.text.extend(embeds.detach().reshape(-1, width).unbind(0))
 
     def end_text(self, state: TalkerState) -> None:
         """The thinker's text ended: after its last pushed token the talker reads tts_eos,
@@ -337,6 +330,9 @@ class TalkerRunner:
 
     # ---- the model --------------------------------------------------------------------
 
+    def _opt(self, value: Any) -> torch.Tensor | None:
+        return None if value is None else torch.as_tensor(value).to(self.device)
+
     def _user_part(self, prompt: TalkerPrompt) -> tuple[torch.Tensor, torch.Tensor]:
         """`_get_talker_user_parts` over the whole prompt, then only the user turns' positions,
         as generate() gathers them (one request: no padding)."""
@@ -364,9 +360,10 @@ class TalkerRunner:
         with torch.no_grad():
             full = torch.empty((1, seq, self.hidden_size), device=self.device, dtype=self.dtype)
             if mm_mask.any():
-                if prompt.hidden is None:
+                if prompt.accept_hidden is None:
                     raise ValueError("the prompt has media positions but no thinker hidden states")
-                hidden = prompt.hidden.to(self.device)
+                hidden = prompt.accept_hidden.to(self.device)
+                hidden = hidden.reshape(-1, hidden.shape[-1])
                 n_mm = int(mm_mask.sum())
                 if hidden.shape[0] == seq:
                     mm_hidden = hidden.reshape(1, seq, -1)[mm_mask]
@@ -606,10 +603,6 @@ def _warpers(temperature: float, top_k: int, top_p: float) -> list[Any]:
     return out
 
 
-def _opt(value: Any) -> Any:
-    return None if value is None else torch.as_tensor(value)
-
-
 def read_tts_embeds(model_path: str | Path, ids: Sequence[int]) -> torch.Tensor:
     """Rows `ids` of the thinker's input embedding table (`thinker.model.embed_tokens.weight`)
     read from the checkpoint without loading the table: `(len(ids), D)`."""
@@ -632,30 +625,33 @@ def read_tts_embeds(model_path: str | Path, ids: Sequence[int]) -> torch.Tensor:
 
 def inputs_from_thinker_generate(
     config: Any, inputs: dict[str, Any], thinker_result: Any
-) -> tuple[TalkerPrompt, torch.Tensor]:
+) -> tuple[TalkerPrompt, dict[str, Any], torch.Tensor]:
     """What a thinker hands the talker, derived from transformers' `thinker.generate(...,
-    output_hidden_states=True, return_dict_in_generate=True)` exactly as
-    `Qwen3OmniMoeForConditionalGeneration.generate()` derives it (one request): the
-    `TalkerPrompt`, and the generated tokens' input embeddings `(n - 1, D)` (every generated
-    token but the last, which the thinker never feeds back). The executable form of the
-    thinker-to-talker contract; tests use it on the reference thinker."""
+    output_hidden_states=True, return_dict_in_generate=True)` on the processor's `inputs`
+    exactly as `Qwen3OmniMoeForConditionalGeneration.generate()` derives it (one request):
+    the `TalkerPrompt`, the media keyword arguments of `TalkerRunner.start`, and the
+    generated tokens' input embeddings `(n - 1, D)` (every generated token but the last,
+    which the thinker never feeds back). Tests use it on the reference thinker."""
     layer = config.talker_config.accept_hidden_layer
     steps = thinker_result.hidden_states
-    embeds = torch.cat([h[0] for h in steps], dim=1)[0]
-    hidden = torch.cat([h[layer] for h in steps], dim=1)[0]
-    input_ids = inputs["input_ids"][0]
-    seq = input_ids.shape[0]
+    embeds = torch.cat([h[0] for h in steps], dim=1)
+    hidden = torch.cat([h[layer] for h in steps], dim=1)
+    input_ids = inputs["input_ids"]
+    seq = input_ids.shape[1]
+    thinker = config.thinker_config
+    mm_ids = (thinker.audio_token_id, thinker.image_token_id, thinker.video_token_id)
     mask = inputs.get("feature_attention_mask")
-    return (
-        TalkerPrompt(
-            input_ids=input_ids,
-            embeds=embeds[:seq],
-            hidden=hidden[:seq],
-            image_grid_thw=inputs.get("image_grid_thw"),
-            video_grid_thw=inputs.get("video_grid_thw"),
-            audio_feature_lengths=None if mask is None else torch.sum(mask, dim=1),
-            video_second_per_grid=inputs.get("video_second_per_grid"),
-            use_audio_in_video=bool(inputs.get("use_audio_in_video", False)),
-        ),
-        embeds[seq:],
+    media = {
+        "image_grid_thw": inputs.get("image_grid_thw"),
+        "audio_feature_lengths": None if mask is None else torch.sum(mask, dim=1),
+        "video_grid_thw": inputs.get("video_grid_thw"),
+        "video_second_per_grid": inputs.get("video_second_per_grid"),
+        "use_audio_in_video": bool(inputs.get("use_audio_in_video", False)),
+    }
+    prompt = TalkerPrompt(
+        input_ids=input_ids,
+        embeds=embeds[:, :seq],
+        accept_hidden=hidden[:, :seq],
+        multimodal_mask=torch.isin(input_ids, torch.tensor(mm_ids)),
     )
+    return prompt, media, embeds[0, seq:]

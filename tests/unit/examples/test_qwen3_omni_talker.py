@@ -21,12 +21,8 @@ pytest.importorskip("PIL")
 from examples.qwen3_omni import tiny_model
 from examples.qwen3_omni.code2wav import Code2WavStreamer
 from examples.qwen3_omni.processor import load_processor
-from examples.qwen3_omni.talker import (
-    TalkerPrompt,
-    TalkerRunner,
-    inputs_from_thinker_generate,
-    read_tts_embeds,
-)
+from examples.qwen3_omni.talker import TalkerRunner, inputs_from_thinker_generate, read_tts_embeds
+from examples.qwen3_omni.thinker import TalkerPrompt
 
 # Streamed audio against the reference waveform; measured here: ~1e-8 (peaks ~2e-2).
 AUDIO_BOUND = 1e-6
@@ -50,6 +46,7 @@ class Reference:
     codes: torch.Tensor  # (groups, frames): generate()'s talker_codes
     wav: torch.Tensor  # (samples,)
     prompt: TalkerPrompt
+    media: dict[str, Any]  # TalkerRunner.start's media arguments
     text: torch.Tensor  # (n - 1, D): the generated tokens' thinker embeddings
 
 
@@ -76,8 +73,8 @@ def run_reference(model, processor, kind: str, **overrides: Any) -> Reference:
     inputs = tiny_model.processor_inputs(processor, conv)
     steps = captured["talker"].hidden_states
     codes = torch.stack([h[-1] for h in steps if h[-1] is not None], dim=1).transpose(1, 2)[0]
-    prompt, text = inputs_from_thinker_generate(model.config, inputs, captured["thinker"])
-    return Reference(inputs, sequences, captured["thinker"], codes, wav[0, 0], prompt, text)
+    prompt, media, text = inputs_from_thinker_generate(model.config, inputs, captured["thinker"])
+    return Reference(inputs, sequences, captured["thinker"], codes, wav[0, 0], prompt, media, text)
 
 
 def talker_options(overrides: dict[str, Any]) -> dict[str, Any]:
@@ -92,7 +89,7 @@ def talker_options(overrides: dict[str, Any]) -> dict[str, Any]:
 
 
 def talk_all_at_once(runner: TalkerRunner, ref: Reference, **options: Any) -> torch.Tensor:
-    state = runner.start(ref.prompt, **options)
+    state = runner.start(ref.prompt, **ref.media, **options)
     runner.push_text(state, ref.text)
     runner.end_text(state)
     frames = []
@@ -180,12 +177,61 @@ def test_inputs_from_thinker_generate(references, reference):
     ref = references("image")
     seq = ref.inputs["input_ids"].shape[1]
     generated = ref.sequences.shape[1] - seq
-    assert ref.prompt.embeds.shape == (seq, reference.config.thinker_config.text_config.hidden_size)
-    assert ref.prompt.hidden.shape == ref.prompt.embeds.shape
-    assert ref.text.shape == (generated - 1, ref.prompt.embeds.shape[1])
+    width = reference.config.thinker_config.text_config.hidden_size
+    assert ref.prompt.embeds.shape == (1, seq, width)
+    assert ref.prompt.accept_hidden.shape == ref.prompt.embeds.shape
+    assert int(ref.prompt.multimodal_mask.sum()) == 6  # the image's tokens
+    assert torch.equal(ref.media["image_grid_thw"], ref.inputs["image_grid_thw"])
+    assert ref.text.shape == (generated - 1, width)
     embed = reference.thinker.get_input_embeddings()
     with torch.no_grad():  # text positions: the token embeddings themselves
         assert torch.equal(ref.text, embed(ref.sequences[0, seq:-1]))
+
+
+@pytest.mark.parametrize("kind", ["text", "image+audio"])
+def test_streaming_behind_the_thinker_runner(kind, tiny_dir, processor, runner, references):
+    """The thinker's own step machine (`thinker.ThinkerRunner` and the encoders) feeding the
+    talker as a pipeline would: the talker is started from the prefill's `TalkerPrompt`, gets
+    each step's `fed_embed`, steps whenever it can, and makes the reference's codes."""
+    from examples.qwen3_omni.encoders import AudioEncoder, ImageEncoder
+    from examples.qwen3_omni.thinker import ThinkerRunner
+
+    ref = references(kind)
+    inputs = ref.inputs
+    audio = image = None
+    if "input_features" in inputs:
+        encoder = AudioEncoder.from_pretrained(tiny_dir)
+        audio = encoder.encode(inputs["input_features"], inputs["feature_attention_mask"])
+    if "pixel_values" in inputs:
+        image = ImageEncoder.from_pretrained(tiny_dir).encode(
+            inputs["pixel_values"], inputs["image_grid_thw"]
+        )
+    thinker = ThinkerRunner.from_pretrained(tiny_dir)
+    pre = thinker.prefill(inputs["input_ids"], max_new_tokens=16, audio=audio, image=image)
+    state = runner.start(
+        pre.talker,
+        image_grid_thw=None if image is None else image.grid_thw,
+        audio_feature_lengths=None if audio is None else audio.feature_lengths,
+        **talker_options({}),
+    )
+    tokens, frames, out = [pre.first.token], [], pre.first
+    while True:
+        if not out.finished:  # the thinker's next step
+            out = thinker.step(pre.state)
+            tokens.append(out.token)
+            runner.push_text(state, out.fed_embed)
+            if out.finished:
+                runner.end_text(state)
+        while runner.ready(state):  # the talker catches up
+            step = runner.step(state)
+            if step.frame is not None:
+                frames.append(step.frame)
+            if step.finished:
+                break
+        if state.finished:
+            break
+    assert tokens == ref.sequences[0, inputs["input_ids"].shape[1] :].tolist()
+    assert torch.equal(stack(frames, runner.num_code_groups), ref.codes)
 
 
 @pytest.mark.parametrize("kind", ["text", "audio", "system+image"])
@@ -194,7 +240,7 @@ def test_incremental_equals_all_at_once(kind, runner, streamer, references):
     parking when it cannot: the same codes, each frame made one token behind the thinker,
     and audio streaming before the text ends."""
     ref = references(kind)
-    state = runner.start(ref.prompt, **talker_options({}))
+    state = runner.start(ref.prompt, **ref.media, **talker_options({}))
     audio_state = streamer.start()
     frames, audio, parked = [], [], 0
     audio_before_text_end = 0
@@ -258,7 +304,7 @@ def test_thinker_saying_nothing(runner, reference, processor, references):
     eos = base.sequences[0, seq].item()
     with pytest.raises(RuntimeError, match="size"):
         run_reference(reference, processor, "text", thinker_eos_token_id=eos)
-    state = runner.start(base.prompt, **talker_options({}))
+    state = runner.start(base.prompt, **base.media, **talker_options({}))
     assert runner.step(state).needs_input
     runner.end_text(state)
     assert runner.step(state).finished and state.frames == 0 and state.cache is None
@@ -307,7 +353,7 @@ def test_interleaved_requests_equal_their_solo_runs(runner, streamer, references
     refs = [references(kind, **overrides) for kind, overrides in REQUESTS]
     rng = random.Random(17)
     states = [
-        runner.start(r.prompt, **talker_options(o))
+        runner.start(r.prompt, **r.media, **talker_options(o))
         for r, (_, o) in zip(refs, REQUESTS, strict=True)
     ]
     audio_states = [streamer.start() for _ in refs]
@@ -352,12 +398,12 @@ def test_no_state_leaks_between_requests(runner, reference, references):
     before = {k: v.clone() for k, v in reference.talker.state_dict().items()}
     alone = talk_all_at_once(runner, a, **options)
     # b runs between two steps of a and is aborted halfway; a second a runs interleaved.
-    first = runner.start(a.prompt, **options)
+    first = runner.start(a.prompt, **a.media, **options)
     runner.push_text(first, a.text)
     runner.end_text(first)
-    other = runner.start(b.prompt, **options)
+    other = runner.start(b.prompt, **b.media, **options)
     runner.push_text(other, b.text[:3])
-    second = runner.start(a.prompt, **options)
+    second = runner.start(a.prompt, **a.media, **options)
     runner.push_text(second, a.text)
     runner.end_text(second)
     got: dict[str, list[torch.Tensor]] = {"first": [], "second": []}
@@ -386,7 +432,7 @@ def test_no_state_leaks_between_requests(runner, reference, references):
 
 def test_text_after_the_talker_ended_is_dropped(runner, references):
     ref = references("text")
-    state = runner.start(ref.prompt, **talker_options({"talker_max_new_tokens": 2}))
+    state = runner.start(ref.prompt, **ref.media, **talker_options({"talker_max_new_tokens": 2}))
     runner.push_text(state, ref.text[:2])
     while not runner.step(state).finished:
         pass
@@ -397,27 +443,24 @@ def test_text_after_the_talker_ended_is_dropped(runner, references):
 
 def test_bad_requests(runner, references):
     ref = references("image")
+    p, media = ref.prompt, ref.media
     with pytest.raises(ValueError, match="speaker"):
-        runner.start(ref.prompt, speaker="nobody")
+        runner.start(p, **media, speaker="nobody")
     with pytest.raises(ValueError, match="max_new_tokens"):
-        runner.start(ref.prompt, max_new_tokens=0)
-    no_hidden = TalkerPrompt(
-        ref.prompt.input_ids, ref.prompt.embeds, None, ref.prompt.image_grid_thw
-    )
+        runner.start(p, **media, max_new_tokens=0)
     with pytest.raises(ValueError, match="hidden states"):
-        runner.start(no_hidden)
-    wrong_rows = TalkerPrompt(
-        ref.prompt.input_ids, ref.prompt.embeds, ref.prompt.hidden[:5], ref.prompt.image_grid_thw
-    )
+        runner.start(TalkerPrompt(p.input_ids, p.embeds, None, p.multimodal_mask), **media)
+    wrong_rows = TalkerPrompt(p.input_ids, p.embeds, p.accept_hidden[:, :5], p.multimodal_mask)
     with pytest.raises(ValueError, match="rows"):
-        runner.start(wrong_rows)
-    seq = ref.prompt.input_ids.shape[0]
-    no_assistant = TalkerPrompt(
-        ref.prompt.input_ids[: seq - 3], ref.prompt.embeds[: seq - 3], ref.prompt.hidden[: seq - 3]
+        runner.start(wrong_rows, **media)
+    cut = TalkerPrompt(
+        p.input_ids[:, :-3], p.embeds[:, :-3], p.accept_hidden[:, :-3], p.multimodal_mask[:, :-3]
     )
     with pytest.raises(ValueError, match="assistant"):
-        runner.start(no_assistant)
-    state = runner.start(ref.prompt)
+        runner.start(cut, **media)
+    state = runner.start(p, **media)
+    with pytest.raises(ValueError, match="text embeddings"):
+        runner.push_text(state, ref.text[0, :7])
     runner.end_text(state)
     with pytest.raises(RuntimeError, match="end_text"):
         runner.push_text(state, ref.text[0])
@@ -426,13 +469,10 @@ def test_bad_requests(runner, references):
 def test_media_hidden_rows_only(runner, references):
     """The thinker may send its hidden states for the media positions only."""
     ref = references("image")
-    ids = ref.prompt.input_ids
-    mm = torch.zeros_like(ids, dtype=torch.bool)
-    for token in runner.mm_token_ids:
-        mm |= ids == token
-    compact = TalkerPrompt(ids, ref.prompt.embeds, ref.prompt.hidden[mm], ref.prompt.image_grid_thw)
-    state = runner.start(compact, **talker_options({}))
-    full = runner.start(ref.prompt, **talker_options({}))
+    p = ref.prompt
+    compact = TalkerPrompt(p.input_ids, p.embeds, p.multimodal_hidden(), p.multimodal_mask)
+    state = runner.start(compact, **ref.media, **talker_options({}))
+    full = runner.start(p, **ref.media, **talker_options({}))
     assert torch.equal(state.user_embeds, full.user_embeds)
 
 
