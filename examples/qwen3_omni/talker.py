@@ -165,6 +165,15 @@ class TalkerRunner:
                 tts_embeds.to(self.device, self.dtype).unsqueeze(0)
             )
         self.tts_bos, self.tts_eos, self.tts_pad = projected.chunk(3, dim=1)
+        # As generate()'s `_optimize_model_for_decode`: off the CPU the talker's decode steps
+        # run the MoE experts as `batched_mm` where its prefill runs `grouped_mm`.
+        self._prefill_experts = self.talker.get_experts_implementation()
+        self._decode_experts = self._prefill_experts
+        if self.device.type != "cpu" and "grouped_mm" in self._prefill_experts.values():
+            self._decode_experts = {
+                k: "batched_mm" if v == "grouped_mm" else v
+                for k, v in self._prefill_experts.items()
+            }
 
     # ---- construction -----------------------------------------------------------------
 
@@ -450,6 +459,7 @@ class TalkerRunner:
         state.positions = self._prefill_positions(state, talker_ids, attention_mask)
         state.attention_length = length
         state.cache = DynamicCache(config=self.talker_config.text_config)
+        self._set_experts(self._prefill_experts)
         out = talker(
             inputs_embeds=inputs_embeds,
             attention_mask=attention_mask,
@@ -508,6 +518,7 @@ class TalkerRunner:
         attention_mask = torch.ones(
             (1, state.attention_length), dtype=torch.long, device=self.device
         )
+        self._set_experts(self._decode_experts)
         out = self.talker(
             inputs_embeds=inputs_embeds,
             attention_mask=attention_mask,
@@ -519,6 +530,10 @@ class TalkerRunner:
         )
         state.past_hidden = out.hidden_states[0][-1][:, -1:]
         return out.logits[:, -1, :]
+
+    def _set_experts(self, implementation: dict[str, Any]) -> None:
+        if self.talker.get_experts_implementation() != implementation:
+            self.talker.set_experts_implementation(implementation)
 
     def _choose(
         self,

@@ -476,6 +476,29 @@ def test_media_hidden_rows_only(runner, references):
     assert torch.equal(state.user_embeds, full.user_embeds)
 
 
+def test_decode_experts_switch_as_generate(tiny_dir, reference, references):
+    """Off the CPU, generate() runs the talker's decode steps with the MoE experts as
+    `batched_mm` and its prefill as `grouped_mm`; the runner switches the same way (forced
+    here on the CPU, where neither switches, to run the code path)."""
+    runner = TalkerRunner.from_model(reference)
+    assert runner._decode_experts == runner._prefill_experts
+    grouped = runner._prefill_experts
+    assert grouped[""] == "grouped_mm"
+    runner._decode_experts = {k: "batched_mm" for k in grouped}
+    ref = references("text")
+    try:
+        state = runner.start(ref.prompt, **ref.media, **talker_options({}))
+        runner.push_text(state, ref.text)
+        runner.step(state)
+        assert reference.talker.config._experts_implementation == "grouped_mm"
+        runner.step(state)
+        assert reference.talker.config._experts_implementation == "batched_mm"
+        runner.release(state)
+        assert torch.equal(talk_all_at_once(runner, ref, **talker_options({})), ref.codes)
+    finally:
+        reference.talker.set_experts_implementation(grouped)
+
+
 def test_sampling_is_seeded(runner, references):
     """With do_sample (generate()'s default for the talker) a request's codes follow its own
     seed, whatever runs beside it (not compared with the reference: its RNG is global)."""
