@@ -348,7 +348,7 @@ class TalkerRunner:
         talker = self.talker
         input_ids = prompt.input_ids.to(self.device).reshape(1, -1)
         seq = input_ids.shape[1]
-        embeds = prompt.embeds.to(self.device).reshape(1, seq, -1)
+        embeds = prompt.embeds.to(self.device, self.dtype).reshape(1, seq, -1)
         mm_mask = torch.zeros_like(input_ids, dtype=torch.bool)
         for token_id in self.mm_token_ids:
             mm_mask |= input_ids == token_id
@@ -371,7 +371,7 @@ class TalkerRunner:
             if mm_mask.any():
                 if prompt.accept_hidden is None:
                     raise ValueError("the prompt has media positions but no thinker hidden states")
-                hidden = prompt.accept_hidden.to(self.device)
+                hidden = prompt.accept_hidden.to(self.device, self.dtype)
                 hidden = hidden.reshape(-1, hidden.shape[-1])
                 n_mm = int(mm_mask.sum())
                 if hidden.shape[0] == seq:
@@ -402,7 +402,7 @@ class TalkerRunner:
         start = int(starts[-1])
         if ids.shape[0] - start < 3:
             raise ValueError("the prompt ends inside its <|im_start|>assistant line")
-        embeds = prompt.embeds.reshape(ids.shape[0], -1).to(self.device)
+        embeds = prompt.embeds.reshape(ids.shape[0], -1).to(self.device, self.dtype)
         return embeds[start : start + 3], embeds[start + 3 :]
 
     def _prefill(self, state: TalkerState) -> torch.Tensor:
@@ -413,7 +413,7 @@ class TalkerRunner:
         # generate() projects <|im_start|>assistant\n and the text after it together.
         rows = [state.assistant_head]
         if state.text:
-            rows.append(_take(state.text, 0).to(self.device).reshape(1, -1))
+            rows.append(_take(state.text, 0).to(self.device, self.dtype).reshape(1, -1))
         assistant_hidden = talker.text_projection(torch.cat(rows, dim=0).unsqueeze(0))
         assistant_text = torch.cat(
             (
@@ -504,7 +504,7 @@ class TalkerRunner:
         j = state.steps - 1  # trailing text entry: generated token j + 1
         if j + 1 < len(state.text):
             trailing = self.talker.text_projection(
-                _take(state.text, j + 1).to(self.device).reshape(1, 1, -1)
+                _take(state.text, j + 1).to(self.device, self.dtype).reshape(1, 1, -1)
             )
         elif j + 1 == len(state.text):
             trailing = self.tts_eos  # the text ended right after the last pushed token
