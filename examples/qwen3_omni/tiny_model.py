@@ -495,3 +495,23 @@ def reference_generate(model, processor, conversation: list[dict[str, Any]], **o
     kwargs = {**generate_kwargs(model), **overrides}
     with torch.no_grad():
         return model.generate(**inputs, **kwargs)
+
+
+def reference_outputs(model, processor, conversation: list[dict[str, Any]], **overrides: Any):
+    """`reference_generate`, also capturing the talker's codes: (sequences (1, S + n),
+    codes (groups, frames) long, waveform (samples,) float32)."""
+    captured: dict[str, Any] = {}
+    talker_generate = model.talker.generate
+
+    def talker(*args: Any, **kwargs: Any) -> Any:
+        captured["talker"] = out = talker_generate(*args, **kwargs)
+        return out
+
+    model.talker.generate = talker
+    try:
+        sequences, wav = reference_generate(model, processor, conversation, **overrides)
+    finally:
+        del model.talker.generate
+    steps = captured["talker"].hidden_states
+    codes = torch.stack([h[-1] for h in steps if h[-1] is not None], dim=1).transpose(1, 2)[0]
+    return sequences, codes, wav.reshape(-1)
