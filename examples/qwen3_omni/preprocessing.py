@@ -24,6 +24,8 @@ from typing import Any
 import numpy as np
 import torch
 
+from omnirail.wire.errors import invalid
+
 from .processor import load_processor
 
 SAMPLE_RATE = 16_000  # what the processor's Whisper feature extractor takes
@@ -46,7 +48,10 @@ def create_preprocessing(
     processor = load_processor(model_path)
 
     def preprocess(inputs: Any) -> dict[str, Any]:
-        messages, options = parse_request(inputs, max_new_tokens, max_tokens_cap)
+        try:
+            messages, options = parse_request(inputs, max_new_tokens, max_tokens_cap)
+        except ValueError as exc:  # the caller's input: INVALID_ARGUMENT, not INTERNAL
+            raise invalid(str(exc)) from None
         return model_inputs(processor, messages, options)
 
     return preprocess

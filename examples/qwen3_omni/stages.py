@@ -21,9 +21,10 @@ import torch
 
 from omnirail.stage_service.ar import ARRequest, ARScheduler, ARStep
 from omnirail.stage_service.streaming import StreamingScheduler, StreamState
+from omnirail.wire.errors import invalid
 
 from .code2wav import Code2WavStreamer
-from .encoders import AudioEncoder, AudioEncoding, ImageEncoder, ImageEncoding
+from .encoders import AudioEncoder, AudioEncoding, ImageEncoder, ImageEncoding, InputError
 from .preprocessing import needed_encoders
 from .talker import TalkerRunner
 from .thinker import TalkerPrompt, ThinkerRunner
@@ -115,13 +116,16 @@ def create_thinker(model_path: str, device: str = "cpu", max_batch_size: int = 8
         data = req.data
         audio = AudioEncoding(**data["audio"]) if "audio" in data else None
         image = ImageEncoding(**data["image"]) if "image" in data else None
-        prefill = runner.prefill(
-            data["input_ids"],
-            max_new_tokens=data["options"]["max_new_tokens"],
-            attention_mask=data.get("attention_mask"),
-            audio=audio,
-            image=image,
-        )
+        try:
+            prefill = runner.prefill(
+                data["input_ids"],
+                max_new_tokens=data["options"]["max_new_tokens"],
+                attention_mask=data.get("attention_mask"),
+                audio=audio,
+                image=image,
+            )
+        except InputError as exc:  # e.g. a prompt longer than the model's positions
+            raise invalid(str(exc)) from None
         speak = bool(data["options"]["speak"])
         req.state.update(thinker=prefill.state, speak=speak)
         if speak:

@@ -10,8 +10,10 @@ chunk, and the streamed chunks with left context reproduce it to float rounding)
 
 from __future__ import annotations
 
+import concurrent.futures
 import os
 import shutil
+import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -30,6 +32,7 @@ from examples.qwen3_omni import tiny_model
 from examples.qwen3_omni.processor import load_processor
 from omnirail.client.sdk import Chunk, Client
 from omnirail.ops.launcher import Mesh
+from omnirail.wire.errors import Code, OmniError
 from tests.integration.conftest import shm_names
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -128,3 +131,100 @@ def test_equal_to_transformers_generate(mesh: Mesh, reference: Any, kind: str) -
     pcm = np.concatenate([np.asarray(c.data["pcm"]) for c in chunks if c.modality == "audio"])
     assert pcm.shape == wav.shape and code2wav["samples"] == wav.size
     assert float(np.abs(pcm - wav).max()) <= AUDIO_BOUND
+
+
+def test_concurrent_requests_each_get_what_they_get_alone(mesh: Mesh, tiny_dir: Path) -> None:
+    """8 requests of different kinds, prompts and lengths at once (continuous batching in
+    the thinker and the talker) each equal the reference run alone."""
+    model = tiny_model.load_reference(tiny_dir)
+    processor = load_processor(tiny_dir)
+    kinds = ["text", "image", "audio", "text", "image", "audio", "text", "text"]
+    cases = [(kind, f"Say {i} things about this.", 6 + 2 * i) for i, kind in enumerate(kinds)]
+
+    def solo(case: tuple[str, str, int]) -> tuple[list[int], torch.Tensor]:
+        kind, text, n = case
+        conv = tiny_model.sample_conversation(kind, text)
+        prompt = tiny_model.processor_inputs(processor, conv)["input_ids"].shape[1]
+        seq, codes, _ = tiny_model.reference_outputs(
+            model, processor, conv, thinker_max_new_tokens=n, talker_max_new_tokens=TALKER_TOKENS
+        )
+        return seq[0, prompt:].tolist(), codes
+
+    def on_mesh(case: tuple[str, str, int]) -> tuple[list[int], torch.Tensor]:
+        kind, text, n = case
+        request = {**request_for(kind), "text": text, "max_new_tokens": n}
+        with Client(mesh.address or "", timeout=180, tensors="numpy") as client:
+            _, result = collect(client.stream(request))
+        codes = torch.tensor(result.outputs["code2wav"]["codes"]).T
+        return result.outputs["decode"]["token_ids"], codes
+
+    with concurrent.futures.ThreadPoolExecutor(len(cases)) as pool:
+        got = list(pool.map(on_mesh, cases))
+    for case, (tokens, codes) in zip(cases, got, strict=True):
+        want_tokens, want_codes = solo(case)
+        assert tokens == want_tokens, case
+        assert torch.equal(codes, want_codes), case
+
+
+def test_first_audio_arrives_before_the_last_text(mesh: Mesh) -> None:
+    with Client(mesh.address or "", timeout=120, tensors="numpy") as client:
+        chunks, result = collect(
+            client.stream({"text": "Tell me a long story.", "max_new_tokens": 48})
+        )
+    assert len(result.outputs["decode"]["token_ids"]) >= 32
+    order = [c.modality for c in chunks]
+    last_text = len(order) - 1 - order[::-1].index("text")
+    assert order.index("audio") < last_text, order
+
+
+@pytest.mark.parametrize(
+    ("request_", "field"),
+    [
+        ({"messages": [{"role": "user", "content": [{"type": "video", "video": 1}]}]}, "type"),
+        ({"text": "x", "image": np.zeros((8, 8), np.uint8)}, "inputs.image"),
+        ({"text": "x", "audio": np.zeros(800, np.float32), "sample_rate": 8000}, "sample_rate"),
+        ({"text": "x", "max_new_tokens": 100_000}, "inputs.max_new_tokens"),
+    ],
+)
+def test_bad_input_fails_that_request_and_the_mesh_serves_on(
+    mesh: Mesh, request_: dict[str, Any], field: str
+) -> None:
+    with Client(mesh.address or "", timeout=60, tensors="numpy") as client:
+        with pytest.raises(OmniError) as info:
+            client.generate(request_)
+        assert info.value.code == Code.INVALID_ARGUMENT and field in info.value.message
+        assert info.value.stage == "preprocessing"
+        result = client.generate({"text": "Hi", "max_new_tokens": 2, "speak": False})
+    assert len(result.outputs["decode"]["token_ids"]) <= 2
+
+
+def test_aborted_streams_leave_nothing_behind(mesh: Mesh) -> None:
+    """50 requests left mid-stream (the SDK aborts them on every stage) leave no request
+    on any stage: no KV cache, stream state or relay extent stays behind."""
+
+    def abandon(i: int) -> None:
+        with Client(mesh.address or "", timeout=120, tensors="numpy") as client:
+            for event in client.stream(
+                {**request_for(["text", "image"][i % 2]), "max_new_tokens": 24}
+            ):
+                if isinstance(event, Chunk) and event.modality == "audio":
+                    break  # leaving the loop aborts the request everywhere
+
+    with concurrent.futures.ThreadPoolExecutor(10) as pool:
+        list(pool.map(abandon, range(50)))
+    with Client(mesh.address or "", timeout=60) as client:
+        deadline = time.monotonic() + 30
+        while True:
+            busy = {
+                (s.name, r.replica_id): (r.inflight, r.queue_depth)
+                for s in client.describe().stages
+                for r in s.replicas
+                if r.inflight or r.queue_depth
+            }
+            if not busy or time.monotonic() > deadline:
+                break
+            time.sleep(0.2)
+        assert busy == {}
+        # And it still answers exactly.
+        result = client.generate({"text": "Hi", "max_new_tokens": 2, "speak": False})
+    assert 1 <= len(result.outputs["decode"]["token_ids"]) <= 2

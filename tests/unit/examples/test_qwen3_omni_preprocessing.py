@@ -16,6 +16,7 @@ pytest.importorskip("PIL")
 
 from examples.qwen3_omni import preprocessing, tiny_model
 from examples.qwen3_omni.processor import load_processor
+from omnirail.wire.errors import Code, OmniError
 
 
 @pytest.fixture(scope="module")
@@ -118,6 +119,7 @@ def test_thinker_gets_the_audio_lengths_and_no_media(preprocess) -> None:
     ],
 )
 def test_bad_input_names_the_field(preprocess, request_, message: str) -> None:
-    with pytest.raises(ValueError) as info:
+    with pytest.raises(OmniError) as info:
         preprocess(request_)
-    assert str(info.value).startswith(message), str(info.value)
+    assert info.value.code == Code.INVALID_ARGUMENT
+    assert info.value.message.startswith(message), info.value.message
