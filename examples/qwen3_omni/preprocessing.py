@@ -27,6 +27,7 @@ import torch
 from omnirail.wire.errors import invalid
 
 from .processor import load_processor
+from .weights import read_config
 
 SAMPLE_RATE = 16_000  # what the processor's Whisper feature extractor takes
 MAX_TEXT = 20_000
@@ -45,6 +46,7 @@ def create_preprocessing(
     default when a request sets none; `max_tokens_cap`: the most a request may ask for."""
     if not 1 <= max_new_tokens <= max_tokens_cap:
         raise ValueError(f"max_new_tokens must be within 1..{max_tokens_cap}")
+    read_config(model_path)  # a directory of another architecture fails here, by name
     processor = load_processor(model_path)
 
     def preprocess(inputs: Any) -> dict[str, Any]:

@@ -15,6 +15,7 @@ only its own submodule's tensors (`weights.load_submodule`).
 
 from __future__ import annotations
 
+import logging
 from typing import Any
 
 import torch
@@ -29,10 +30,18 @@ from .preprocessing import needed_encoders
 from .talker import TalkerRunner
 from .thinker import TalkerPrompt, ThinkerRunner
 
+log = logging.getLogger(__name__)
 TEXT = {"modality": "text"}
 AUDIO = {"modality": "audio"}
 # code2wav's output rate: Qwen3-Omni's 12.5 Hz code frames, 1920 samples each.
 AUDIO_SAMPLE_RATE = 24_000
+
+
+def _holds(submodule: str, *modules: torch.nn.Module) -> None:
+    """Logs how many parameters this stage process holds (tests compare it with the
+    reference model's submodule: a stage loads its part, not the whole model)."""
+    count = sum(p.numel() for m in modules for p in m.parameters())
+    log.info("holds %d parameters: %s", count, submodule)
 
 
 # ---- encoders ---------------------------------------------------------------------------
@@ -40,6 +49,7 @@ AUDIO_SAMPLE_RATE = 24_000
 
 def create_audio_encoder(model_path: str, device: str = "cpu") -> Any:
     encoder = AudioEncoder.from_pretrained(model_path, torch.device(device))
+    _holds("thinker.audio_tower", encoder.module)
 
     def encode(payload: dict[str, Any]) -> dict[str, Any]:
         out = encoder.encode(payload["input_features"], payload["feature_attention_mask"])
@@ -56,6 +66,7 @@ def create_audio_encoder(model_path: str, device: str = "cpu") -> Any:
 
 def create_image_encoder(model_path: str, device: str = "cpu") -> Any:
     encoder = ImageEncoder.from_pretrained(model_path, torch.device(device))
+    _holds("thinker.visual", encoder.module)
 
     def encode(payload: dict[str, Any]) -> dict[str, Any]:
         out = encoder.encode(payload["pixel_values"], payload["image_grid_thw"])
@@ -111,6 +122,7 @@ def talker_prompt_chunk(prefill: Any, data: dict[str, Any]) -> dict[str, Any]:
 
 def create_thinker(model_path: str, device: str = "cpu", max_batch_size: int = 8) -> ARScheduler:
     runner = ThinkerRunner.from_pretrained(model_path, torch.device(device))
+    _holds("thinker.text", runner.model, runner.lm_head)
 
     def init(req: ARRequest) -> None:
         data = req.data
@@ -228,6 +240,7 @@ def create_talker(
     code2wav; a request whose next step needs a token the thinker has not sent yet is parked
     until it arrives."""
     runner = TalkerRunner.from_pretrained(model_path, torch.device(device))
+    _holds("talker", runner.talker)
 
     def take(req: ARRequest) -> Any:
         state = req.state.get("talker")
@@ -316,6 +329,7 @@ def create_code2wav(model_path: str, device: str = "cpu", chunk_frames: int = 4)
     streamer = Code2WavStreamer.from_pretrained(
         model_path, torch.device(device), chunk_frames=chunk_frames
     )
+    _holds("code2wav", streamer.code2wav)
     return Code2Wav(streamer, AUDIO_SAMPLE_RATE)
 
 

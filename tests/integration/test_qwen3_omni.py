@@ -11,7 +11,9 @@ chunk, and the streamed chunks with left context reproduce it to float rounding)
 from __future__ import annotations
 
 import concurrent.futures
+import json
 import os
+import re
 import shutil
 import time
 from collections.abc import Iterator
@@ -28,7 +30,7 @@ import yaml
 pytest.importorskip("transformers")
 pytest.importorskip("PIL")
 
-from examples.qwen3_omni import tiny_model
+from examples.qwen3_omni import tiny_model, weights
 from examples.qwen3_omni.processor import load_processor
 from omnirail.client.sdk import Chunk, Client
 from omnirail.ops.launcher import Mesh
@@ -95,6 +97,25 @@ def reference(tiny_dir: Path) -> Any:
         return cache[kind]
 
     return get
+
+
+def pipeline_copy(where: Path, model_dir: Path) -> Path:
+    """A copy of the example directory in `where` (its modules sit next to the pipeline
+    file), with `model_dir` as model_path and the reference's token limits."""
+    shutil.copytree(
+        EXAMPLE, where, dirs_exist_ok=True, ignore=shutil.ignore_patterns("__pycache__")
+    )
+    cfg = yaml.safe_load((EXAMPLE / "pipeline.yaml").read_text())
+    cfg["model_path"] = str(model_dir)
+    for stage in cfg["stages"]:
+        args = stage.setdefault("factory_args", {})
+        if stage["name"] == "preprocessing":
+            args["max_new_tokens"] = THINKER_TOKENS
+        if stage["name"] == "talker":
+            args["max_new_tokens"] = TALKER_TOKENS
+    path = where / "pipeline.yaml"
+    path.write_text(yaml.safe_dump(cfg, sort_keys=False))
+    return path
 
 
 def request_for(kind: str) -> dict[str, Any]:
@@ -228,3 +249,55 @@ def test_aborted_streams_leave_nothing_behind(mesh: Mesh) -> None:
         # And it still answers exactly.
         result = client.generate({"text": "Hi", "max_new_tokens": 2, "speak": False})
     assert 1 <= len(result.outputs["decode"]["token_ids"]) <= 2
+
+
+def test_each_stage_process_holds_only_its_submodule(mesh: Mesh, tiny_dir: Path) -> None:
+    """Every model stage logs the parameters it holds at start-up; each count equals the
+    reference model's submodule, far below the whole model."""
+    model = tiny_model.load_reference(tiny_dir)
+    total = sum(p.numel() for p in model.parameters())
+    parts = {
+        "audio_encoder": "thinker.audio_tower",
+        "image_encoder": "thinker.visual",
+        "thinker": "thinker.text",
+        "talker": "talker",
+        "code2wav": "code2wav",
+    }
+    for stage, part in parts.items():
+        log = (mesh.run_dir / "logs" / f"stage-{stage}.log").read_text()
+        found = re.findall(rf"holds (\d+) parameters: {re.escape(part)}$", log, re.M)
+        want = sum(p.numel() for p in weights.reference_parameters(model, part).values())
+        assert found == [str(want)], (stage, found, want)
+        assert want < total / 2
+    for stage in ("preprocessing", "decode"):
+        assert "holds" not in (mesh.run_dir / "logs" / f"stage-{stage}.log").read_text()
+
+
+def _start_fails(where: Path, model_dir: Path) -> str:
+    mesh = Mesh(pipeline_copy(where, model_dir), env={"HF_HUB_OFFLINE": "1"})
+    try:
+        with pytest.raises(OmniError) as info:
+            mesh.start(timeout=300)
+    finally:
+        mesh.stop()
+    return info.value.message
+
+
+def test_a_missing_shard_stops_start_up_naming_the_file(tmp_path: Path, tiny_dir: Path) -> None:
+    broken = tmp_path / "model"
+    shutil.copytree(tiny_dir, broken)
+    index = json.loads((broken / "model.safetensors.index.json").read_text())
+    shard = index["weight_map"]["code2wav.code_embedding.weight"]
+    (broken / shard).unlink()
+    message = _start_fails(tmp_path / "pipeline", broken)
+    assert f"{broken}/{shard}: no such file" in message
+
+
+def test_a_model_of_another_architecture_stops_start_up(tmp_path: Path, tiny_dir: Path) -> None:
+    other = tmp_path / "model"
+    shutil.copytree(tiny_dir, other)
+    config = json.loads((other / "config.json").read_text())
+    config["model_type"] = "qwen2"
+    (other / "config.json").write_text(json.dumps(config))
+    message = _start_fails(tmp_path / "pipeline", other)
+    assert "model_type is 'qwen2', not 'qwen3_omni_moe'" in message
