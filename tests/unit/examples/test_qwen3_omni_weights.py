@@ -404,3 +404,21 @@ def test_load_submodule_in_another_dtype(tiny_dir, reference):
         assert param.dtype == torch.bfloat16
         assert torch.equal(param, ref[key].to(torch.bfloat16))
     assert module.code_offset.dtype == reference.code2wav.code_offset.dtype  # integer buffer
+
+
+def test_stage_sizes_from_headers_match_the_loaded_submodules(tiny_dir, reference):
+    from examples.qwen3_omni import sizes
+
+    stages = sizes.stage_bytes(tiny_dir)
+    parts = {
+        "audio_encoder": "thinker.audio_tower",
+        "image_encoder": "thinker.visual",
+        "thinker": "thinker.text",
+        "talker": "talker",
+        "code2wav": "code2wav",
+    }
+    for stage, part in parts.items():
+        params = weights.reference_parameters(reference, part).values()
+        assert stages[stage][1] == sum(p.numel() * p.element_size() for p in params), stage
+    every = sizes.tensor_bytes(tiny_dir)
+    assert sum(b for _, b in stages.values()) == sum(every.values())  # nothing left out

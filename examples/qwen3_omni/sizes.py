@@ -1,0 +1,84 @@
+"""How much weight memory each stage of the Qwen3-Omni pipeline needs, from a checkpoint's
+safetensors headers alone (no tensor is read, nothing is loaded):
+
+    python -m examples.qwen3_omni.sizes /models/Qwen3-Omni-30B-A3B-Instruct
+
+prints one line per stage: the checkpoint prefixes it loads, its tensors and their bytes as
+stored (bf16 in Qwen's release). Add activations and KV caches on top (they grow with the
+requests a stage batches and their lengths).
+"""
+
+from __future__ import annotations
+
+import json
+import struct
+import sys
+from pathlib import Path
+
+from .weights import INDEX_FILE, SINGLE_FILE, ModelDirError
+
+# Stage -> the checkpoint prefixes its process loads (see stages.py and weights.py).
+STAGE_PREFIXES = {
+    "audio_encoder": ("thinker.audio_tower.",),
+    "image_encoder": ("thinker.visual.",),
+    "thinker": ("thinker.model.", "thinker.lm_head."),
+    "talker": ("talker.",),
+    "code2wav": ("code2wav.",),
+}
+
+
+def tensor_bytes(model_path: str | Path) -> dict[str, int]:
+    """Every tensor's stored size in bytes, read from the safetensors headers."""
+    path = Path(model_path)
+    index = path / INDEX_FILE
+    if index.is_file():
+        files = sorted(set(json.loads(index.read_text())["weight_map"].values()))
+    elif (path / SINGLE_FILE).is_file():
+        files = [SINGLE_FILE]
+    else:
+        raise ModelDirError(f"{path}: neither {INDEX_FILE} nor {SINGLE_FILE}")
+    sizes: dict[str, int] = {}
+    for name in files:
+        file = path / name
+        if not file.is_file():
+            raise ModelDirError(f"{file}: no such file (a shard named by {INDEX_FILE})")
+        with file.open("rb") as f:
+            (length,) = struct.unpack("<Q", f.read(8))
+            header = json.loads(f.read(length))
+        for tensor, info in header.items():
+            if tensor != "__metadata__":
+                start, end = info["data_offsets"]
+                sizes[tensor] = end - start
+    return sizes
+
+
+def stage_bytes(model_path: str | Path) -> dict[str, tuple[int, int]]:
+    """Stage -> (tensors, bytes) of the weights its process loads."""
+    sizes = tensor_bytes(model_path)
+    out = {}
+    for stage, prefixes in STAGE_PREFIXES.items():
+        mine = [n for n in sizes if n.startswith(prefixes)]
+        out[stage] = (len(mine), sum(sizes[n] for n in mine))
+    return out
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = sys.argv[1:] if argv is None else argv
+    if len(args) != 1:
+        print("usage: python -m examples.qwen3_omni.sizes MODEL_DIR", file=sys.stderr)
+        return 2
+    try:
+        stages = stage_bytes(args[0])
+    except (ModelDirError, OSError, ValueError) as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 1
+    total = sum(b for _, b in stages.values())
+    for stage, (count, nbytes) in stages.items():
+        prefixes = ", ".join(STAGE_PREFIXES[stage])
+        print(f"{stage:14} {nbytes / 2**30:8.3f} GiB  {count:6d} tensors  ({prefixes})")
+    print(f"{'all stages':14} {total / 2**30:8.3f} GiB")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
