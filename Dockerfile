@@ -5,7 +5,11 @@
 #
 # Build args:
 #   BASE_IMAGE  python:3.11-slim-bookworm (scripts/container/base_image.sh makes a local one)
-#   EXTRAS      omnirail extras to install, comma-separated ("" for none)
+#   EXTRAS      omnirail extras to install, comma-separated ("" for none). The default,
+#               nixl,ucx,hf, has the cross-host relays and transformers + pillow (about
+#               200 MB), which the shipped examples/qwen3_omni and omni_demo's hf_thinker
+#               import; the coordinator imports the factories too. scripts/container/
+#               wheelhouse.sh takes its default from this line.
 #   TORCH       cpu (torch from the PyTorch CPU index) or cuda (torch from PyPI); used only
 #               when installing from the network
 #   WHEELHOUSE  auto: install offline (pip --no-index) from .wheelhouse/ in the build
@@ -16,7 +20,7 @@
 ARG BASE_IMAGE=python:3.11-slim-bookworm
 
 FROM ${BASE_IMAGE} AS deps
-ARG EXTRAS=nixl,ucx
+ARG EXTRAS=nixl,ucx,hf
 ARG TORCH=cpu
 ARG WHEELHOUSE=auto
 ARG TORCH_CPU_INDEX=https://download.pytorch.org/whl/cpu

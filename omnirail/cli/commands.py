@@ -304,6 +304,7 @@ def cmd_compose(args: argparse.Namespace) -> int:
     from omnirail.ops.compose import (
         ComposeOptions,
         EdgeRelay,
+        ModelDir,
         default_build_context,
         generate,
         write_bundle,
@@ -322,6 +323,8 @@ def cmd_compose(args: argparse.Namespace) -> int:
         edge_relays=tuple(EdgeRelay.parse(e) for e in args.edge_relay),
         build_context=context,
         resolve=not args.no_resolve,
+        model_dirs=tuple(ModelDir.parse(d) for d in args.model_dir),
+        check_model_dirs=not args.no_check_model_dir,
     )
     bundle = generate(args.file, Path(args.output) if args.output else None, options)
     for path in write_bundle(bundle):
@@ -534,6 +537,20 @@ def build_parser() -> argparse.ArgumentParser:
     )
     k.add_argument(
         "--no-resolve", action="store_true", help="do not import factories while validating"
+    )
+    k.add_argument(
+        "--model-dir",
+        action="append",
+        default=[],
+        metavar="[MODEL_PATH=]HOST_DIR",
+        help=f"host directory mounted read-only at {_compose.MODEL_MOUNT} for the pipeline's "
+        "model_path (MODEL_PATH= names which, as written, when stages read several); "
+        "default: model_path itself, relative to the pipeline's directory",
+    )
+    k.add_argument(
+        "--no-check-model-dir",
+        action="store_true",
+        help="do not require the model directories to exist here (they will where compose runs)",
     )
     k.set_defaults(fn=cmd_compose)
 

@@ -3,9 +3,11 @@
 One service per stage process (and replica), the coordinator, Jaeger (every service's
 spans over OTLP) and Prometheus (every service's /metrics). Services joined by `shm` edges
 share an IPC namespace; `--edge-relay SRC->DST=BACKEND` moves edges onto a cross-container
-backend in a derived pipeline file so they need not. Everything is checked and built in
-memory (`generate`) before anything is written (`write_bundle`); the output is the same for
-the same inputs. Pure config work: importable without torch.
+backend in a derived pipeline file so they need not. The model directories the stages read
+(`model_path`) are bind-mounted read-only into their services (`compose_models`).
+Everything is checked and built in memory (`generate`) before anything is written
+(`write_bundle`); the output is the same for the same inputs. Pure config work: importable
+without torch.
 """
 
 from __future__ import annotations
@@ -27,12 +29,15 @@ from omnirail.ops.compose_groups import (
     ipc_groups,
     plan_services,
 )
+from omnirail.ops.compose_models import MODEL_MOUNT, ModelDir, ModelMount, header_args, model_mounts
 
 __all__ = [
+    "MODEL_MOUNT",
     "ComposeBundle",
     "ComposeError",
     "ComposeOptions",
     "EdgeRelay",
+    "ModelDir",
     "default_build_context",
     "generate",
     "write_bundle",
@@ -59,6 +64,10 @@ class ComposeOptions:
     build_context: Path | None = None
     # Import factories and hooks while validating (off where the models' deps are missing).
     resolve: bool = True
+    # Host directories for the model paths the pipeline names (`--model-dir`).
+    model_dirs: tuple[ModelDir, ...] = ()
+    # Every mounted model directory must exist now (off: `--no-check-model-dir`).
+    check_model_dirs: bool = True
 
 
 @dataclass
@@ -93,7 +102,10 @@ def generate(
         prometheus_file=pipeline_dir / f"{source.stem}.prometheus.yml",
     )
     side_files = {paths.prometheus_file: _prometheus_config(services)}
-    derived = derive_pipeline(cfg, source, options.edge_relays, options.resolve)
+    mounts = model_mounts(
+        cfg, pipeline_dir, options.model_dirs, options.check_model_dirs, options.resolve
+    )
+    derived = derive_pipeline(cfg, source, options.edge_relays, options.resolve, mounts)
     if derived is not None:
         cfg, text = derived
         paths = replace(paths, pipeline_file=pipeline_dir / f"{source.stem}.compose.yaml")
@@ -101,7 +113,7 @@ def generate(
     clash = {source.resolve(), output.resolve() if output else None} & set(side_files)
     if clash:
         raise ComposeError(f"{clash.pop()}: would be overwritten by a generated side file")
-    doc = _compose_doc(services, ipc_groups(cfg, services), paths, options)
+    doc = _compose_doc(services, ipc_groups(cfg, services), mounts, paths, options)
     header = _header(source, output, options, base)
     text = header + yaml.safe_dump(doc, sort_keys=False, default_flow_style=False, width=100)
     return ComposeBundle(doc, text, output, side_files)
@@ -155,7 +167,11 @@ class _Paths:
 
 
 def _compose_doc(
-    services: list[StageService], groups: list[IpcGroup], paths: _Paths, options: ComposeOptions
+    services: list[StageService],
+    groups: list[IpcGroup],
+    mounts: list[ModelMount],
+    paths: _Paths,
+    options: ComposeOptions,
 ) -> dict[str, Any]:
     coordinator = _omnirail_service("coordinator", options, paths)
     if options.build_context is not None:
@@ -172,7 +188,9 @@ def _compose_doc(
     out: dict[str, Any] = {"coordinator": _ordered(coordinator)}
     ipc_of = {m: g for g in groups for m in g.members}
     for svc in services:
-        out[svc.name] = _stage_service(svc, ipc_of.get(svc.name), paths, options)
+        # The coordinator imports the factories but calls none: it needs no model files.
+        models = [_model_bind(m, paths) for m in mounts if set(m.stages) & set(svc.stages)]
+        out[svc.name] = _stage_service(svc, ipc_of.get(svc.name), models, paths, options)
     out["jaeger"] = {
         "image": options.jaeger_image,
         "environment": {"COLLECTOR_OTLP_ENABLED": "true"},
@@ -187,9 +205,14 @@ def _compose_doc(
 
 
 def _stage_service(
-    svc: StageService, ipc: IpcGroup | None, paths: _Paths, options: ComposeOptions
+    svc: StageService,
+    ipc: IpcGroup | None,
+    models: list[dict[str, Any]],
+    paths: _Paths,
+    options: ComposeOptions,
 ) -> dict[str, Any]:
     service = _omnirail_service(svc.name, options, paths)
+    service["volumes"] += models
     service["command"] = [
         "stage",
         *("--pipeline", paths.in_container),
@@ -244,6 +267,12 @@ def _metrics_flags() -> list[str]:
     return ["--metrics-host", "0.0.0.0", "--metrics-port", str(METRICS_PORT)]
 
 
+def _model_bind(mount: ModelMount, paths: _Paths) -> dict[str, Any]:
+    # As written: an absolute path stays one; a relative one starts at the compose file.
+    source = mount.given if os.path.isabs(mount.given) else paths.rel(mount.host)
+    return _bind(source, mount.target)
+
+
 def _bind(source: str, target: str) -> dict[str, Any]:
     return {"type": "bind", "source": source, "target": target, "read_only": True}
 
@@ -287,6 +316,7 @@ def _header(source: Path, output: Path | None, options: ComposeOptions, base: Pa
         argv += ["--build-context", "none" if ctx is None else os.path.relpath(ctx, base)]
     if not options.resolve:
         argv.append("--no-resolve")
+    argv += header_args(options.model_dirs, options.check_model_dirs, base)
     where = "this file's directory" if output is not None else "the directory it was made in"
     return (
         "# Generated by `omnirail compose`: edit the pipeline or the flags, not this file.\n"

@@ -1,7 +1,8 @@
 """`--edge-relay SRC->DST=BACKEND`: the pipeline with some edges moved onto other relay
 backends, so a deployment can put their stages in containers that share no IPC namespace.
 
-The derived pipeline is the authored YAML with `relay_to` entries added, validated like the
+The derived pipeline is the authored YAML with `relay_to` entries added and its model
+directories pointed at their container mounts (`compose_models`), validated like the
 original and written next to it (dotted paths may name modules relative to its directory).
 """
 
@@ -16,6 +17,7 @@ import yaml
 
 from omnirail.config import ConfigError, PipelineConfig
 from omnirail.ops.compose_groups import ComposeError
+from omnirail.ops.compose_models import ModelMount, point_at_mounts
 
 # Options an edge moved across containers gets unless the pipeline already sets its own:
 # UCX sees one machine and would pick shared-memory transports whose signalling does not
@@ -51,9 +53,11 @@ def derive_pipeline(
     source: Path,
     edge_relays: tuple[EdgeRelay, ...],
     resolve: bool,
+    mounts: list[ModelMount] | None = None,
 ) -> tuple[PipelineConfig, str] | None:
-    """The pipeline with `edge_relays` applied, validated, and its YAML text; None when
-    they change nothing (the deployment then uses the original file)."""
+    """The pipeline with `edge_relays` applied and model paths pointed at `mounts`,
+    validated, and its YAML text; None when that changes nothing (the deployment then uses
+    the original file)."""
     seen: set[tuple[str, str]] = set()
     for edge in edge_relays:
         _check_edge(cfg, edge)
@@ -64,22 +68,26 @@ def derive_pipeline(
     changes = sorted(
         e for e in edge_relays if cfg.relay_for(e.source, e.target).backend != e.backend
     )
-    if not changes:
+    if not changes and not mounts:
         return None
     data = _raw_pipeline(cfg, source)
     stages = {s["name"]: s for s in data["stages"]}
     for edge in changes:
         _apply_edge(cfg, stages[edge.source], edge)
+    point_at_mounts(data, cfg, mounts or [])
     try:
         derived = PipelineConfig.from_dict(data, source_dir=cfg.source_dir, resolve=resolve)
     except ConfigError as exc:
         flags = " ".join(f"--edge-relay {e}" for e in changes)
+        with_flags = f"with {flags} " if flags else "derived for the containers, "
         raise ComposeError(
-            f"with {flags} the pipeline is invalid: {'; '.join(exc.errors)}"
+            f"{with_flags}the pipeline is invalid: {'; '.join(exc.errors)}"
         ) from None
+    what = [", ".join(map(str, changes))] if changes else []
+    what += [f"{', '.join(m.fields)} -> {m.target}" for m in mounts or []]
     header = (
         f"# Derived from {source.name} by `omnirail compose` "
-        f"({', '.join(map(str, changes))}); edit {source.name}, not this file.\n"
+        f"({'; '.join(what)}); edit {source.name}, not this file.\n"
     )
     return derived, header + yaml.safe_dump(data, sort_keys=False, default_flow_style=False)
 

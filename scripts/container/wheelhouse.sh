@@ -12,7 +12,8 @@ set -euo pipefail
 cd "$(dirname "$0")/../.."
 
 out=.wheelhouse
-extras=${WHEELHOUSE_EXTRAS:-nixl,ucx}
+# The Dockerfile's default EXTRAS, so a plain build finds every wheel it installs.
+extras=${WHEELHOUSE_EXTRAS:-$(sed -n 's/^ARG EXTRAS=\(.*\)$/\1/p' Dockerfile | head -1)}
 say() { echo "[wheelhouse.sh] $*" >&2; }
 
 # The image's interpreter is Debian bookworm's python3 (3.11, glibc 2.36): the host's must
