@@ -26,6 +26,25 @@ def _wake_setting(text: str) -> int | None:
     return None if text == "off" else wake_us(text)
 
 
+def _levels(text: str) -> list[int]:
+    """`--concurrency`: one level, or several comma-separated (`omni`: 1,8)."""
+    try:
+        levels = [int(part) for part in text.split(",")]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected N or N,M,...: {text!r}") from None
+    if any(n < 1 for n in levels):
+        raise argparse.ArgumentTypeError(f"levels must be at least 1: {text!r}")
+    return levels
+
+
+def _one_level(args: argparse.Namespace, default: int) -> int:
+    if args.concurrency is None:
+        return default
+    if len(args.concurrency) != 1:
+        raise SystemExit(f"bench {args.what}: --concurrency takes one level")
+    return args.concurrency[0]
+
+
 def cmd_bench(args: argparse.Namespace) -> int:
     from omnirail.tuning import cpu_latency
 
@@ -68,7 +87,21 @@ def _run(args: argparse.Namespace) -> dict[str, Any]:
             pipeline=args.pipeline,
             inputs=read_inputs(args) if (args.input or args.input_file) else None,
             runs=args.runs,
-            concurrency=1 if args.concurrency is None else args.concurrency,
+            concurrency=_one_level(args, 1),
+            progress=progress(args.json),
+        )
+    elif args.what == "omni":
+        from omnirail.bench.omni_bench import run_omni_bench
+
+        report = run_omni_bench(
+            model_path=args.model_path,
+            baseline=args.baseline,
+            concurrency=args.concurrency or [1, 8],
+            requests=16 if args.requests is None else args.requests,
+            max_new_tokens=args.max_new_tokens,
+            talker_max_new_tokens=args.talker_max_new_tokens,
+            kind=args.kind,
+            torch_threads=args.torch_threads,
             progress=progress(args.json),
         )
     elif args.what == "streaming":
@@ -86,8 +119,8 @@ def _run(args: argparse.Namespace) -> dict[str, Any]:
         report = run_pipeline_bench(
             stages=args.stages,
             payload_bytes=args.payload_bytes,
-            requests=args.requests,
-            concurrency=64 if args.concurrency is None else args.concurrency,
+            requests=300 if args.requests is None else args.requests,
+            concurrency=_one_level(args, 64),
             throughput_requests=args.throughput_requests,
             stage_ms=args.stage_ms,
             tracing=args.tracing,
@@ -101,7 +134,7 @@ def _run(args: argparse.Namespace) -> dict[str, Any]:
 def add_bench_parser(sub: Any) -> None:
     """Adds `bench` to the CLI's subcommands (`sub`, from add_subparsers)."""
     b = sub.add_parser("bench", help="benchmarks (JSON output)")
-    b.add_argument("what", choices=["pipeline", "relay", "streaming", "demo", "host"])
+    b.add_argument("what", choices=["pipeline", "relay", "streaming", "demo", "host", "omni"])
     b.add_argument("--json", action="store_true", help="one line of JSON, no progress")
     b.add_argument("--backend", default="shm")
     b.add_argument("--sizes", default=None, help="relay: comma-separated byte sizes")
@@ -126,12 +159,20 @@ def add_bench_parser(sub: Any) -> None:
     )
     b.add_argument("--stages", type=int, default=3)
     b.add_argument("--payload-bytes", type=int, default=0)
-    b.add_argument("--requests", type=int, default=300, help="sequential latency requests")
     b.add_argument(
-        "--concurrency",
+        "--requests",
         type=int,
         default=None,
-        help="pipeline: requests in flight (default 64); demo: streams at once (default 1)",
+        help="pipeline: sequential latency requests (default 300); omni: requests per "
+        "concurrency level, in waves of that many at once (default 16)",
+    )
+    b.add_argument(
+        "--concurrency",
+        type=_levels,
+        default=None,
+        metavar="N[,N...]",
+        help="pipeline: requests in flight (default 64); demo: streams at once (default 1); "
+        "omni: levels, comma-separated (default 1,8)",
     )
     b.add_argument("--throughput-requests", type=int, default=2048)
     b.add_argument(
@@ -155,6 +196,35 @@ def add_bench_parser(sub: Any) -> None:
     b.add_argument("--pipeline", default=None, help="demo: pipeline file (default: omni demo)")
     b.add_argument("--input", default=None, help="demo: JSON object of inputs")
     b.add_argument("--input-file", default=None, help="demo: file holding the JSON object")
+    b.add_argument(
+        "--model-path",
+        default=None,
+        help="omni: a local Qwen3-Omni checkpoint directory (default: a tiny random one made "
+        "in a temporary folder)",
+    )
+    b.add_argument(
+        "--baseline",
+        choices=["transformers"],
+        default=None,
+        help="omni: also time transformers' own generate() on the same weights, in turn "
+        "with the mesh, and report the ratios",
+    )
+    b.add_argument("--max-new-tokens", type=int, default=32, help="omni: the thinker's text tokens")
+    b.add_argument(
+        "--talker-max-new-tokens",
+        type=int,
+        default=128,
+        help="omni: the talker's codec frames (12.5 per second of audio)",
+    )
+    b.add_argument(
+        "--kind", choices=["text", "image", "audio"], default="text", help="omni: the request"
+    )
+    b.add_argument(
+        "--torch-threads",
+        type=int,
+        default=1,
+        help="omni: torch threads of the transformers baseline (the mesh's stages use 1 each)",
+    )
     b.add_argument(
         "--tracing",
         choices=["off", "on", "compare"],

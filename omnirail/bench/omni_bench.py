@@ -1,0 +1,384 @@
+"""`omnirail bench omni`: Qwen3-Omni on the mesh against transformers' own `generate()`.
+
+Starts examples/qwen3_omni/pipeline.yaml (each stage its own process, loading only its
+submodule) on `model_path`, or on a tiny random checkpoint made here in a temporary folder
+when none is given (`tiny_model.make_tiny_model`; nothing is downloaded), with the token
+limits given. At each concurrency `c` the requests arrive in waves of `c` at once (the
+next wave when the last one has ended), and for every request the client times its first
+text chunk, its first audio chunk and its end; its audio is `code2wav.samples` at 24 kHz.
+Per level: medians over requests (`ttft_ms`, `ttfa_ms`, `e2e_ms`, `rtf` = end-to-end
+time / audio seconds of that request), and `requests_per_s` and `audio_s_per_s` (requests
+and audio seconds over the waves' summed wall time).
+
+With `baseline="transformers"` the same run loads `Qwen3OmniMoeForConditionalGeneration`
+from the same directory into this process and times its `generate()` (greedy thinker and
+talker, the same token limits, `return_audio=True`) on the same requests, one wave of the
+mesh then one of transformers, in turn, so both sample the same minutes of a noisy host.
+`generate()` does not stream: its first text and first audio are at its end. A wave of
+`c` is one batch of `c` through `generate()` (see `_baseline_wave` for why not `c`
+threads). Ratios per level: the mesh's first audio over transformers' end-to-end time and
+the mesh's requests/s and audio-seconds/s over transformers'.
+
+The example (pipeline and `tiny_model`) is the checkout's `examples/qwen3_omni`, found by
+path like the demo bench's pipeline: `examples` is not part of the installed `omnirail`
+package, so nothing here imports it as a package at import time.
+"""
+
+from __future__ import annotations
+
+import importlib
+import math
+import shutil
+import statistics
+import tempfile
+import threading
+import time
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any
+
+EXAMPLE = Path(__file__).resolve().parents[2] / "examples" / "qwen3_omni"
+AUDIO_SAMPLE_RATE = 24_000  # code2wav's output: 1920 samples per 12.5 Hz code frame
+KINDS = ("text", "image", "audio")
+TEXT = "Describe this."
+TINY = "tiny random (made here)"
+BASELINE_BATCHING = (
+    "a wave of c requests is one batch of c through generate() (left padding; "
+    "transformers 5.24 batches thinker, talker and code2wav with audio output). c threads "
+    "calling generate() on one shared model are not safe (the thinker and talker keep "
+    "rope_deltas on the module between calls) and run one at a time under the GIL"
+)
+
+
+def _example(module: str) -> Any:
+    """`examples/qwen3_omni/<module>` of this checkout, imported from its folder as the mesh
+    imports a pipeline's own modules (`dir_package`: a package made for the folder, so the
+    example's relative imports work), not as `examples.qwen3_omni`: `examples` is no part
+    of the omnirail package (an installed wheel has no such package), and the layer
+    contract covers omnirail's own modules only."""
+    from omnirail.config.dotted import dir_package
+
+    if not (EXAMPLE / "pipeline.yaml").is_file():
+        raise FileNotFoundError(
+            f"{EXAMPLE}: the Qwen3-Omni example is not here (run from a source checkout)"
+        )
+    return importlib.import_module(f"{dir_package(str(EXAMPLE))}.{module}")
+
+
+def _request(tiny_model: Any, kind: str, max_new_tokens: int) -> dict[str, Any]:
+    """The mesh request for `tiny_model.sample_conversation(kind)` (the baseline's input)."""
+    request: dict[str, Any] = {"text": TEXT, "max_new_tokens": max_new_tokens}
+    if kind == "image":
+        request["image"] = tiny_model.sample_image()
+    if kind == "audio":
+        request["audio"] = tiny_model.sample_audio()
+        request["sample_rate"] = tiny_model.SAMPLE_RATE
+    return request
+
+
+@contextmanager
+def _pipeline(model_path: str, max_new_tokens: int, talker_tokens: int) -> Iterator[Path]:
+    """A copy of the example folder (its modules sit next to its pipeline file) whose
+    pipeline.yaml has `model_path` and the token limits set."""
+    import yaml
+
+    with tempfile.TemporaryDirectory(prefix="omnirail-bench-omni-") as tmp:
+        where = Path(tmp) / "qwen3_omni"
+        shutil.copytree(EXAMPLE, where, ignore=shutil.ignore_patterns("__pycache__"))
+        cfg = yaml.safe_load((EXAMPLE / "pipeline.yaml").read_text())
+        cfg["model_path"] = model_path
+        for stage in cfg["stages"]:
+            args = stage.setdefault("factory_args", {})
+            if stage["name"] == "preprocessing":
+                args["max_new_tokens"] = max_new_tokens
+            elif stage["name"] == "talker":
+                args["max_new_tokens"] = talker_tokens
+        path = where / "pipeline.yaml"
+        path.write_text(yaml.safe_dump(cfg, sort_keys=False))
+        yield path
+
+
+# ---- the mesh ---------------------------------------------------------------------------
+
+
+def _mesh_one(client: Any, request: dict[str, Any]) -> dict[str, Any]:
+    from omnirail.client.sdk import Chunk
+
+    t0 = time.perf_counter()
+    first: dict[str, float] = {}
+    result = None
+    for event in client.stream(request):
+        if isinstance(event, Chunk):
+            first.setdefault(event.modality, (time.perf_counter() - t0) * 1000)
+        else:
+            result = event
+            break
+    e2e_ms = (time.perf_counter() - t0) * 1000
+    if result is None or "text" not in first or "audio" not in first:
+        raise RuntimeError(f"the mesh's stream ended with chunks {sorted(first)} and no result")
+    samples = int(result.outputs["code2wav"]["samples"])
+    return {
+        "ttft_ms": first["text"],
+        "ttfa_ms": first["audio"],
+        "e2e_ms": e2e_ms,
+        "audio_s": samples / AUDIO_SAMPLE_RATE,
+        "token_ids": list(result.outputs["decode"]["token_ids"]),
+        "samples": samples,
+    }
+
+
+def _mesh_wave(client: Any, request: dict[str, Any], c: int) -> tuple[float, list[dict]]:
+    """`c` requests at once, one thread each: (wall seconds, per-request samples)."""
+    out: list[dict[str, Any]] = []
+    errors: list[BaseException] = []
+
+    def run() -> None:
+        try:
+            one = _mesh_one(client, request)
+            out.append(one)
+        except BaseException as exc:  # re-raised below, in the caller's thread
+            errors.append(exc)
+
+    threads = [threading.Thread(target=run) for _ in range(c)]
+    t0 = time.perf_counter()
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    wall = time.perf_counter() - t0
+    if errors:
+        raise errors[0]
+    return wall, out
+
+
+# ---- transformers' generate() -----------------------------------------------------------
+
+
+class _Transformers:
+    """`Qwen3OmniMoeForConditionalGeneration.generate` on the same directory, in this
+    process (the example's `tiny_model.load_reference`: from_pretrained offline, float32,
+    eval, with its transformers 5.24 workaround)."""
+
+    def __init__(
+        self, tiny_model: Any, model_path: str, kind: str, max_new_tokens: int, talker: int
+    ) -> None:
+        processor_mod = _example("processor")
+        self.model = tiny_model.load_reference(model_path)
+        self.processor = processor_mod.load_processor(model_path)
+        # Rows of one batch are the same prompt here, but a batch for generate() is padded
+        # on the left (decoder-only), whatever the tokenizer's default.
+        self.processor.tokenizer.padding_side = "left"
+        self.kwargs = tiny_model.generate_kwargs(
+            self.model, thinker_max_new_tokens=max_new_tokens, talker_max_new_tokens=talker
+        )
+        self.conversation = tiny_model.sample_conversation(kind, TEXT)
+        self._inputs: dict[int, dict[str, Any]] = {}
+
+    def inputs(self, c: int) -> dict[str, Any]:
+        """The processor's batch of `c` copies of the conversation (made once per size:
+        preprocessing is outside the timed call, as the mesh's is inside it; it is the
+        smallest part of a request)."""
+        if c not in self._inputs:
+            conv = self.conversation
+            text = self.processor.apply_chat_template(
+                conv, add_generation_prompt=True, tokenize=False
+            )
+            parts = [p for m in conv for p in m["content"] if isinstance(p, dict)]
+            images = [p["image"] for p in parts if p.get("type") == "image"]
+            audio = [p["audio"] for p in parts if p.get("type") == "audio"]
+            self._inputs[c] = dict(
+                self.processor(
+                    text=[text] * c,
+                    images=images * c or None,
+                    audio=audio * c or None,
+                    return_tensors="pt",
+                    padding=True,
+                )
+            )
+        return self._inputs[c]
+
+    def wave(self, c: int) -> tuple[float, list[dict[str, Any]]]:
+        """One batch of `c` through generate(): (wall seconds, per-request samples); every
+        request of the batch ends, and first shows text and audio, when the call returns."""
+        import torch
+
+        inputs = self.inputs(c)
+        prompt = inputs["input_ids"].shape[1]
+        t0 = time.perf_counter()
+        with torch.no_grad():
+            sequences, wavs = self.model.generate(**inputs, **self.kwargs)
+        wall = time.perf_counter() - t0
+        if not isinstance(wavs, list):  # one sequence: a (1, 1, samples) tensor
+            wavs = [wavs]
+        out = []
+        for row, wav in zip(sequences, wavs, strict=True):
+            samples = int(wav.numel())
+            out.append(
+                {
+                    "ttft_ms": wall * 1000,
+                    "ttfa_ms": wall * 1000,
+                    "e2e_ms": wall * 1000,
+                    "audio_s": samples / AUDIO_SAMPLE_RATE,
+                    "token_ids": row[prompt:].tolist(),
+                    "samples": samples,
+                }
+            )
+        return wall, out
+
+
+# ---- report -----------------------------------------------------------------------------
+
+
+def _summary(walls: list[float], samples: list[dict[str, Any]]) -> dict[str, Any]:
+    wall = sum(walls)
+    audio = sum(s["audio_s"] for s in samples)
+    out: dict[str, Any] = {"requests": len(samples), "waves": len(walls)}
+    for key in ("ttft_ms", "ttfa_ms", "e2e_ms"):
+        values = [s[key] for s in samples]
+        out[key] = round(statistics.median(values), 2)
+        out[f"{key}_runs"] = [round(v, 2) for v in values]
+    out["audio_s"] = round(statistics.median(s["audio_s"] for s in samples), 4)
+    out["rtf"] = round(statistics.median(s["e2e_ms"] / 1000 / s["audio_s"] for s in samples), 4)
+    out["requests_per_s"] = round(len(samples) / wall, 4)
+    out["audio_s_per_s"] = round(audio / wall, 4)
+    out["wall_s"] = round(wall, 3)
+    return out
+
+
+def _ratios(mesh: dict[str, Any], base: dict[str, Any]) -> dict[str, float]:
+    return {
+        # Aim (issue 17): at most 0.25.
+        "ttfa_over_transformers_e2e": round(mesh["ttfa_ms"] / base["e2e_ms"], 4),
+        "ttft_over_transformers_e2e": round(mesh["ttft_ms"] / base["e2e_ms"], 4),
+        "e2e_over_transformers_e2e": round(mesh["e2e_ms"] / base["e2e_ms"], 4),
+        "requests_per_s": round(mesh["requests_per_s"] / base["requests_per_s"], 4),
+        # Aim (issue 17): at least 3 at concurrency 8.
+        "audio_s_per_s": round(mesh["audio_s_per_s"] / base["audio_s_per_s"], 4),
+    }
+
+
+def run_omni_bench(
+    *,
+    model_path: str | None = None,
+    baseline: str | None = None,
+    concurrency: Sequence[int] = (1, 8),
+    requests: int = 16,
+    max_new_tokens: int = 32,
+    talker_max_new_tokens: int = 128,
+    kind: str = "text",
+    torch_threads: int = 1,
+    progress: Callable[[str], None] | None = None,
+) -> dict[str, Any]:
+    """`requests` per concurrency level (rounded up to whole waves of `c`)."""
+    from omnirail.client.sdk import Client
+    from omnirail.ops.launcher import Mesh
+
+    say = progress or (lambda msg: None)
+    if baseline not in (None, "transformers"):
+        raise ValueError(f"baseline must be 'transformers' or none, not {baseline!r}")
+    if kind not in KINDS:
+        raise ValueError(f"kind must be one of {list(KINDS)}, not {kind!r}")
+    levels = list(dict.fromkeys(concurrency))
+    if not levels or min(levels) < 1 or requests < 1:
+        raise ValueError("concurrency levels and requests must be at least 1")
+    if max_new_tokens < 1 or talker_max_new_tokens < 1 or torch_threads < 1:
+        raise ValueError("token limits and torch threads must be at least 1")
+    tiny_model = _example("tiny_model")
+    with tempfile.TemporaryDirectory(prefix="omnirail-qwen3-omni-") as tmp:
+        if model_path is None:
+            say("making the tiny random Qwen3-Omni checkpoint")
+            path = str(tiny_model.make_tiny_model(Path(tmp) / "tiny"))
+        else:
+            path = str(Path(model_path).resolve())
+        base = None
+        if baseline == "transformers":
+            import torch
+
+            # The mesh's stages run one compute thread each (torch_threads: 1); so does
+            # the baseline unless told otherwise (on 2 busy vCPUs, 2 threads made the tiny
+            # model's generate() slower and far noisier).
+            torch.set_num_threads(torch_threads)
+            say("loading transformers' Qwen3OmniMoeForConditionalGeneration")
+            base = _Transformers(tiny_model, path, kind, max_new_tokens, talker_max_new_tokens)
+        request = _request(tiny_model, kind, max_new_tokens)
+        with _pipeline(path, max_new_tokens, talker_max_new_tokens) as pipeline:
+            mesh = Mesh(pipeline, progress=progress, env={"HF_HUB_OFFLINE": "1"})
+            mesh.start(timeout=300)
+            try:
+                assert mesh.address is not None
+                with Client(mesh.address, timeout=600, tensors="numpy") as client:
+                    report_levels, check = _measure(client, request, base, levels, requests, say)
+            finally:
+                mesh.stop()
+    report: dict[str, Any] = {
+        "model": TINY if model_path is None else path,
+        "pipeline": str(EXAMPLE / "pipeline.yaml"),
+        "kind": kind,
+        "max_new_tokens": max_new_tokens,
+        "talker_max_new_tokens": talker_max_new_tokens,
+        "audio_sample_rate": AUDIO_SAMPLE_RATE,
+        "concurrency": levels,
+        "baseline": baseline,
+        "levels": report_levels,
+    }
+    if base is not None:
+        report["baseline_batching"] = BASELINE_BATCHING
+        report["baseline_torch_threads"] = torch_threads
+        report["check"] = check
+    return report
+
+
+def _measure(
+    client: Any,
+    request: dict[str, Any],
+    base: _Transformers | None,
+    levels: list[int],
+    requests: int,
+    say: Callable[[str], None],
+) -> tuple[list[dict[str, Any]], dict[str, bool]]:
+    # Warm-up, not timed: channels, pools and code paths of the mesh, one request and
+    # one wave at the largest concurrency; the same for generate().
+    say("warming up")
+    solo = _mesh_wave(client, request, 1)[1][0]
+    _mesh_wave(client, request, max(levels))
+    reference = None
+    if base is not None:
+        reference = base.wave(1)[1][0]
+        base.wave(max(levels))
+    out: list[dict[str, Any]] = []
+    mesh_equal = batch_equal = True
+    for c in levels:
+        waves = math.ceil(requests / c)
+        mesh_walls: list[float] = []
+        mesh_samples: list[dict[str, Any]] = []
+        base_walls: list[float] = []
+        base_samples: list[dict[str, Any]] = []
+        for w in range(waves):
+            say(f"concurrency {c}: wave {w + 1} of {waves}")
+            wall, samples = _mesh_wave(client, request, c)
+            mesh_walls.append(wall)
+            mesh_samples.extend(samples)
+            if base is not None:
+                wall, samples = base.wave(c)
+                base_walls.append(wall)
+                base_samples.extend(samples)
+        level: dict[str, Any] = {"concurrency": c, "mesh": _summary(mesh_walls, mesh_samples)}
+        # Greedy on both sides: every mesh request should give transformers' tokens and
+        # audio length (the integration tests check codes and waveforms too).
+        want = reference or solo
+        mesh_equal &= all(_same(s, want) for s in mesh_samples)
+        if base is not None:
+            batch_equal &= all(_same(s, want) for s in base_samples)
+            level["transformers"] = _summary(base_walls, base_samples)
+            level["ratios"] = _ratios(level["mesh"], level["transformers"])
+        out.append(level)
+    check = {
+        "mesh_equals_transformers": mesh_equal,
+        "transformers_batch_equals_solo": batch_equal,
+    }
+    return out, check
+
+
+def _same(a: dict[str, Any], b: dict[str, Any]) -> bool:
+    return a["token_ids"] == b["token_ids"] and a["samples"] == b["samples"]

@@ -1,0 +1,97 @@
+"""`omnirail bench omni`: the Qwen3-Omni mesh against transformers' generate(), one report.
+
+Runs the command as a user would, on the tiny random checkpoint it makes itself (nothing
+is downloaded), with small token limits, and checks the report's shape and that its
+numbers are sane: positive timings, audio from both systems, the ratios computed from the
+figures beside them, and the greedy outputs of both systems equal.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+pytest.importorskip("transformers")
+pytest.importorskip("PIL")
+
+REPO = Path(__file__).resolve().parents[2]
+TIMINGS = ("ttft_ms", "ttfa_ms", "e2e_ms")
+RATES = ("audio_s", "rtf", "requests_per_s", "audio_s_per_s", "wall_s")
+
+pytestmark = pytest.mark.slow  # ~30-60 s: eight stage processes load transformers
+
+
+def test_bench_omni_json_against_transformers() -> None:
+    proc = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "omnirail",
+            "bench",
+            "omni",
+            "--requests",
+            "2",
+            "--concurrency",
+            "1,2",
+            "--baseline",
+            "transformers",
+            "--max-new-tokens",
+            "6",
+            "--talker-max-new-tokens",
+            "16",
+            "--json",
+        ],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=280,
+        stdin=subprocess.DEVNULL,
+        env={**os.environ, "HF_HUB_OFFLINE": "1"},
+    )
+    assert proc.returncode == 0, f"exit {proc.returncode}\n{proc.stdout}\n{proc.stderr}"
+    lines = proc.stdout.strip().splitlines()
+    assert len(lines) == 1, proc.stdout
+    report = json.loads(lines[0])
+    assert report["model"] == "tiny random (made here)"
+    assert report["baseline"] == "transformers" and report["concurrency"] == [1, 2]
+    assert report["max_new_tokens"] == 6 and report["talker_max_new_tokens"] == 16
+    assert report["kind"] == "text" and report["audio_sample_rate"] == 24_000
+    assert "batch" in report["baseline_batching"]
+    # Greedy on both sides, same weights: the same tokens and the same audio length.
+    assert report["check"] == {
+        "mesh_equals_transformers": True,
+        "transformers_batch_equals_solo": True,
+    }
+    assert [level["concurrency"] for level in report["levels"]] == [1, 2]
+    for level in report["levels"]:
+        c = level["concurrency"]
+        mesh, base, ratios = level["mesh"], level["transformers"], level["ratios"]
+        for side in (mesh, base):
+            assert side["requests"] == 2 and side["waves"] == 2 // c, level
+            for key in (*TIMINGS, *RATES):
+                assert isinstance(side[key], (int, float)) and side[key] > 0, (key, level)
+            for key in TIMINGS:
+                assert len(side[f"{key}_runs"]) == 2, level
+            assert side["audio_s_per_s"] == pytest.approx(
+                side["requests_per_s"] * side["audio_s"], rel=0.01
+            )
+        # Streaming: first text, then first audio, then the end.
+        assert mesh["ttft_ms"] <= mesh["ttfa_ms"] <= mesh["e2e_ms"], mesh
+        # generate() does not stream: its first text and audio are at its end.
+        assert base["ttft_ms"] == base["ttfa_ms"] == base["e2e_ms"], base
+        assert mesh["audio_s"] == base["audio_s"]
+        assert ratios["ttfa_over_transformers_e2e"] == pytest.approx(
+            mesh["ttfa_ms"] / base["e2e_ms"], rel=0.01
+        )
+        assert ratios["audio_s_per_s"] == pytest.approx(
+            mesh["audio_s_per_s"] / base["audio_s_per_s"], rel=0.01
+        )
+        assert ratios["requests_per_s"] == pytest.approx(
+            mesh["requests_per_s"] / base["requests_per_s"], rel=0.01
+        )
+        assert all(v > 0 for v in ratios.values()), ratios
