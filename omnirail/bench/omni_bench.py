@@ -77,26 +77,32 @@ def _request(tiny_model: Any, kind: str, max_new_tokens: int) -> dict[str, Any]:
     return request
 
 
-@contextmanager
-def _pipeline(model_path: str, max_new_tokens: int, talker_tokens: int) -> Iterator[Path]:
-    """A copy of the example folder (its modules sit next to its pipeline file) whose
-    pipeline.yaml has `model_path` and the token limits set."""
+def write_pipeline(where: Path, model_path: str, max_new_tokens: int, talker_tokens: int) -> Path:
+    """Copies the example folder (its modules sit next to its pipeline file) into `where`
+    and writes its pipeline.yaml with `model_path` and the token limits set; its path."""
     import yaml
 
+    shutil.copytree(
+        EXAMPLE, where, dirs_exist_ok=True, ignore=shutil.ignore_patterns("__pycache__")
+    )
+    cfg = yaml.safe_load((EXAMPLE / "pipeline.yaml").read_text())
+    cfg["model_path"] = model_path
+    for stage in cfg["stages"]:
+        args = stage.setdefault("factory_args", {})
+        if stage["name"] == "preprocessing":
+            args["max_new_tokens"] = max_new_tokens
+        elif stage["name"] == "talker":
+            args["max_new_tokens"] = talker_tokens
+    path = where / "pipeline.yaml"
+    path.write_text(yaml.safe_dump(cfg, sort_keys=False))
+    return path
+
+
+@contextmanager
+def _pipeline(model_path: str, max_new_tokens: int, talker_tokens: int) -> Iterator[Path]:
+    """`write_pipeline` into a temporary folder, removed afterwards."""
     with tempfile.TemporaryDirectory(prefix="omnirail-bench-omni-") as tmp:
-        where = Path(tmp) / "qwen3_omni"
-        shutil.copytree(EXAMPLE, where, ignore=shutil.ignore_patterns("__pycache__"))
-        cfg = yaml.safe_load((EXAMPLE / "pipeline.yaml").read_text())
-        cfg["model_path"] = model_path
-        for stage in cfg["stages"]:
-            args = stage.setdefault("factory_args", {})
-            if stage["name"] == "preprocessing":
-                args["max_new_tokens"] = max_new_tokens
-            elif stage["name"] == "talker":
-                args["max_new_tokens"] = talker_tokens
-        path = where / "pipeline.yaml"
-        path.write_text(yaml.safe_dump(cfg, sort_keys=False))
-        yield path
+        yield write_pipeline(Path(tmp) / "qwen3_omni", model_path, max_new_tokens, talker_tokens)
 
 
 # ---- the mesh ---------------------------------------------------------------------------

@@ -25,20 +25,18 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 import numpy as np
 import pytest
 import torch
-import yaml
 
 pytest.importorskip("transformers")
 pytest.importorskip("PIL")
 
 from examples.qwen3_omni import tiny_model, weights
 from examples.qwen3_omni.processor import load_processor
+from omnirail.bench.omni_bench import write_pipeline
 from omnirail.client.sdk import Chunk, Client
 from omnirail.ops.launcher import Mesh
 from omnirail.wire.errors import Code, OmniError
 from tests.integration.conftest import shm_names
 
-ROOT = Path(__file__).resolve().parents[2]
-EXAMPLE = ROOT / "examples" / "qwen3_omni"
 THINKER_TOKENS = 16
 TALKER_TOKENS = 64
 AUDIO_BOUND = 1e-5
@@ -53,22 +51,7 @@ def tiny_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 @pytest.fixture(scope="module")
 def mesh(tmp_path_factory: pytest.TempPathFactory, tiny_dir: Path) -> Iterator[Mesh]:
-    # A copy of the example directory (its modules sit next to the pipeline file), with the
-    # tiny checkpoint as model_path and the reference's token limits.
-    where = tmp_path_factory.mktemp("pipeline")
-    shutil.copytree(
-        EXAMPLE, where, dirs_exist_ok=True, ignore=shutil.ignore_patterns("__pycache__")
-    )
-    cfg = yaml.safe_load((EXAMPLE / "pipeline.yaml").read_text())
-    cfg["model_path"] = str(tiny_dir)
-    for stage in cfg["stages"]:
-        args = stage.setdefault("factory_args", {})
-        if stage["name"] == "preprocessing":
-            args["max_new_tokens"] = THINKER_TOKENS
-        if stage["name"] == "talker":
-            args["max_new_tokens"] = TALKER_TOKENS
-    path = where / "pipeline.yaml"
-    path.write_text(yaml.safe_dump(cfg, sort_keys=False))
+    path = pipeline_copy(tmp_path_factory.mktemp("pipeline"), tiny_dir)
     mesh = Mesh(path, env={"HF_HUB_OFFLINE": "1"})
     mesh.start(timeout=300)
     yield mesh
@@ -100,22 +83,8 @@ def reference(tiny_dir: Path) -> Any:
 
 
 def pipeline_copy(where: Path, model_dir: Path) -> Path:
-    """A copy of the example directory in `where` (its modules sit next to the pipeline
-    file), with `model_dir` as model_path and the reference's token limits."""
-    shutil.copytree(
-        EXAMPLE, where, dirs_exist_ok=True, ignore=shutil.ignore_patterns("__pycache__")
-    )
-    cfg = yaml.safe_load((EXAMPLE / "pipeline.yaml").read_text())
-    cfg["model_path"] = str(model_dir)
-    for stage in cfg["stages"]:
-        args = stage.setdefault("factory_args", {})
-        if stage["name"] == "preprocessing":
-            args["max_new_tokens"] = THINKER_TOKENS
-        if stage["name"] == "talker":
-            args["max_new_tokens"] = TALKER_TOKENS
-    path = where / "pipeline.yaml"
-    path.write_text(yaml.safe_dump(cfg, sort_keys=False))
-    return path
+    """The example's pipeline in `where`, on `model_dir`, with the reference's limits."""
+    return write_pipeline(where, str(model_dir), THINKER_TOKENS, TALKER_TOKENS)
 
 
 def request_for(kind: str) -> dict[str, Any]:
