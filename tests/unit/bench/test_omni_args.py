@@ -12,7 +12,7 @@ import pytest
 
 from omnirail.cli.bench import _one_level, add_bench_parser
 
-REPO = Path(__file__).resolve().parents[2]
+REPO = Path(__file__).resolve().parents[3]
 
 
 def parse(*argv: str) -> argparse.Namespace:
