@@ -300,40 +300,6 @@ def cmd_stage(args: argparse.Namespace) -> int:
     return 0
 
 
-def cmd_compose(args: argparse.Namespace) -> int:
-    from omnirail.ops.compose import (
-        ComposeOptions,
-        EdgeRelay,
-        ModelDir,
-        default_build_context,
-        generate,
-        write_bundle,
-    )
-
-    if args.build_context is None:
-        context = default_build_context()
-    else:
-        context = None if args.build_context == "none" else Path(args.build_context).resolve()
-    options = ComposeOptions(
-        image=args.image,
-        jaeger_image=args.jaeger_image,
-        prometheus_image=args.prometheus_image,
-        coordinator_port=args.coordinator_port,
-        depends_condition=args.depends_condition,
-        edge_relays=tuple(EdgeRelay.parse(e) for e in args.edge_relay),
-        build_context=context,
-        resolve=not args.no_resolve,
-        model_dirs=tuple(ModelDir.parse(d) for d in args.model_dir),
-        check_model_dirs=not args.no_check_model_dir,
-    )
-    bundle = generate(args.file, Path(args.output) if args.output else None, options)
-    for path in write_bundle(bundle):
-        print(f"[omnirail] wrote {path}", file=sys.stderr)
-    if bundle.output is None:
-        sys.stdout.write(bundle.text)
-    return 0
-
-
 def cmd_trace(args: argparse.Namespace) -> int:
     from omnirail.ops.launcher import read_states
     from omnirail.telemetry.waterfall import run_trace
@@ -500,59 +466,9 @@ def build_parser() -> argparse.ArgumentParser:
     _add_wake_flag(s, "it")
     s.set_defaults(fn=cmd_stage)
 
-    from omnirail.ops import compose as _compose
+    from omnirail.cli.compose import add_compose_parser
 
-    k = sub.add_parser("compose", help="write a docker compose deployment of a pipeline")
-    k.add_argument("file", help="pipeline YAML (or .py)")
-    k.add_argument("-o", "--output", default=None, help="compose file (default: stdout)")
-    k.add_argument(
-        "--edge-relay",
-        action="append",
-        default=[],
-        metavar="SRC->DST=BACKEND",
-        help="send this edge over BACKEND (e.g. ucx) in a derived pipeline, repeatable",
-    )
-    k.add_argument(
-        "--coordinator-port",
-        type=int,
-        default=_compose.GRPC_PORT,
-        help="host port the coordinator is published on (default: %(default)s)",
-    )
-    for name, image in [
-        ("image", _compose.IMAGE),
-        ("jaeger-image", _compose.JAEGER_IMAGE),
-        ("prometheus-image", _compose.PROMETHEUS_IMAGE),
-    ]:
-        k.add_argument(f"--{name}", default=image, help="default: %(default)s")
-    k.add_argument(
-        "--depends-condition",
-        choices=["service_started", "service_healthy"],
-        default="service_started",
-        help="what stages wait for of the coordinator (they retry attaching anyway)",
-    )
-    k.add_argument(
-        "--build-context",
-        default=None,
-        help="directory with the Dockerfile, or 'none' (default: this checkout, if it has one)",
-    )
-    k.add_argument(
-        "--no-resolve", action="store_true", help="do not import factories while validating"
-    )
-    k.add_argument(
-        "--model-dir",
-        action="append",
-        default=[],
-        metavar="[MODEL_PATH=]HOST_DIR",
-        help=f"host directory mounted read-only at {_compose.MODEL_MOUNT} for the pipeline's "
-        "model_path (MODEL_PATH= names which, as written, when stages read several); "
-        "default: model_path itself, relative to the pipeline's directory",
-    )
-    k.add_argument(
-        "--no-check-model-dir",
-        action="store_true",
-        help="do not require the model directories to exist here (they will where compose runs)",
-    )
-    k.set_defaults(fn=cmd_compose)
+    add_compose_parser(sub)
 
     t = sub.add_parser("trace", help="print a request's span waterfall from a local mesh")
     t.add_argument("request_id")
