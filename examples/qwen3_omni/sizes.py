@@ -15,28 +15,27 @@ import struct
 import sys
 from pathlib import Path
 
-from .weights import INDEX_FILE, SINGLE_FILE, ModelDirError
+from .weights import INDEX_FILE, SUBMODULES, ModelDirError, weight_map
 
-# Stage -> the checkpoint prefixes its process loads (see stages.py and weights.py).
-STAGE_PREFIXES = {
-    "audio_encoder": ("thinker.audio_tower.",),
-    "image_encoder": ("thinker.visual.",),
-    "thinker": ("thinker.model.", "thinker.lm_head."),
-    "talker": ("talker.",),
-    "code2wav": ("code2wav.",),
+# Stage -> the submodule its process loads (`weights.load_submodule`; see stages.py).
+STAGE_SUBMODULES = {
+    "audio_encoder": "thinker.audio_tower",
+    "image_encoder": "thinker.visual",
+    "thinker": "thinker.text",
+    "talker": "talker",
+    "code2wav": "code2wav",
 }
+
+
+def stage_prefixes(stage: str) -> tuple[str, ...]:
+    """The checkpoint prefixes `stage`'s process reads."""
+    return SUBMODULES[STAGE_SUBMODULES[stage]].prefixes
 
 
 def tensor_bytes(model_path: str | Path) -> dict[str, int]:
     """Every tensor's stored size in bytes, read from the safetensors headers."""
     path = Path(model_path)
-    index = path / INDEX_FILE
-    if index.is_file():
-        files = sorted(set(json.loads(index.read_text())["weight_map"].values()))
-    elif (path / SINGLE_FILE).is_file():
-        files = [SINGLE_FILE]
-    else:
-        raise ModelDirError(f"{path}: neither {INDEX_FILE} nor {SINGLE_FILE}")
+    files = sorted(set(weight_map(path).values()))
     sizes: dict[str, int] = {}
     for name in files:
         file = path / name
@@ -56,8 +55,8 @@ def stage_bytes(model_path: str | Path) -> dict[str, tuple[int, int]]:
     """Stage -> (tensors, bytes) of the weights its process loads."""
     sizes = tensor_bytes(model_path)
     out = {}
-    for stage, prefixes in STAGE_PREFIXES.items():
-        mine = [n for n in sizes if n.startswith(prefixes)]
+    for stage in STAGE_SUBMODULES:
+        mine = [n for n in sizes if n.startswith(stage_prefixes(stage))]
         out[stage] = (len(mine), sum(sizes[n] for n in mine))
     return out
 
@@ -74,7 +73,7 @@ def main(argv: list[str] | None = None) -> int:
         return 1
     total = sum(b for _, b in stages.values())
     for stage, (count, nbytes) in stages.items():
-        prefixes = ", ".join(STAGE_PREFIXES[stage])
+        prefixes = ", ".join(stage_prefixes(stage))
         print(f"{stage:14} {nbytes / 2**30:8.3f} GiB  {count:6d} tensors  ({prefixes})")
     print(f"{'all stages':14} {total / 2**30:8.3f} GiB")
     return 0

@@ -27,6 +27,7 @@ from omnirail.wire.errors import invalid
 from .code2wav import Code2WavStreamer
 from .encoders import AudioEncoder, AudioEncoding, ImageEncoder, ImageEncoding, InputError
 from .preprocessing import needed_encoders
+from .sizes import STAGE_SUBMODULES
 from .talker import TalkerRunner
 from .thinker import TalkerPrompt, ThinkerRunner
 
@@ -37,11 +38,11 @@ AUDIO = {"modality": "audio"}
 AUDIO_SAMPLE_RATE = 24_000
 
 
-def _holds(submodule: str, *modules: torch.nn.Module) -> None:
+def _holds(stage: str, *modules: torch.nn.Module) -> None:
     """Logs how many parameters this stage process holds (tests compare it with the
     reference model's submodule: a stage loads its part, not the whole model)."""
     count = sum(p.numel() for m in modules for p in m.parameters())
-    log.info("holds %d parameters: %s", count, submodule)
+    log.info("holds %d parameters: %s", count, STAGE_SUBMODULES[stage])
 
 
 # ---- encoders ---------------------------------------------------------------------------
@@ -49,7 +50,7 @@ def _holds(submodule: str, *modules: torch.nn.Module) -> None:
 
 def create_audio_encoder(model_path: str, device: str = "cpu") -> Any:
     encoder = AudioEncoder.from_pretrained(model_path, torch.device(device))
-    _holds("thinker.audio_tower", encoder.module)
+    _holds("audio_encoder", encoder.module)
 
     def encode(payload: dict[str, Any]) -> dict[str, Any]:
         out = encoder.encode(payload["input_features"], payload["feature_attention_mask"])
@@ -66,7 +67,7 @@ def create_audio_encoder(model_path: str, device: str = "cpu") -> Any:
 
 def create_image_encoder(model_path: str, device: str = "cpu") -> Any:
     encoder = ImageEncoder.from_pretrained(model_path, torch.device(device))
-    _holds("thinker.visual", encoder.module)
+    _holds("image_encoder", encoder.module)
 
     def encode(payload: dict[str, Any]) -> dict[str, Any]:
         out = encoder.encode(payload["pixel_values"], payload["image_grid_thw"])
@@ -122,7 +123,7 @@ def talker_prompt_chunk(prefill: Any, data: dict[str, Any]) -> dict[str, Any]:
 
 def create_thinker(model_path: str, device: str = "cpu", max_batch_size: int = 8) -> ARScheduler:
     runner = ThinkerRunner.from_pretrained(model_path, torch.device(device))
-    _holds("thinker.text", runner.model, runner.lm_head)
+    _holds("thinker", runner.model, runner.lm_head)
 
     def init(req: ARRequest) -> None:
         data = req.data

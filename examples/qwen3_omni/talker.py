@@ -51,7 +51,6 @@ yields at most `max_new_tokens - 1` frames.
 
 from __future__ import annotations
 
-import json
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -623,50 +622,12 @@ def read_tts_embeds(model_path: str | Path, ids: Sequence[int]) -> torch.Tensor:
     read from the checkpoint without loading the table: `(len(ids), D)`."""
     from safetensors import safe_open
 
-    path = Path(model_path)
+    from .weights import ModelDirError, weight_map
+
     name = "thinker.model.embed_tokens.weight"
-    index = path / "model.safetensors.index.json"
-    if index.is_file():
-        files = json.loads(index.read_text())["weight_map"]
-        if name not in files:
-            raise ValueError(f"{index}: no tensor {name!r}")
-        file = path / files[name]
-    else:
-        file = path / "model.safetensors"
-    with safe_open(str(file), framework="pt") as f:
+    files = weight_map(model_path)
+    if name not in files:
+        raise ModelDirError(f"{model_path}: no tensor {name!r}")
+    with safe_open(str(Path(model_path) / files[name]), framework="pt") as f:
         table = f.get_slice(name)
         return torch.stack([table[i : i + 1][0] for i in ids])
-
-
-def inputs_from_thinker_generate(
-    config: Any, inputs: dict[str, Any], thinker_result: Any
-) -> tuple[TalkerPrompt, dict[str, Any], torch.Tensor]:
-    """What a thinker hands the talker, derived from transformers' `thinker.generate(...,
-    output_hidden_states=True, return_dict_in_generate=True)` on the processor's `inputs`
-    exactly as `Qwen3OmniMoeForConditionalGeneration.generate()` derives it (one request):
-    the `TalkerPrompt`, the media keyword arguments of `TalkerRunner.start`, and the
-    generated tokens' input embeddings `(n - 1, D)` (every generated token but the last,
-    which the thinker never feeds back). Tests use it on the reference thinker."""
-    layer = config.talker_config.accept_hidden_layer
-    steps = thinker_result.hidden_states
-    embeds = torch.cat([h[0] for h in steps], dim=1)
-    hidden = torch.cat([h[layer] for h in steps], dim=1)
-    input_ids = inputs["input_ids"]
-    seq = input_ids.shape[1]
-    thinker = config.thinker_config
-    mm_ids = (thinker.audio_token_id, thinker.image_token_id, thinker.video_token_id)
-    mask = inputs.get("feature_attention_mask")
-    media = {
-        "image_grid_thw": inputs.get("image_grid_thw"),
-        "audio_feature_lengths": None if mask is None else torch.sum(mask, dim=1),
-        "video_grid_thw": inputs.get("video_grid_thw"),
-        "video_second_per_grid": inputs.get("video_second_per_grid"),
-        "use_audio_in_video": bool(inputs.get("use_audio_in_video", False)),
-    }
-    prompt = TalkerPrompt(
-        input_ids=input_ids,
-        embeds=embeds[:, :seq],
-        accept_hidden=hidden[:, :seq],
-        multimodal_mask=torch.isin(input_ids, torch.tensor(mm_ids)),
-    )
-    return prompt, media, embeds[0, seq:]

@@ -29,10 +29,13 @@ from __future__ import annotations
 import json
 import math
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import torch
+
+if TYPE_CHECKING:
+    from .thinker import TalkerPrompt
 
 SPEAKERS = {"chelsie": 253, "ethan": 254, "aiden": 255}  # offsets from the codebook size
 SPEAKER = "ethan"
@@ -515,3 +518,39 @@ def reference_outputs(model, processor, conversation: list[dict[str, Any]], **ov
     steps = captured["talker"].hidden_states
     codes = torch.stack([h[-1] for h in steps if h[-1] is not None], dim=1).transpose(1, 2)[0]
     return sequences, codes, wav.reshape(-1)
+
+
+def inputs_from_thinker_generate(
+    config: Any, inputs: dict[str, Any], thinker_result: Any
+) -> tuple[TalkerPrompt, dict[str, Any], torch.Tensor]:
+    """What a thinker hands the talker, derived from transformers' `thinker.generate(...,
+    output_hidden_states=True, return_dict_in_generate=True)` on the processor's `inputs`
+    exactly as `Qwen3OmniMoeForConditionalGeneration.generate()` derives it (one request):
+    the `TalkerPrompt`, the media keyword arguments of `TalkerRunner.start`, and the
+    generated tokens' input embeddings `(n - 1, D)` (every generated token but the last,
+    which the thinker never feeds back). Tests use it on the reference thinker."""
+    from .thinker import TalkerPrompt
+
+    layer = config.talker_config.accept_hidden_layer
+    steps = thinker_result.hidden_states
+    embeds = torch.cat([h[0] for h in steps], dim=1)
+    hidden = torch.cat([h[layer] for h in steps], dim=1)
+    input_ids = inputs["input_ids"]
+    seq = input_ids.shape[1]
+    thinker = config.thinker_config
+    mm_ids = (thinker.audio_token_id, thinker.image_token_id, thinker.video_token_id)
+    mask = inputs.get("feature_attention_mask")
+    media = {
+        "image_grid_thw": inputs.get("image_grid_thw"),
+        "audio_feature_lengths": None if mask is None else torch.sum(mask, dim=1),
+        "video_grid_thw": inputs.get("video_grid_thw"),
+        "video_second_per_grid": inputs.get("video_second_per_grid"),
+        "use_audio_in_video": bool(inputs.get("use_audio_in_video", False)),
+    }
+    prompt = TalkerPrompt(
+        input_ids=input_ids,
+        embeds=embeds[:, :seq],
+        accept_hidden=hidden[:, :seq],
+        multimodal_mask=torch.isin(input_ids, torch.tensor(mm_ids)),
+    )
+    return prompt, media, embeds[0, seq:]

@@ -3,11 +3,13 @@
 from __future__ import annotations
 
 import os
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 
+from omnirail.client.sdk import Chunk, GenerateResult
 from omnirail.ops.launcher import Mesh
 
 PIPELINES = Path(__file__).parent / "pipelines"
@@ -15,6 +17,17 @@ PIPELINES = Path(__file__).parent / "pipelines"
 
 def shm_names(prefix: str) -> list[str]:
     return sorted(n for n in os.listdir("/dev/shm") if n.startswith(prefix + "-"))
+
+
+def collect_stream(events: Iterable[Any]) -> tuple[list[Chunk], GenerateResult]:
+    """A stream's chunks in arrival order, and its result."""
+    chunks: list[Chunk] = []
+    for event in events:
+        if isinstance(event, Chunk):
+            chunks.append(event)
+        else:
+            return chunks, event
+    raise AssertionError("stream ended without a result")
 
 
 def start_mesh(name: str, **kwargs: object) -> Mesh:

@@ -31,11 +31,12 @@ pytest.importorskip("PIL")
 
 from examples.qwen3_omni import tiny_model, weights
 from examples.qwen3_omni.processor import load_processor
+from examples.qwen3_omni.sizes import STAGE_SUBMODULES
 from omnirail.bench.omni_bench import write_pipeline
 from omnirail.client.sdk import Chunk, Client
 from omnirail.ops.launcher import Mesh
 from omnirail.wire.errors import Code, OmniError
-from tests.integration.conftest import shm_names
+from tests.integration.conftest import collect_stream, shm_names
 
 THINKER_TOKENS = 16
 TALKER_TOKENS = 64
@@ -98,21 +99,11 @@ def request_for(kind: str) -> dict[str, Any]:
     return request
 
 
-def collect(events: Iterator[Any]) -> tuple[list[Chunk], Any]:
-    chunks: list[Chunk] = []
-    for event in events:
-        if isinstance(event, Chunk):
-            chunks.append(event)
-        else:
-            return chunks, event
-    raise AssertionError("the stream ended without a result")
-
-
 @pytest.mark.parametrize("kind", ["text", "image", "audio"])
 def test_equal_to_transformers_generate(mesh: Mesh, reference: Any, kind: str) -> None:
     tokens, codes, wav = reference(kind)
     with Client(mesh.address or "", timeout=120, tensors="numpy") as client:
-        chunks, result = collect(client.stream(request_for(kind)))
+        chunks, result = collect_stream(client.stream(request_for(kind)))
     decode, code2wav = result.outputs["decode"], result.outputs["code2wav"]
     assert decode["token_ids"] == tokens
     assert torch.equal(torch.tensor(code2wav["codes"]).T, codes)
@@ -144,7 +135,7 @@ def test_concurrent_requests_each_get_what_they_get_alone(mesh: Mesh, tiny_dir: 
         kind, text, n = case
         request = {**request_for(kind), "text": text, "max_new_tokens": n}
         with Client(mesh.address or "", timeout=180, tensors="numpy") as client:
-            _, result = collect(client.stream(request))
+            _, result = collect_stream(client.stream(request))
         codes = torch.tensor(result.outputs["code2wav"]["codes"]).T
         return result.outputs["decode"]["token_ids"], codes
 
@@ -158,7 +149,7 @@ def test_concurrent_requests_each_get_what_they_get_alone(mesh: Mesh, tiny_dir: 
 
 def test_first_audio_arrives_before_the_last_text(mesh: Mesh) -> None:
     with Client(mesh.address or "", timeout=120, tensors="numpy") as client:
-        chunks, result = collect(
+        chunks, result = collect_stream(
             client.stream({"text": "Tell me a long story.", "max_new_tokens": 48})
         )
     assert len(result.outputs["decode"]["token_ids"]) >= 32
@@ -225,14 +216,7 @@ def test_each_stage_process_holds_only_its_submodule(mesh: Mesh, tiny_dir: Path)
     reference model's submodule, far below the whole model."""
     model = tiny_model.load_reference(tiny_dir)
     total = sum(p.numel() for p in model.parameters())
-    parts = {
-        "audio_encoder": "thinker.audio_tower",
-        "image_encoder": "thinker.visual",
-        "thinker": "thinker.text",
-        "talker": "talker",
-        "code2wav": "code2wav",
-    }
-    for stage, part in parts.items():
+    for stage, part in STAGE_SUBMODULES.items():
         log = (mesh.run_dir / "logs" / f"stage-{stage}.log").read_text()
         found = re.findall(rf"holds (\d+) parameters: {re.escape(part)}$", log, re.M)
         want = sum(p.numel() for p in weights.reference_parameters(model, part).values())

@@ -12,10 +12,10 @@ from typing import Any
 import pytest
 import torch
 
-from omnirail.client.sdk import AsyncClient, Chunk, Client, GenerateResult
+from omnirail.client.sdk import AsyncClient, Chunk, Client
 from omnirail.ops.launcher import Mesh
 from omnirail.wire.errors import Code, OmniError
-from tests.integration.conftest import shm_names, start_mesh
+from tests.integration.conftest import collect_stream, shm_names, start_mesh
 
 
 @pytest.fixture(scope="module")
@@ -24,16 +24,6 @@ def streaming_mesh() -> Iterator[Mesh]:
     yield mesh
     mesh.stop()
     assert shm_names(mesh.shm_prefix) == [], "shared memory left after shutdown"
-
-
-def _collect(events: Any) -> tuple[list[Chunk], GenerateResult]:
-    chunks: list[Chunk] = []
-    for event in events:
-        if isinstance(event, Chunk):
-            chunks.append(event)
-        else:
-            return chunks, event
-    raise AssertionError("stream ended without a result")
 
 
 def _windows(n: int, window: int, hop: int) -> list[tuple[list[float], bool]]:
@@ -52,7 +42,7 @@ def _windows(n: int, window: int, hop: int) -> list[tuple[list[float], bool]]:
 
 def test_chunks_reach_the_client_in_order_through_three_stages(streaming_mesh: Mesh) -> None:
     with Client(streaming_mesh.address or "", timeout=60) as client:
-        chunks, result = _collect(client.stream({"n": 9}))
+        chunks, result = collect_stream(client.stream({"n": 9}))
     expected = _windows(9, 4, 2)
     assert [c.chunk_id for c in chunks] == list(range(len(expected)))
     assert {c.stage for c in chunks} == {"vocoder"}
@@ -67,14 +57,14 @@ def test_chunks_reach_the_client_in_order_through_three_stages(streaming_mesh: M
 @pytest.mark.parametrize("n", [1, 4, 5])
 def test_window_edges(streaming_mesh: Mesh, n: int) -> None:
     with Client(streaming_mesh.address or "", timeout=60) as client:
-        chunks, _ = _collect(client.stream({"n": n}))
+        chunks, _ = collect_stream(client.stream({"n": n}))
     assert [(c.data["ids"], c.data["final"]) for c in chunks] == _windows(n, 4, 2)
 
 
 def test_relayed_chunks(streaming_mesh: Mesh) -> None:
     """Chunks above the inline bound travel through shared memory on every edge."""
     with Client(streaming_mesh.address or "", timeout=60) as client:
-        chunks, result = _collect(client.stream({"n": 12, "chunk_bytes": 256 << 10}))
+        chunks, result = collect_stream(client.stream({"n": 12, "chunk_bytes": 256 << 10}))
     assert [(c.data["ids"], c.data["final"]) for c in chunks] == _windows(12, 4, 2)
     assert result.outputs["vocoder"]["chunks"] == 12
 
@@ -105,8 +95,8 @@ def test_ar_requests_join_and_leave_the_running_batch(streaming_mesh: Mesh) -> N
         long_events = client.stream({"n": 60, "step_ms": 10}, request_id="ar-long")
         first = next(long_events)  # the long request is running
         assert isinstance(first, Chunk)
-        _, short = _collect(client.stream({"n": 3, "step_ms": 10}, request_id="ar-short"))
-        _, long = _collect(long_events)
+        _, short = collect_stream(client.stream({"n": 3, "step_ms": 10}, request_id="ar-short"))
+        _, long = collect_stream(long_events)
     lo, sh = long.outputs["thinker"], short.outputs["thinker"]
     assert (lo["tokens"], sh["tokens"]) == (60, 3)
     # The short one joined after the long one started and left before it ended.
@@ -120,7 +110,7 @@ def test_scheduler_error_mid_stream_fails_only_that_request(streaming_mesh: Mesh
     def run(rid: str, inputs: dict[str, Any]) -> None:
         with Client(streaming_mesh.address or "", timeout=60) as client:
             try:
-                results[rid] = _collect(client.stream(inputs, request_id=rid))
+                results[rid] = collect_stream(client.stream(inputs, request_id=rid))
             except OmniError as exc:
                 results[rid] = exc
 
@@ -166,7 +156,7 @@ def test_abort_mid_stream_ends_the_stream_with_cancelled(streaming_mesh: Mesh) -
         assert {a.split("/")[0] for a in acked} == {"thinker", "talker", "vocoder"}
         assert client.status("to-abort").state == "aborted"
         # Nothing leaked on any edge: a full round of streams still gets through.
-        chunks, _ = _collect(client.stream({"n": 9, "chunk_bytes": 128 << 10}))
+        chunks, _ = collect_stream(client.stream({"n": 9, "chunk_bytes": 128 << 10}))
         assert len(chunks) == len(_windows(9, 4, 2))
 
 
@@ -249,7 +239,7 @@ def test_bad_stream_items_fail_that_request_only(
                 pass
         assert info.value.code == Code.INVALID_ARGUMENT
         assert info.value.stage == "talker" and message in info.value.message
-        chunks, result = _collect(healthy)
+        chunks, result = collect_stream(healthy)
         assert result.outputs["thinker"]["tokens"] == 150
         assert len(chunks) == len(_windows(150, 4, 2))
 

@@ -20,11 +20,6 @@ from omnirail.wire.errors import Code, OmniError
 
 
 @pytest.fixture(scope="module")
-def tiny_dir(tmp_path_factory):
-    return tiny_model.make_tiny_model(tmp_path_factory.mktemp("qwen3_omni") / "tiny")
-
-
-@pytest.fixture(scope="module")
 def preprocess(tiny_dir):
     return preprocessing.create_preprocessing(str(tiny_dir), max_new_tokens=16, max_tokens_cap=64)
 

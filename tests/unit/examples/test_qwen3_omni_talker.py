@@ -20,9 +20,9 @@ pytest.importorskip("PIL")
 
 from examples.qwen3_omni import tiny_model
 from examples.qwen3_omni.code2wav import Code2WavStreamer
-from examples.qwen3_omni.processor import load_processor
-from examples.qwen3_omni.talker import TalkerRunner, inputs_from_thinker_generate, read_tts_embeds
+from examples.qwen3_omni.talker import TalkerRunner, read_tts_embeds
 from examples.qwen3_omni.thinker import TalkerPrompt
+from examples.qwen3_omni.tiny_model import inputs_from_thinker_generate
 
 # Streamed audio against the reference waveform; measured here: ~1e-8 (peaks ~2e-2).
 AUDIO_BOUND = 1e-6
@@ -118,21 +118,6 @@ def stream_audio(streamer: Code2WavStreamer, codes: torch.Tensor) -> torch.Tenso
 def assert_audio_close(wav: torch.Tensor, ref: torch.Tensor) -> None:
     assert wav.shape == ref.shape
     assert (wav - ref).abs().max().item() <= AUDIO_BOUND
-
-
-@pytest.fixture(scope="module")
-def tiny_dir(tmp_path_factory):
-    return tiny_model.make_tiny_model(tmp_path_factory.mktemp("qwen3_omni_talker") / "tiny")
-
-
-@pytest.fixture(scope="module")
-def reference(tiny_dir):
-    return tiny_model.load_reference(tiny_dir)
-
-
-@pytest.fixture(scope="module")
-def processor(tiny_dir):
-    return load_processor(tiny_dir)
 
 
 @pytest.fixture(scope="module")

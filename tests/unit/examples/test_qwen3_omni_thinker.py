@@ -19,26 +19,10 @@ pytest.importorskip("PIL")
 
 from examples.qwen3_omni import tiny_model
 from examples.qwen3_omni.encoders import AudioEncoder, ImageEncoder, InputError
-from examples.qwen3_omni.processor import load_processor
 from examples.qwen3_omni.thinker import ThinkerRunner
 
 KINDS = ["text", "image", "audio"]
 MAX_NEW = 16
-
-
-@pytest.fixture(scope="module")
-def tiny_dir(tmp_path_factory):
-    return tiny_model.make_tiny_model(tmp_path_factory.mktemp("qwen3_omni") / "tiny")
-
-
-@pytest.fixture(scope="module")
-def reference(tiny_dir):
-    return tiny_model.load_reference(tiny_dir)
-
-
-@pytest.fixture(scope="module")
-def processor(tiny_dir):
-    return load_processor(tiny_dir)
 
 
 @pytest.fixture(scope="module")

@@ -16,24 +16,8 @@ pytest.importorskip("transformers")
 pytest.importorskip("PIL")
 
 from examples.qwen3_omni import tiny_model, weights
-from examples.qwen3_omni.processor import load_processor
 
 KINDS = ["text", "image", "audio"]
-
-
-@pytest.fixture(scope="module")
-def tiny_dir(tmp_path_factory):
-    return tiny_model.make_tiny_model(tmp_path_factory.mktemp("qwen3_omni") / "tiny")
-
-
-@pytest.fixture(scope="module")
-def reference(tiny_dir):
-    return tiny_model.load_reference(tiny_dir)
-
-
-@pytest.fixture(scope="module")
-def processor(tiny_dir):
-    return load_processor(tiny_dir)
 
 
 def test_tiny_model_is_a_sharded_checkpoint(tiny_dir):
@@ -410,14 +394,7 @@ def test_stage_sizes_from_headers_match_the_loaded_submodules(tiny_dir, referenc
     from examples.qwen3_omni import sizes
 
     stages = sizes.stage_bytes(tiny_dir)
-    parts = {
-        "audio_encoder": "thinker.audio_tower",
-        "image_encoder": "thinker.visual",
-        "thinker": "thinker.text",
-        "talker": "talker",
-        "code2wav": "code2wav",
-    }
-    for stage, part in parts.items():
+    for stage, part in sizes.STAGE_SUBMODULES.items():
         params = weights.reference_parameters(reference, part).values()
         assert stages[stage][1] == sum(p.numel() * p.element_size() for p in params), stage
     every = sizes.tensor_bytes(tiny_dir)
