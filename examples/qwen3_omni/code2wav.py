@@ -75,9 +75,15 @@ class Code2WavStreamer:
     """Streams code2wav (`Qwen3OmniMoeCode2Wav`) per request; see the module docstring.
 
     `chunk_frames`: emit once this many new frames have arrived (`first_chunk_frames` for a
-    request's first chunk); `segment_frames`/`segment_context`: the reference's chunking
-    (None: one segment); `conv_context`: frames of left context for the convolution stack
-    (measured from the module when None).
+    request's first chunk); with `growth` > 1 the chunks after the first grow by that factor
+    up to `chunk_frames` (first, first*g, first*g^2, ...): a small first chunk for an early
+    first sound, then fewer, longer chunks, since every chunk recomputes `conv_context` frames
+    before it (at 4-frame chunks that is 4x the convolution work of one decode; measured:
+    0.39 s against 0.16 s at 12-frame chunks for 128 frames on the tiny model). Doubling
+    keeps the audio already sent longer than the wait for the next chunk while the stream
+    runs at least twice faster than real time; `segment_frames`/`segment_context`: the
+    reference's chunking (None: one segment); `conv_context`: frames of left context for the
+    convolution stack (measured from the module when None).
     """
 
     def __init__(
@@ -86,6 +92,7 @@ class Code2WavStreamer:
         *,
         chunk_frames: int = CHUNK_FRAMES,
         first_chunk_frames: int | None = FIRST_CHUNK_FRAMES,
+        growth: int = 1,
         segment_frames: int | None = SEGMENT_FRAMES,
         segment_context: int = SEGMENT_CONTEXT,
         conv_context: int | None = None,
@@ -94,6 +101,8 @@ class Code2WavStreamer:
             raise ValueError(f"chunk_frames must be >= 1, got {chunk_frames}")
         if first_chunk_frames is not None and first_chunk_frames < 1:
             raise ValueError(f"first_chunk_frames must be >= 1, got {first_chunk_frames}")
+        if growth < 1:
+            raise ValueError(f"growth must be >= 1, got {growth}")
         if segment_frames is not None and segment_frames < 1:
             raise ValueError(f"segment_frames must be >= 1, got {segment_frames}")
         if segment_context < 0:
@@ -103,6 +112,7 @@ class Code2WavStreamer:
         self.device = next(code2wav.parameters()).device
         self.chunk_frames = chunk_frames
         self.first_chunk_frames = first_chunk_frames or chunk_frames
+        self.growth = growth
         self.segment_frames = segment_frames
         self.segment_context = segment_context
         self.num_quantizers = self.config.num_quantizers
@@ -152,7 +162,7 @@ class Code2WavStreamer:
             state.window.append(frame)
             state.frames_in += 1
             new = len(state.window) - state.context - self._emitted_frames(state)
-            due = self.chunk_frames if state.chunks else self.first_chunk_frames
+            due = self._due(state.chunks)
             if new >= due or self._segment_full(state):
                 out.append(self._emit(state))
         return self._cat(out)
@@ -175,6 +185,14 @@ class Code2WavStreamer:
     def samples(self, frames: int) -> int:
         """Samples the decode of `frames` frames gives (0 for none)."""
         return max(frames * self.upsample - self.tail, 0)
+
+    def _due(self, chunks: int) -> int:
+        """New frames that make chunk number `chunks` (0 for the first) due."""
+        if not chunks:
+            return self.first_chunk_frames
+        if self.growth == 1:
+            return self.chunk_frames
+        return min(self.chunk_frames, self.first_chunk_frames * self.growth**chunks)
 
     def _segment_full(self, state: Code2WavState) -> bool:
         return (

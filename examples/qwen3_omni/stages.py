@@ -122,7 +122,7 @@ def talker_prompt_chunk(prefill: Any, data: dict[str, Any]) -> dict[str, Any]:
 
 
 def create_thinker(model_path: str, device: str = "cpu", max_batch_size: int = 8) -> ARScheduler:
-    runner = ThinkerRunner.from_pretrained(model_path, torch.device(device))
+    runner = ThinkerRunner.from_pretrained(model_path, torch.device(device), slots=max_batch_size)
     _holds("thinker", runner.model, runner.lm_head)
 
     def init(req: ARRequest) -> None:
@@ -239,8 +239,8 @@ def create_talker(
     its first chunk starts the request (`TalkerRunner.start`), each later one is a token's
     embedding, and the stream's end is the end of the text. One codec frame per step, to
     code2wav; a request whose next step needs a token the thinker has not sent yet is parked
-    until it arrives."""
-    runner = TalkerRunner.from_pretrained(model_path, torch.device(device))
+    until it arrives. The requests that can step run together (`TalkerRunner.step_many`)."""
+    runner = TalkerRunner.from_pretrained(model_path, torch.device(device), slots=max_batch_size)
     _holds("talker", runner.talker)
 
     def take(req: ARRequest) -> Any:
@@ -260,24 +260,27 @@ def create_talker(
         return state
 
     def step(batch: list[ARRequest]) -> list[ARStep]:
-        steps = []
-        for req in batch:
+        steps: list[ARStep | None] = [None] * len(batch)
+        ready: list[tuple[int, Any]] = []
+        for i, req in enumerate(batch):
             state = take(req)
             if state is None:
                 if req.inputs_done:  # the thinker sent nothing: nothing to speak
-                    steps.append(ARStep(finished=True, result={"frames": 0}))
+                    steps[i] = ARStep(finished=True, result={"frames": 0})
                 else:
-                    steps.append(ARStep(needs_input=True))
-                continue
-            if not runner.ready(state):
-                steps.append(ARStep(needs_input=True))
-                continue
-            out = runner.step(state)
-            if out.finished:
-                steps.append(ARStep(finished=True, result={"frames": state.frames}))
+                    steps[i] = ARStep(needs_input=True)
+            elif not runner.ready(state):
+                steps[i] = ARStep(needs_input=True)
             else:
-                steps.append(ARStep(chunk=out.frame, target="code2wav"))
-        return steps
+                ready.append((i, state))
+        # The ready requests step together (one slotted forward: see rows.py).
+        outs = runner.step_many([state for _, state in ready])
+        for (i, state), out in zip(ready, outs, strict=True):
+            if out.finished:
+                steps[i] = ARStep(finished=True, result={"frames": state.frames})
+            else:
+                steps[i] = ARStep(chunk=out.frame, target="code2wav")
+        return [s for s in steps if s is not None]
 
     return ARScheduler(step, max_batch_size=max_batch_size, hold_inputs=True, name="talker")
 
@@ -326,9 +329,21 @@ class Code2Wav(StreamingScheduler):
         return {"pcm": pcm.reshape(-1).float().cpu().numpy(), "sample_rate": self._rate}
 
 
-def create_code2wav(model_path: str, device: str = "cpu", chunk_frames: int = 4) -> Code2Wav:
+def create_code2wav(
+    model_path: str,
+    device: str = "cpu",
+    first_chunk_frames: int = 4,
+    chunk_frames: int = 48,
+    growth: int = 2,
+) -> Code2Wav:
+    """Audio chunks of 4, 8, 16, 32, then 48 frames (0.32 s of audio first, 3.84 s at most;
+    see `Code2WavStreamer` for why they grow)."""
     streamer = Code2WavStreamer.from_pretrained(
-        model_path, torch.device(device), chunk_frames=chunk_frames
+        model_path,
+        torch.device(device),
+        first_chunk_frames=first_chunk_frames,
+        chunk_frames=chunk_frames,
+        growth=growth,
     )
     _holds("code2wav", streamer.code2wav)
     return Code2Wav(streamer, AUDIO_SAMPLE_RATE)

@@ -51,6 +51,7 @@ yields at most `max_new_tokens - 1` frames.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -67,6 +68,7 @@ from transformers.generation.logits_process import (
     TopPLogitsWarper,
 )
 
+from .rows import decode_rows, pad_positions, pad_rows
 from .thinker import TalkerPrompt
 
 # The reference generate()'s defaults for the talker and (when sampling) its code predictor.
@@ -117,6 +119,8 @@ class TalkerState:
     past_hidden: torch.Tensor | None = None  # (1, 1, H): last layer, last position
     frame_embed: torch.Tensor | None = None  # (1, 1, H): the last frame's summed codec embeds
     eos_ids: tuple[int, ...] = ()
+    repetition_penalty: float = 1.0
+    seen: torch.Tensor | None = None  # (V,) bool: the codes in `tokens` (for the penalty)
     finished: bool = False
 
     @property
@@ -134,7 +138,12 @@ class TalkerRunner:
     `read_tts_embeds`). The module is only read: every request's state is its own.
     """
 
-    def __init__(self, talker: Any, config: Any, tts_embeds: torch.Tensor) -> None:
+    def __init__(
+        self, talker: Any, config: Any, tts_embeds: torch.Tensor, *, slots: int = 8
+    ) -> None:
+        if slots < 1:
+            raise ValueError(f"slots must be >= 1, got {slots}")
+        self.slots = slots
         self.talker = talker
         self.config = config
         self.talker_config = config.talker_config
@@ -149,9 +158,11 @@ class TalkerRunner:
         self.hidden_size = text.hidden_size
         self.num_code_groups = self.talker_config.num_code_groups
         self.codec_eos_id = self.talker_config.codec_eos_token_id
+        self.suppress_mask = torch.zeros(self.vocab_size, dtype=torch.bool)
         self.suppress_tokens = [
             i for i in range(self.vocab_size - 1024, self.vocab_size) if i != self.codec_eos_id
         ]
+        self.suppress_mask[self.suppress_tokens] = True
         thinker = config.thinker_config
         self.mm_token_ids = (thinker.audio_token_id, thinker.image_token_id, thinker.video_token_id)
         if tts_embeds.shape[0] != 3:
@@ -164,30 +175,24 @@ class TalkerRunner:
                 tts_embeds.to(self.device, self.dtype).unsqueeze(0)
             )
         self.tts_bos, self.tts_eos, self.tts_pad = projected.chunk(3, dim=1)
-        # As generate()'s `_optimize_model_for_decode`: off the CPU the talker's decode steps
-        # run the MoE experts as `batched_mm` where its prefill runs `grouped_mm`.
-        self._prefill_experts = self.talker.get_experts_implementation()
-        self._decode_experts = self._prefill_experts
-        if self.device.type != "cpu" and "grouped_mm" in self._prefill_experts.values():
-            self._decode_experts = {
-                k: "batched_mm" if v == "grouped_mm" else v
-                for k, v in self._prefill_experts.items()
-            }
+        self.text_width = config.thinker_config.text_config.hidden_size
 
     # ---- construction -----------------------------------------------------------------
 
     @classmethod
-    def from_model(cls, model: Any) -> TalkerRunner:
+    def from_model(cls, model: Any, **kwargs: Any) -> TalkerRunner:
         """From a whole `Qwen3OmniMoeForConditionalGeneration` (tests, or when it is loaded
         anyway): its talker, config and the thinker's embedding rows."""
         cfg = model.config
         ids = torch.tensor([cfg.tts_bos_token_id, cfg.tts_eos_token_id, cfg.tts_pad_token_id])
         with torch.no_grad():
             embeds = model.thinker.get_input_embeddings()(ids.to(model.thinker.device))
-        return cls(model.talker, cfg, embeds)
+        return cls(model.talker, cfg, embeds, **kwargs)
 
     @classmethod
-    def from_pretrained(cls, model_path: str | Path, device: Any = "cpu") -> TalkerRunner:
+    def from_pretrained(
+        cls, model_path: str | Path, device: Any = "cpu", **kwargs: Any
+    ) -> TalkerRunner:
         """Loads only the talker's tensors (and three rows of the thinker's embedding table)
         from the checkpoint directory `model_path`, onto `device`."""
         from .weights import load_submodule, read_config
@@ -195,7 +200,7 @@ class TalkerRunner:
         config = read_config(model_path)
         talker = load_submodule(model_path, "talker", device)
         ids = [config.tts_bos_token_id, config.tts_eos_token_id, config.tts_pad_token_id]
-        return cls(talker, config, read_tts_embeds(model_path, ids))
+        return cls(talker, config, read_tts_embeds(model_path, ids), **kwargs)
 
     # ---- per request ------------------------------------------------------------------
 
@@ -267,6 +272,8 @@ class TalkerRunner:
             generator=generator,
             predictor_processors=predictor_processors,
             eos_ids=(self.codec_eos_id if eos_token_id is None else eos_token_id,),
+            repetition_penalty=repetition_penalty,
+            seen=torch.zeros(self.vocab_size, dtype=torch.bool),
         )
         if tail.shape[0]:
             self.push_text(state, tail)
@@ -301,30 +308,55 @@ class TalkerRunner:
 
     def step(self, state: TalkerState) -> TalkerStep:
         """Runs one talker step for this request: generates the next group-0 code and, unless
-        it ends the request, the code predictor's other groups, and returns that frame."""
-        if state.finished:
-            return TalkerStep(finished=True)
-        if not self.ready(state):
-            return TalkerStep(needs_input=True)
-        if not state.started and not state.text:
-            # The text ended before any token was fed back (the thinker's first token was its
-            # last): nothing to speak. (generate() fails here on a size mismatch.)
-            self.release(state)
-            return TalkerStep(finished=True)
+        it ends the request, the code predictor's other groups, and returns that frame. The
+        same forward as `step_many` (slots padded): alone it gets what it gets batched."""
+        return self.step_many([state])[0]
+
+    def step_many(self, states: Sequence[TalkerState]) -> list[TalkerStep]:
+        """One step for each of `states`, in order. A request that starts prefills alone;
+        the decoding ones run the talker together and then every request that got a code
+        runs the code predictor together, `slots` rows per forward (`rows`: fixed slots,
+        per-request attention), so what a request gets does not depend on the others."""
+        out: list[TalkerStep] = [TalkerStep() for _ in states]
+        chosen: list[tuple[int, TalkerState, torch.Tensor]] = []
+        decoding: list[tuple[int, TalkerState]] = []
         with torch.no_grad():
-            if not state.started:
-                logits = self._prefill(state)
-            else:
-                logits = self._decode(state)
-            token = self._choose(state, logits, state.processors)
-            state.tokens.append(token)
-            state.steps += 1
-            if token in state.eos_ids or state.steps >= state.max_new_tokens:
-                self.release(state)
-                return TalkerStep(finished=True)
-            frame = self._predict(state, token)
-        state.frames += 1
-        return TalkerStep(frame=frame)
+            for i, state in enumerate(states):
+                if state.finished:
+                    out[i] = TalkerStep(finished=True)
+                elif not self.ready(state):
+                    out[i] = TalkerStep(needs_input=True)
+                elif not state.started and not state.text:
+                    # The text ended before any token was fed back (the thinker's first token
+                    # was its last): nothing to speak. (generate() fails here on a size
+                    # mismatch.)
+                    self.release(state)
+                    out[i] = TalkerStep(finished=True)
+                elif not state.started:
+                    chosen.append((i, state, self._prefill(state)))
+                else:
+                    decoding.append((i, state))
+            for group in _slices(decoding, self.slots):
+                logits = self._decode_rows([state for _, state in group])
+                chosen.extend((i, state, logits[j : j + 1]) for j, (i, state) in enumerate(group))
+            speaking: list[tuple[int, TalkerState, int]] = []
+            tokens = self._choose_codes([state for _, state, _ in chosen], [x for *_, x in chosen])
+            for (i, state, _), token in zip(chosen, tokens, strict=True):
+                state.tokens.append(token)
+                if state.seen is not None:
+                    state.seen[token] = True
+                state.steps += 1
+                if token in state.eos_ids or state.steps >= state.max_new_tokens:
+                    self.release(state)
+                    out[i] = TalkerStep(finished=True)
+                else:
+                    speaking.append((i, state, token))
+            for group in _slices(speaking, self.slots):
+                frames = self._predict_rows([st for _, st, _ in group], [t for _, _, t in group])
+                for (i, state, _), frame in zip(group, frames, strict=True):
+                    state.frames += 1
+                    out[i] = TalkerStep(frame=frame)
+        return out
 
     def release(self, state: TalkerState) -> None:
         """Drops the request's cache and buffers (at its end, or when it is aborted)."""
@@ -458,7 +490,6 @@ class TalkerRunner:
         state.positions = self._prefill_positions(state, talker_ids, attention_mask)
         state.attention_length = length
         state.cache = DynamicCache(config=self.talker_config.text_config)
-        self._set_experts(self._prefill_experts)
         out = talker(
             inputs_embeds=inputs_embeds,
             attention_mask=attention_mask,
@@ -497,42 +528,42 @@ class TalkerRunner:
             vision_positions = text_positions.unsqueeze(0).expand(3, -1, -1)
         return torch.cat([text_positions[None, ...], vision_positions], dim=0)
 
-    def _decode(self, state: TalkerState) -> torch.Tensor:
-        """One talker decode step on the last frame's codec embeddings plus the next trailing
-        text embedding. Returns the logits."""
-        j = state.steps - 1  # trailing text entry: generated token j + 1
-        if j + 1 < len(state.text):
-            trailing = self.talker.text_projection(
-                _take(state.text, j + 1).to(self.device, self.dtype).reshape(1, 1, -1)
-            )
-        elif j + 1 == len(state.text):
-            trailing = self.tts_eos  # the text ended right after the last pushed token
-        else:
-            trailing = self.tts_pad
-        inputs_embeds = state.frame_embed + trailing
-        assert state.positions is not None
-        positions = state.positions[..., -1:] + 1
-        state.positions = positions
-        state.attention_length += 1
-        attention_mask = torch.ones(
-            (1, state.attention_length), dtype=torch.long, device=self.device
+    def _decode_rows(self, states: Sequence[TalkerState]) -> torch.Tensor:
+        """One talker decode step for each of `states` (at most `slots`): the last frame's
+        summed codec embeddings plus the next trailing text embedding, through the talker in
+        one slotted forward. Returns the logits (n, V) and keeps each last hidden state."""
+        n = len(states)
+        # The trailing text: generated token j + 1 through text_projection (all slots in one
+        # call, fixed rows), then tts_eos right after the text's end, tts_pad after that.
+        text = torch.zeros((self.slots, 1, self.text_width), device=self.device, dtype=self.dtype)
+        trailing: list[torch.Tensor | None] = []
+        for i, state in enumerate(states):
+            j = state.steps - 1
+            if j + 1 < len(state.text):
+                text[i, 0] = _take(state.text, j + 1).to(self.device, self.dtype).reshape(-1)
+                trailing.append(None)
+            elif j + 1 == len(state.text):
+                trailing.append(self.tts_eos)
+            else:
+                trailing.append(self.tts_pad)
+        projected = self.talker.text_projection(text)
+        rows, positions = [], []
+        for i, state in enumerate(states):
+            row = trailing[i] if trailing[i] is not None else projected[i : i + 1]
+            rows.append(state.frame_embed + row)
+            assert state.positions is not None
+            state.positions = state.positions[..., -1:] + 1
+            positions.append(state.positions)
+            state.attention_length += 1
+        hidden = decode_rows(
+            self.talker.model,
+            pad_rows(rows, self.slots),
+            pad_positions(positions, self.slots),
+            [state.cache for state in states],
         )
-        self._set_experts(self._decode_experts)
-        out = self.talker(
-            inputs_embeds=inputs_embeds,
-            attention_mask=attention_mask,
-            position_ids=positions,
-            cache=state.cache,
-            use_cache=True,
-            output_hidden_states=True,
-            generation_step=j,  # only echoed back (+1) by the talker's forward
-        )
-        state.past_hidden = out.hidden_states[0][-1][:, -1:]
-        return out.logits[:, -1, :]
-
-    def _set_experts(self, implementation: dict[str, Any]) -> None:
-        if self.talker.get_experts_implementation() != implementation:
-            self.talker.set_experts_implementation(implementation)
+        for i, state in enumerate(states):
+            state.past_hidden = hidden[i : i + 1, -1:]
+        return self.talker.codec_head(hidden)[:n, -1, :]
 
     def _choose(
         self,
@@ -551,52 +582,104 @@ class TalkerRunner:
             return int(torch.multinomial(probs, 1, generator=state.generator)[0, 0])
         return int(torch.argmax(scores, dim=-1)[0])
 
-    def _predict(self, state: TalkerState, token: int) -> torch.Tensor:
-        """The code predictor's groups 1.. for group-0 code `token` (as the talker's
-        `prepare_inputs_for_generation` runs it), and the frame's summed codec embeddings
-        for the next talker step. Returns the frame `(num_code_groups,)`."""
+    def _predict_rows(self, states: Sequence[TalkerState], tokens: Sequence[int]) -> list:
+        """The code predictor's groups 1.. for each request's group-0 code (as the talker's
+        `prepare_inputs_for_generation` runs it: the talker's last hidden state and the
+        code's embedding, then one code per step), all requests in one slotted forward per
+        step (they all have the same length: no padding inside a row), and each frame's
+        summed codec embeddings for the next talker step. Returns the frames
+        `(num_code_groups,)` long, on the CPU."""
+        n, slots = len(states), self.slots
         predictor = self.talker.code_predictor
-        token_ids = torch.tensor([[token]], dtype=torch.long, device=self.device)
-        last_id_hidden = self.talker.get_input_embeddings()(token_ids)
-        inputs_embeds = torch.cat((state.past_hidden, last_id_hidden), dim=1)
+        embeddings = predictor.get_input_embeddings()
+        ids = torch.zeros((slots, 1), dtype=torch.long, device=self.device)
+        ids[:n, 0] = torch.tensor(list(tokens), dtype=torch.long)
+        last_id_hidden = self.talker.get_input_embeddings()(ids)  # (slots, 1, H)
+        past = torch.zeros_like(last_id_hidden)
+        for i, state in enumerate(states):
+            past[i] = state.past_hidden[0]
+        inputs_embeds = torch.cat((past, last_id_hidden), dim=1)
         cache = DynamicCache(config=predictor.config)
-        codes: list[int] = []
-        residual_hiddens = []
-        empty = torch.empty((1, 0), dtype=torch.long, device=self.device)
         length = inputs_embeds.shape[1]
         out = predictor(
             inputs_embeds=inputs_embeds,
-            attention_mask=torch.ones((1, length), dtype=torch.long, device=self.device),
-            position_ids=torch.arange(length, device=self.device).unsqueeze(0),
+            attention_mask=torch.ones((slots, length), dtype=torch.long, device=self.device),
+            position_ids=torch.arange(length, device=self.device).expand(slots, -1),
             cache=cache,
             use_cache=True,
         )
+        codes = torch.zeros((slots, self.num_code_groups - 1), dtype=torch.long)
+        residual_hiddens = []
         for group in range(1, self.num_code_groups):
-            previous = (
-                torch.tensor([codes], dtype=torch.long, device=self.device) if codes else empty
-            )
-            code = self._choose(state, out.logits[:, -1, :], state.predictor_processors, previous)
-            codes.append(code)
-            code_ids = torch.tensor([[code]], dtype=torch.long, device=self.device)
+            logits = out.logits[:, -1, :]
+            codes[:, group - 1] = self._choose_rows(states, logits, codes[:, : group - 1])
+            code_ids = codes[:, group - 1 : group].to(self.device)
             if group == self.num_code_groups - 1:
-                residual_hiddens.append(predictor.get_input_embeddings()[-1](code_ids))
+                residual_hiddens.append(embeddings[-1](code_ids))
                 break
             # The next predictor step's input is this code's embedding (generation step
             # `group`), which generate() also takes as the frame's residual embedding.
-            embed = predictor.get_input_embeddings()[group - 1](code_ids)
-            residual_hiddens.append(embed)
+            residual_hiddens.append(embeddings[group - 1](code_ids))
             length += 1
             out = predictor(
-                input_ids=code_ids,  # embedded by the predictor itself, as `embed` above
-                attention_mask=torch.ones((1, length), dtype=torch.long, device=self.device),
-                position_ids=torch.tensor([[length - 1]], device=self.device),
+                input_ids=code_ids,  # embedded by the predictor itself, as above
+                attention_mask=torch.ones((slots, length), dtype=torch.long, device=self.device),
+                position_ids=torch.full((slots, 1), length - 1, device=self.device),
                 cache=cache,
                 use_cache=True,
                 generation_steps=group,
             )
-        codec_hiddens = torch.cat([last_id_hidden, *residual_hiddens], dim=1)
-        state.frame_embed = codec_hiddens.sum(1, keepdim=True)
-        return torch.tensor([token, *codes], dtype=torch.long)
+        frame_embeds = torch.cat([last_id_hidden, *residual_hiddens], dim=1).sum(1, keepdim=True)
+        frames = []
+        for i, state in enumerate(states):
+            state.frame_embed = frame_embeds[i : i + 1]
+            frames.append(torch.tensor([tokens[i], *codes[i].tolist()], dtype=torch.long))
+        return frames
+
+    def _choose_codes(
+        self, states: Sequence[TalkerState], logits: Sequence[torch.Tensor]
+    ) -> list[int]:
+        """Each request's next group-0 code from its logits (1, V). The greedy ones in one
+        pass over their rows: the reference's repetition penalty (divide a seen code's
+        positive logit by the penalty, multiply a negative one: the same float operations
+        as `RepetitionPenaltyLogitsProcessor`, elementwise) and the suppressed top ids at
+        -inf (`SuppressTokensLogitsProcessor`), then argmax; sampled ones with their
+        request's processors and generator."""
+        out = [0] * len(states)
+        greedy = [i for i, state in enumerate(states) if not state.do_sample]
+        for i, state in enumerate(states):
+            if state.do_sample:
+                out[i] = self._choose(state, logits[i], state.processors)
+        if not greedy:
+            return out
+        scores = torch.cat([logits[i] for i in greedy]).to(dtype=torch.float32).cpu()
+        penalty = torch.tensor(
+            [[states[i].repetition_penalty] for i in greedy], dtype=torch.float32
+        )
+        seen = torch.stack([states[i].seen for i in greedy])
+        penalized = torch.where(scores < 0, scores * penalty, scores / penalty)
+        scores = torch.where(seen, penalized, scores).masked_fill(self.suppress_mask, -math.inf)
+        for i, token in zip(greedy, torch.argmax(scores, dim=-1).tolist(), strict=True):
+            out[i] = int(token)
+        return out
+
+    def _choose_rows(
+        self, states: Sequence[TalkerState], logits: torch.Tensor, previous: torch.Tensor
+    ) -> torch.Tensor:
+        """The code predictor's next code for each row (slots,): greedy rows by one argmax,
+        sampled ones with their request's warpers and generator (padding rows: 0)."""
+        scores = logits.to(dtype=torch.float32)
+        codes = torch.argmax(scores, dim=-1).cpu()
+        codes[len(states) :] = 0
+        for i, state in enumerate(states):
+            if state.do_sample:
+                prev = previous[i : i + 1].to(self.device)
+                codes[i] = self._choose(state, logits[i : i + 1], state.predictor_processors, prev)
+        return codes
+
+
+def _slices(items: list[Any], size: int) -> list[list[Any]]:
+    return [items[i : i + size] for i in range(0, len(items), size)]
 
 
 def _take(items: list[Any], i: int) -> Any:

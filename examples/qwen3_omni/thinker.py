@@ -10,16 +10,18 @@ rope deltas, its tokens), so requests can join and leave between steps, as
 No per-request value is ever stored on the shared modules (transformers' own thinker keeps
 `rope_deltas` on the module, which would mix up interleaved requests).
 
-Exactness. `prefill` and `step` call the text model with exactly the arguments
+Exactness. `prefill` calls the text model with exactly the arguments
 `Qwen3OmniMoeForConditionalGeneration.generate()` gives it (transformers 5.24): the input
 embeddings with audio and image features scattered in, the deepstack features and their
 mask, the 4-row position ids (text positions, then the 3D mRoPE positions from transformers'
-own `get_rope_index`) advanced by one per step as `generate()` advances them, no attention
-mask (all ones is dropped by `generate()`), a `DynamicCache`; `lm_head` over the same rows;
-greedy `argmax` of the float32 logits; the same stop rule (an `eos_token_id` or
-`max_new_tokens`). On a non-CPU device the MoE experts switch to `batched_mm` for decode
-steps as `generate()` switches them. So the tokens, and the tensors the talker needs, are
-bitwise equal to the reference's (the unit tests check text, image and audio prompts).
+own `get_rope_index`), no attention mask (all ones is dropped by `generate()`), a
+`DynamicCache`; `lm_head` over the same rows; greedy `argmax` of the float32 logits. So the
+first token and the talker's prompt tensors are bitwise the reference's. Decode steps
+(`step_many`) advance the positions by one as `generate()` does and keep its stop rule (an
+`eos_token_id` or `max_new_tokens`), but run the running requests together in fixed slots
+(`rows.decode_rows`): a request's floats then never depend on who else runs, and differ
+from `generate()`'s one-row forward by rounding only, so the tokens are the reference's
+(the unit tests check text, image and audio prompts and interleaved batches).
 
 What the talker needs (`generate()` builds its inputs from the thinker's hidden states):
 the prompt's input embeddings (`hidden_states[0]`), the hidden state at
@@ -37,6 +39,7 @@ from typing import Any
 import torch
 
 from .encoders import AudioEncoding, ImageEncoding, InputError, audio_output_lengths
+from .rows import decode_rows, pad_positions, pad_rows
 
 
 class _RopeIndex:
@@ -148,7 +151,11 @@ class ThinkerRunner:
         config: Any,
         *,
         accept_hidden_layer: int | object | None = _DEFAULT,
+        slots: int = 8,
     ) -> None:
+        if slots < 1:
+            raise ValueError(f"slots must be >= 1, got {slots}")
+        self.slots = slots
         self.model = text_model.eval()
         self.lm_head = lm_head.eval()
         self.config = config
@@ -173,15 +180,6 @@ class ThinkerRunner:
         self.default_eos = getattr(config, "im_end_token_id", None)
         self.max_positions = self.text_config.max_position_embeddings
         self._rope_index = _RopeIndex(tc)
-        # As generate()'s `_optimize_model_for_decode`: off the CPU, decode steps run the MoE
-        # experts with `batched_mm` where prefill runs `grouped_mm`.
-        prefill_impl = self.text_config._experts_implementation
-        self._prefill_experts = prefill_impl
-        self._decode_experts = (
-            "batched_mm"
-            if self.device.type != "cpu" and prefill_impl == "grouped_mm"
-            else prefill_impl
-        )
 
     @classmethod
     def from_pretrained(
@@ -263,7 +261,6 @@ class ThinkerRunner:
         from transformers import DynamicCache
 
         cache = DynamicCache(config=self.text_config)
-        self._set_experts(self._prefill_experts)
         kwargs: dict[str, Any] = {}
         if self.accept_hidden_layer is not None:
             kwargs["output_hidden_states"] = [self.accept_hidden_layer]
@@ -304,40 +301,43 @@ class ThinkerRunner:
         )
         return Prefill(state=state, first=first, talker=talker)
 
-    @torch.no_grad()
     def step(self, state: ThinkerState) -> StepOutput:
         """Feeds the request's last token and returns the next one (with the fed token's
-        input embedding). Raises once the request has finished."""
-        if state.finished:
-            raise RuntimeError("thinker: step on a finished request")
-        self._set_experts(self._decode_experts)
-        ids = torch.tensor([[state.last_token]], dtype=torch.long, device=self.device)
-        embeds = self.model.embed_tokens(ids)
-        # generate()'s `_update_model_kwargs_for_generation`: last position + 1, every row.
-        position = state.position + 1
-        out = self.model(
-            inputs_embeds=embeds,
-            attention_mask=None,
-            position_ids=position,
-            cache=state.cache,
-            use_cache=True,
-        )
-        state.position = position
-        return self._record(state, self._greedy(out.last_hidden_state), embeds.contiguous())
+        input embedding). Raises once the request has finished. The same forward as
+        `step_many` (the slots padded), so a request alone gets what it gets batched."""
+        return self.step_many([state])[0]
 
+    @torch.no_grad()
     def step_many(self, states: Sequence[ThinkerState]) -> list[StepOutput]:
-        """One decode step for each of `states` (the running requests), in order.
+        """One decode step for each of `states` (the running requests), in order, `slots` at
+        a time in one forward (`rows.decode_rows`: rows padded to `slots`, each request's
+        attention over its own cache), so every request's floats, and so its tokens, are the
+        same whoever else is stepped with it (see `rows` for why fixed slots)."""
+        if any(state.finished for state in states):
+            raise RuntimeError("thinker: step on a finished request")
+        out: list[StepOutput] = []
+        for start in range(0, len(states), self.slots):
+            out.extend(self._step_slots(states[start : start + self.slots]))
+        return out
 
-        Each request runs its own forward with its own cache, one after another, rather than
-        one batched forward: batching requests of different lengths means padding and
-        attention masks and, in the MoE, expert matmuls over a different set of rows, and
-        matmuls of other shapes sum in other orders, so the floats change and a greedy
-        choice between two close logits can flip. (Measured on this project's CPU: one
-        `F.linear` over 8 rows differs from 8 one-row calls by up to 8e-6 at 64 wide and
-        1e-4 at 2048 wide.) Stepping each request alone keeps every request bitwise equal to
-        its solo run, whoever else is running.
-        """
-        return [self.step(state) for state in states]
+    def _step_slots(self, states: Sequence[ThinkerState]) -> list[StepOutput]:
+        ids = torch.tensor([[s.last_token] for s in states], dtype=torch.long, device=self.device)
+        fed = self.model.embed_tokens(ids)  # (n, 1, H)
+        # generate()'s `_update_model_kwargs_for_generation`: last position + 1, every row.
+        new_positions = [s.position + 1 for s in states]
+        hidden = decode_rows(
+            self.model,
+            pad_rows(list(fed), self.slots),
+            pad_positions(new_positions, self.slots),
+            [s.cache for s in states],
+        )
+        logits = self.lm_head(hidden)[: len(states), -1].to(dtype=torch.float32)
+        tokens = torch.argmax(logits, dim=-1).tolist()
+        out = []
+        for i, state in enumerate(states):
+            state.position = new_positions[i]
+            out.append(self._record(state, int(tokens[i]), fed[i : i + 1].contiguous()))
+        return out
 
     def release(self, state: ThinkerState) -> None:
         """Drops the request's KV cache (a finished or aborted request)."""
@@ -356,12 +356,6 @@ class ThinkerRunner:
         if token in state.eos_token_ids or len(state.tokens) >= state.max_new_tokens:
             state.finished = True
         return StepOutput(token=token, finished=state.finished, fed_embed=fed)
-
-    def _set_experts(self, implementation: str | None) -> None:
-        if self._decode_experts == self._prefill_experts:
-            return
-        if self.text_config._experts_implementation != implementation:
-            self.model.set_experts_implementation(implementation)
 
     def _eos_ids(self, eos_token_id: Any) -> frozenset[int]:
         if eos_token_id is _DEFAULT:

@@ -461,27 +461,16 @@ def test_media_hidden_rows_only(runner, references):
     assert torch.equal(state.user_embeds, full.user_embeds)
 
 
-def test_decode_experts_switch_as_generate(tiny_dir, reference, references):
-    """Off the CPU, generate() runs the talker's decode steps with the MoE experts as
-    `batched_mm` and its prefill as `grouped_mm`; the runner switches the same way (forced
-    here on the CPU, where neither switches, to run the code path)."""
+def test_steps_leave_the_module_as_loaded(reference, references):
+    """Decode steps run the MoE experts as `batched_mm` by calling it (see `rows`), never by
+    switching the module's implementation: the module is only read (prefill, and generate()
+    on the same model, keep `grouped_mm`), and the codes stay generate()'s."""
     runner = TalkerRunner.from_model(reference)
-    assert runner._decode_experts == runner._prefill_experts
-    grouped = runner._prefill_experts
-    assert grouped[""] == "grouped_mm"
-    runner._decode_experts = {k: "batched_mm" for k in grouped}
+    loaded = reference.talker.get_experts_implementation()
+    assert loaded[""] == "grouped_mm"
     ref = references("text")
-    try:
-        state = runner.start(ref.prompt, **ref.media, **talker_options({}))
-        runner.push_text(state, ref.text)
-        runner.step(state)
-        assert reference.talker.config._experts_implementation == "grouped_mm"
-        runner.step(state)
-        assert reference.talker.config._experts_implementation == "batched_mm"
-        runner.release(state)
-        assert torch.equal(talk_all_at_once(runner, ref, **talker_options({})), ref.codes)
-    finally:
-        reference.talker.set_experts_implementation(grouped)
+    assert torch.equal(talk_all_at_once(runner, ref, **talker_options({})), ref.codes)
+    assert reference.talker.get_experts_implementation() == loaded
 
 
 def test_sampling_is_seeded(runner, references):
@@ -602,3 +591,19 @@ def test_bfloat16(tiny_dir, processor):
         assert wav.shape == ref.wav.shape
         peak = ref.wav.float().abs().max().item()
         assert (wav - ref.wav.float()).abs().max().item() <= 2**-5 * peak
+
+
+def test_code2wav_chunks_grow(reference):
+    """With growth 2 the chunks after the first double, up to chunk_frames, and the audio
+    still equals the reference's."""
+    streamer = Code2WavStreamer(reference.code2wav, chunk_frames=12, first_chunk_frames=2, growth=2)
+    codes = random_codes(40, seed=5)
+    state = streamer.start()
+    sizes = [streamer.push(state, frame).numel() for frame in codes.T]
+    ends = [i + 1 for i, n in enumerate(sizes) if n]
+    assert ends == [2, 6, 14, 26, 38]  # chunks of 2, 4, 8, 12, 12 frames
+    with torch.no_grad():
+        ref = reference.code2wav.chunked_decode(codes.unsqueeze(0))[0, 0]
+    assert_audio_close(stream_audio(streamer, codes), ref)
+    with pytest.raises(ValueError, match="growth"):
+        Code2WavStreamer(reference.code2wav, growth=0)

@@ -1,0 +1,93 @@
+"""`rows.decode_rows`: one decode step of several requests in one forward, each request's
+floats independent of the others (fixed slots, per-request attention, batched_mm experts)."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+from transformers import DynamicCache
+
+from examples.qwen3_omni import tiny_model
+from examples.qwen3_omni.rows import decode_rows, pad_positions, pad_rows
+from examples.qwen3_omni.talker import TalkerRunner
+from examples.qwen3_omni.thinker import ThinkerRunner
+
+SLOTS = 4
+TEXTS = ["Describe this.", "Hello, how are you today?", "Count from one to ten: one two"]
+
+
+@pytest.fixture(scope="module")
+def thinker(tiny_dir):
+    return ThinkerRunner.from_pretrained(tiny_dir, slots=SLOTS)
+
+
+def _prefilled(thinker, processor):
+    states = []
+    for text in TEXTS:
+        conv = tiny_model.sample_conversation("text", text)
+        inputs = tiny_model.processor_inputs(processor, conv)
+        states.append(thinker.prefill(inputs["input_ids"], max_new_tokens=8).state)
+    return states
+
+
+def _step(model, rows, positions, caches):
+    return decode_rows(model, pad_rows(rows, SLOTS), pad_positions(positions, SLOTS), caches)
+
+
+@pytest.mark.parametrize("model_name", ["thinker", "talker"])
+def test_a_row_is_bitwise_the_same_alone_and_batched_in_any_slot(
+    model_name, thinker, processor, tiny_dir
+):
+    """Request 0's hidden state and the key/values it appends are bitwise equal whether it
+    runs alone, with two others, or in another slot; and the cache lengths differ (the
+    attention is per request)."""
+    states = _prefilled(thinker, processor)
+    if model_name == "thinker":
+        model = thinker.model
+    else:  # the talker's decoder on the same random inputs and caches of its own width
+        model = TalkerRunner.from_pretrained(tiny_dir).talker.model
+    width = model.config.hidden_size
+    gen = torch.Generator().manual_seed(0)
+    rows = [torch.randn((1, 1, width), generator=gen) for _ in states]
+    positions = [s.position + 1 for s in states]
+    if model_name == "thinker":
+        caches = [s.cache for s in states]
+    else:
+        caches = []
+        for n in (5, 9, 2):
+            cache = DynamicCache(config=model.config)
+            prompt = torch.randn((1, n, width), generator=gen)
+            pos = torch.arange(n).view(1, 1, n).expand(4, 1, n)
+            with torch.no_grad():
+                model(inputs_embeds=prompt, position_ids=pos, cache=cache, use_cache=True)
+            caches.append(cache)
+            positions[len(caches) - 1] = torch.full((4, 1, 1), n)
+    assert len({c.get_seq_length() for c in caches}) == 3
+
+    def run(order):
+        cs = [copy.deepcopy(caches[i]) for i in order]
+        out = _step(model, [rows[i] for i in order], [positions[i] for i in order], cs)
+        at = order.index(0)
+        return out[at], cs[at].layers[-1].keys
+
+    alone = run([0])
+    for order in ([0, 1, 2], [2, 1, 0], [1, 0]):
+        hidden, keys = run(order)
+        assert torch.equal(hidden, alone[0]), order
+        assert torch.equal(keys, alone[1]), order
+
+    # Why the slots: without padding (1 row alone, 3 together) the same row differs.
+    def unpadded(order):
+        cs = [copy.deepcopy(caches[i]) for i in order]
+        rs = torch.cat([rows[i] for i in order])
+        ps = torch.cat([positions[i] for i in order], dim=1)
+        return decode_rows(model, rs, ps, cs)[order.index(0)]
+
+    assert not torch.equal(unpadded([0]), unpadded([0, 1, 2]))
+
+
+def test_pad_rows_refuses_more_rows_than_slots():
+    with pytest.raises(ValueError, match="3 rows for 2 slots"):
+        pad_rows([torch.zeros(1, 1, 4)] * 3, 2)
