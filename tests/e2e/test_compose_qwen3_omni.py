@@ -1,0 +1,114 @@
+"""examples/qwen3_omni in containers: `omnirail compose` on the pipeline with a model
+directory (a tiny random checkpoint made here; nothing is downloaded), brought up with podman
+and docker-compose from the real image. Each model stage reads the checkpoint from its
+read-only /model bind; the mesh answers a text request with the reference generate()'s
+tokens, streaming text and audio."""
+
+from __future__ import annotations
+
+import random
+import subprocess
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+import yaml
+
+from omnirail import Chunk, Client
+from omnirail.bench.omni_bench import write_pipeline
+from tests.e2e import compose_env
+from tests.e2e.compose_env import Project
+
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(2400)]
+
+PORT = 50071
+MAX_NEW_TOKENS = 8
+TALKER_TOKENS = 12
+MODEL_STAGES = ("image-encoder", "audio-encoder", "thinker", "talker", "code2wav")
+
+
+@pytest.fixture(scope="module")
+def model(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    from examples.qwen3_omni import tiny_model
+
+    return tiny_model.make_tiny_model(tmp_path_factory.mktemp("qwen3_omni_e2e") / "tiny")
+
+
+@pytest.fixture(scope="module")
+def project(model: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Project]:
+    reason = compose_env.why_unavailable()
+    if reason:
+        pytest.skip(reason)
+    env = compose_env.prepare()
+    where = tmp_path_factory.mktemp("qwen3_omni_compose")
+    pipeline = write_pipeline(where / "qwen3_omni", str(model), MAX_NEW_TOKENS, TALKER_TOKENS)
+    out = where / "docker-compose.yml"
+    subprocess.run(
+        [str(Path(sys.executable).parent / "omnirail"), "compose", str(pipeline), "-o", str(out),
+         "--coordinator-port", str(PORT), "--build-context", "none"],
+        check=True, capture_output=True, text=True, cwd=compose_env.ROOT,
+    )  # fmt: skip
+    proj = Project(f"omnirail-e2e-qwen3-{random.getrandbits(24):06x}", env, out)
+    try:
+        proj.compose("up", "-d", "--no-build", timeout=600)
+        with Client(f"localhost:{PORT}", timeout=60) as client:
+            client.wait_ready(timeout=600)
+        yield proj
+    except BaseException:
+        print(proj.logs())
+        raise
+    finally:
+        proj.down()
+        assert proj.containers() == [], "containers left after docker-compose down"
+
+
+def _stream(request: dict[str, Any]) -> tuple[dict[str, list], Any]:
+    chunks: dict[str, list] = {}
+    with Client(f"localhost:{PORT}", timeout=300, tensors="numpy") as client:
+        for event in client.stream(request):
+            if isinstance(event, Chunk):
+                chunks.setdefault(event.modality, []).append(event.data)
+            else:
+                return chunks, event
+    raise AssertionError("the stream ended without a result")
+
+
+def test_text_request_equals_generate_in_containers(project: Project, model: Path) -> None:
+    from examples.qwen3_omni import tiny_model
+    from examples.qwen3_omni.processor import load_processor
+
+    reference = tiny_model.load_reference(model)
+    processor = load_processor(model)
+    conversation = tiny_model.sample_conversation("text", "Describe this.")
+    prompt = tiny_model.processor_inputs(processor, conversation)["input_ids"].shape[1]
+    sequences, wav = tiny_model.reference_generate(
+        reference,
+        processor,
+        conversation,
+        thinker_max_new_tokens=MAX_NEW_TOKENS,
+        talker_max_new_tokens=TALKER_TOKENS,
+    )
+    chunks, result = _stream({"text": "Describe this.", "max_new_tokens": MAX_NEW_TOKENS})
+    assert result.outputs["decode"]["token_ids"] == sequences[0, prompt:].tolist()
+    assert "".join(chunks["text"]) == result.outputs["decode"]["text"]
+    pcm = np.concatenate([np.asarray(c["pcm"]) for c in chunks["audio"]])
+    assert pcm.size == result.outputs["code2wav"]["samples"] == wav.numel()
+    assert np.abs(pcm - wav.reshape(-1).numpy()).max() < 1e-5
+
+
+def test_model_stages_read_the_model_read_only(project: Project, model: Path) -> None:
+    """Every model stage's container has the checkpoint at /model, read-only; the
+    coordinator's has none."""
+    names = project.containers()
+    for stage in MODEL_STAGES:
+        (name,) = [n for n in names if f"-{stage}-" in n or n.endswith(f"-{stage}")]
+        config = yaml.safe_load(project.podman("exec", name, "cat", "/model/config.json"))
+        assert config["model_type"] == "qwen3_omni_moe"
+        with pytest.raises(compose_env.SetupError, match="Read-only"):
+            project.podman("exec", name, "touch", "/model/written")
+    (coordinator,) = [n for n in names if "coordinator" in n]
+    with pytest.raises(compose_env.SetupError):
+        project.podman("exec", coordinator, "ls", "/model")
