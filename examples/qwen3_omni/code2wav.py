@@ -22,9 +22,9 @@ The streamer decodes the same segments (segment k: frames `[300k - 25, 300(k+1))
 
 - the transformer runs incrementally over the segment with its own KV cache (a sliding-window
   cache: equal to a full forward up to float rounding, ~1e-7 relative), and
-- the convolution stack, whose receptive field is short (`conv_context` frames, measured once
-  from the module's structure), is recomputed on the new frames plus `conv_context` frames
-  before them, and only the samples that this window determines exactly are kept.
+- the convolution stack runs incrementally too (`conv_stream.ConvStream`: every convolution
+  keeps the inputs it will need again), so a chunk costs its own samples only, and its
+  output is the module's whole-segment output in order.
 
 So the streamed waveform equals the reference within float rounding for any length, past 300
 frames included (no samples are added or lost at boundaries: the same `d` samples per segment
@@ -40,13 +40,14 @@ frames of context are less than the transformer's window (72 frames per layer), 
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import torch
 from transformers import DynamicCache
+
+from .conv_stream import ConvState, ConvStream
 
 SEGMENT_FRAMES = 300  # the reference chunked_decode's chunk_size
 SEGMENT_CONTEXT = 25  # and its left_context_size
@@ -64,8 +65,9 @@ class Code2WavState:
     window: list[torch.Tensor] = field(default_factory=list)  # the segment's frames, context first
     context: int = 0  # how many of `window` are context
     cache: Any = None  # the transformer's cache over `window`
-    hidden: torch.Tensor | None = None  # (1, H, n): transformer output, the last n of `window`
-    hidden_start: int = 0  # index in `window` of hidden's first column
+    fed: int = 0  # frames of `window` through the transformer and the convolutions
+    convs: ConvState = field(default_factory=dict)  # the convolutions' kept inputs
+    produced: int = 0  # samples of the segment window the convolutions gave so far
     emitted: int = 0  # samples of the segment window emitted (or dropped as context)
     chunks: int = 0
     finished: bool = False
@@ -77,13 +79,10 @@ class Code2WavStreamer:
     `chunk_frames`: emit once this many new frames have arrived (`first_chunk_frames` for a
     request's first chunk); with `growth` > 1 the chunks after the first grow by that factor
     up to `chunk_frames` (first, first*g, first*g^2, ...): a small first chunk for an early
-    first sound, then fewer, longer chunks, since every chunk recomputes `conv_context` frames
-    before it (at 4-frame chunks that is 4x the convolution work of one decode; measured:
-    0.39 s against 0.16 s at 12-frame chunks for 128 frames on the tiny model). Doubling
-    keeps the audio already sent longer than the wait for the next chunk while the stream
-    runs at least twice faster than real time; `segment_frames`/`segment_context`: the
-    reference's chunking (None: one segment); `conv_context`: frames of left context for the
-    convolution stack (measured from the module when None).
+    first sound, then fewer, longer chunks (each chunk is a pass over ~60 modules: fewer
+    passes, less Python). Doubling keeps the audio already sent longer than the wait for the
+    next chunk while the stream runs at least twice faster than real time;
+    `segment_frames`/`segment_context`: the reference's chunking (None: one segment).
     """
 
     def __init__(
@@ -95,7 +94,6 @@ class Code2WavStreamer:
         growth: int = 1,
         segment_frames: int | None = SEGMENT_FRAMES,
         segment_context: int = SEGMENT_CONTEXT,
-        conv_context: int | None = None,
     ) -> None:
         if chunk_frames < 1:
             raise ValueError(f"chunk_frames must be >= 1, got {chunk_frames}")
@@ -118,10 +116,9 @@ class Code2WavStreamer:
         self.num_quantizers = self.config.num_quantizers
         self.codebook_size = self.config.codebook_size
         self.upsample = int(code2wav.total_upsample)
+        self.convs = ConvStream(code2wav)
         with torch.no_grad():
-            self.tail, reach = self._measure()
-        # Frames before the first new sample that can still reach it, plus one of margin.
-        self.conv_context = math.ceil(reach) + 1 if conv_context is None else conv_context
+            self.tail = self._measure_tail()
 
     @classmethod
     def from_pretrained(
@@ -178,7 +175,7 @@ class Code2WavStreamer:
         """Drops the request's cache and buffers (at its end, or when it is aborted)."""
         state.window = []
         state.cache = None
-        state.hidden = None
+        state.convs = {}
 
     # ---- decoding ---------------------------------------------------------------------
 
@@ -213,70 +210,49 @@ class Code2WavStreamer:
         state.context = context
         state.segment_start = start
         state.cache = None
-        state.hidden = None
-        state.hidden_start = 0
+        state.convs = {}
+        state.fed = 0
+        state.produced = 0
         state.emitted = context * self.upsample  # the context's samples are dropped
 
     def _emit(self, state: Code2WavState) -> torch.Tensor:
-        """Runs the transformer over the window's new frames and the convolution stack over
-        what the unemitted samples need; returns those samples."""
+        """Runs the transformer and the convolutions over the window's new frames; returns
+        the samples they complete (less any of the segment's context)."""
         c2w = self.code2wav
         n = len(state.window)
-        end = self.samples(n)
-        if end <= state.emitted:
+        if state.fed == n:
             return self._cat([])
         with torch.no_grad():
-            have = 0 if state.hidden is None else state.hidden_start + state.hidden.shape[-1]
-            if have < n:
-                codes = torch.stack(state.window[have:], dim=-1).unsqueeze(0)  # (1, Q, new)
-                embeds = c2w.code_embedding(codes + c2w.code_offset).mean(1)
-                if state.cache is None:
-                    state.cache = DynamicCache(config=self.config)
-                hidden = c2w.pre_transformer(
-                    inputs_embeds=embeds, cache=state.cache, use_cache=True
-                ).last_hidden_state.permute(0, 2, 1)
-                state.hidden = (
-                    hidden if state.hidden is None else torch.cat((state.hidden, hidden), dim=-1)
-                )
-            # The first frame whose samples are not all out, less the convolutions' reach.
-            first = max(state.emitted // self.upsample - self.conv_context, 0)
-            if first < state.hidden_start:
-                raise AssertionError("code2wav streamer: dropped hidden states still needed")
-            assert state.hidden is not None
-            wav = self._convs(state.hidden[..., first - state.hidden_start :])
-            # Only the conv_context frames before the next chunk need keeping.
-            keep_from = max(self.samples(n) // self.upsample - self.conv_context - 1, 0)
-            if keep_from > state.hidden_start:
-                state.hidden = state.hidden[..., keep_from - state.hidden_start :]
-                state.hidden_start = keep_from
-        out = wav[0, 0, state.emitted - first * self.upsample :]
-        state.emitted = end
+            codes = torch.stack(state.window[state.fed :], dim=-1).unsqueeze(0)  # (1, Q, new)
+            embeds = c2w.code_embedding(codes + c2w.code_offset).mean(1)
+            if state.cache is None:
+                state.cache = DynamicCache(config=self.config)
+            hidden = c2w.pre_transformer(
+                inputs_embeds=embeds, cache=state.cache, use_cache=True
+            ).last_hidden_state.permute(0, 2, 1)
+            wav = self.convs(state.convs, hidden)[0, 0]
+        state.fed = n
+        start, state.produced = state.produced, state.produced + wav.shape[0]
+        if state.produced != self.samples(n):
+            raise AssertionError("code2wav streamer: the convolutions gave an unexpected length")
+        out = wav[max(state.emitted - start, 0) :]
+        state.emitted = max(state.emitted, state.produced)
         state.samples_out += out.shape[0]
         state.chunks += 1
         return out.float()
 
-    def _convs(self, hidden: torch.Tensor) -> torch.Tensor:
-        """code2wav's forward after its transformer: (1, H, n) -> (1, 1, samples(n))."""
+    def _measure_tail(self) -> int:
+        """Samples a decode drops at its end (`d`, see the module docstring), from the
+        module's own convolution stack on zeros."""
+        frames = 8
+        p = next(self.code2wav.parameters())
+        hidden = torch.zeros((1, self.config.hidden_size, frames), dtype=p.dtype, device=p.device)
         for blocks in self.code2wav.upsample:
             for block in blocks:
                 hidden = block(hidden)
-        wav = hidden
         for block in self.code2wav.decoder:
-            wav = block(wav)
-        return wav.clamp(min=-1, max=1)
-
-    def _measure(self) -> tuple[int, float]:
-        """(samples a decode drops at its end, reach of one frame into later frames): from the
-        module's structure, by pushing NaN through the convolution stack (a NaN reaches
-        exactly the outputs that depend on it, whatever the weights)."""
-        frames, probe = 32, 8
-        p = next(self.code2wav.parameters())
-        hidden = torch.zeros((1, self.config.hidden_size, frames), dtype=p.dtype, device=p.device)
-        tail = frames * self.upsample - self._convs(hidden).shape[-1]
-        hidden[..., probe] = float("nan")
-        reached = torch.isnan(self._convs(hidden)[0, 0]).nonzero().flatten()
-        last = int(reached.max()) if reached.numel() else probe * self.upsample
-        return tail, (last + 1 - probe * self.upsample) / self.upsample
+            hidden = block(hidden)
+        return frames * self.upsample - hidden.shape[-1]
 
     def _cat(self, parts: list[torch.Tensor]) -> torch.Tensor:
         parts = [p for p in parts if p.numel()]

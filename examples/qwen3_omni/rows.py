@@ -95,6 +95,39 @@ def decode_rows(
     return model.norm(hidden)
 
 
+@torch.no_grad()
+def predict_rows(
+    predictor: torch.nn.Module,
+    embeds: torch.Tensor,
+    positions: torch.Tensor,
+    cache: Any,
+    step: int,
+) -> torch.Tensor:
+    """One forward of the talker's code predictor over rows in lockstep (every row the same
+    length: one frame per request), returning the last position's logits of head `step`
+    (slots, V). Its decoder layers are called as its model's forward calls them, without the
+    forward's wrappers (mask building, output capture; most of a small predictor's time):
+    no mask is needed, every row being as long as the others, and the 2-position prefill is
+    causal through sdpa's `is_causal`. `embeds`: (slots, L, H); `positions`: (slots, L);
+    `cache`: one `DynamicCache` for all rows, appended to.
+    """
+    model = predictor.model
+    if set(model.config.layer_types) != {"full_attention"}:
+        raise ValueError(f"code predictor layer types {model.config.layer_types}: only full")
+    hidden = embeds
+    position_embeddings = model.rotary_emb(hidden, positions)
+    for layer in model.layers[: model.config.num_hidden_layers]:
+        hidden = layer(
+            hidden,
+            attention_mask=None,
+            position_ids=positions,
+            cache=cache,
+            use_cache=True,
+            position_embeddings=position_embeddings,
+        )
+    return predictor.lm_head[step](model.norm(hidden[:, -1:]))[:, -1]
+
+
 def _attend(
     attn: Any, hidden: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, caches: Sequence[Any]
 ) -> torch.Tensor:

@@ -68,7 +68,7 @@ from transformers.generation.logits_process import (
     TopPLogitsWarper,
 )
 
-from .rows import decode_rows, pad_positions, pad_rows
+from .rows import decode_rows, pad_positions, pad_rows, predict_rows
 from .thinker import TalkerPrompt
 
 # The reference generate()'s defaults for the talker and (when sampling) its code predictor.
@@ -601,17 +601,11 @@ class TalkerRunner:
         inputs_embeds = torch.cat((past, last_id_hidden), dim=1)
         cache = DynamicCache(config=predictor.config)
         length = inputs_embeds.shape[1]
-        out = predictor(
-            inputs_embeds=inputs_embeds,
-            attention_mask=torch.ones((slots, length), dtype=torch.long, device=self.device),
-            position_ids=torch.arange(length, device=self.device).expand(slots, -1),
-            cache=cache,
-            use_cache=True,
-        )
+        positions = torch.arange(length, device=self.device).expand(slots, -1)
+        logits = predict_rows(predictor, inputs_embeds, positions, cache, 0)
         codes = torch.zeros((slots, self.num_code_groups - 1), dtype=torch.long)
         residual_hiddens = []
         for group in range(1, self.num_code_groups):
-            logits = out.logits[:, -1, :]
             codes[:, group - 1] = self._choose_rows(states, logits, codes[:, : group - 1])
             code_ids = codes[:, group - 1 : group].to(self.device)
             if group == self.num_code_groups - 1:
@@ -619,16 +613,11 @@ class TalkerRunner:
                 break
             # The next predictor step's input is this code's embedding (generation step
             # `group`), which generate() also takes as the frame's residual embedding.
-            residual_hiddens.append(embeddings[group - 1](code_ids))
+            embed = embeddings[group - 1](code_ids)
+            residual_hiddens.append(embed)
             length += 1
-            out = predictor(
-                input_ids=code_ids,  # embedded by the predictor itself, as above
-                attention_mask=torch.ones((slots, length), dtype=torch.long, device=self.device),
-                position_ids=torch.full((slots, 1), length - 1, device=self.device),
-                cache=cache,
-                use_cache=True,
-                generation_steps=group,
-            )
+            positions = torch.full((slots, 1), length - 1, device=self.device)
+            logits = predict_rows(predictor, embed, positions, cache, group)
         frame_embeds = torch.cat([last_id_hidden, *residual_hiddens], dim=1).sum(1, keepdim=True)
         frames = []
         for i, state in enumerate(states):

@@ -25,6 +25,8 @@ from omnirail.config import PipelineConfig
 from omnirail.ops.compose_groups import ComposeError
 
 MODEL_MOUNT = "/model"
+# The image's user and group (the Dockerfile's `USER 10001:10001`): who reads the mount.
+IMAGE_UID = IMAGE_GID = 10001
 _KEY = "model_path"
 _UNCHECKED_HINT = "--no-check-model-dir if it will exist where the containers run"
 
@@ -211,4 +213,29 @@ def _check_dir(mount: ModelMount, several: bool) -> None:
                 f"{what}: {entry.name} links to {entry.resolve()}, outside the directory, "
                 "which the container will not see; mount a directory holding the files "
                 f"themselves (e.g. `hf download --local-dir`), or pass {_UNCHECKED_HINT}"
+            )
+    _check_readable(mount.host, what)
+
+
+def _check_readable(root: Path, what: str) -> None:
+    """Every file (and folder) under `root` readable by the image's user, who owns none
+    of them: `save_pretrained` writes safetensors shards 0600, which the stages would
+    fail to open only once they start, far from the cause."""
+    for path in [root, *sorted(root.rglob("*"))]:
+        if path.is_symlink():
+            continue
+        st = path.stat()
+        need = 0o5 if path.is_dir() else 0o4  # read (and, for a folder, enter)
+        if st.st_uid == IMAGE_UID:
+            ok = (st.st_mode >> 6) & need == need
+        elif st.st_gid == IMAGE_GID:
+            ok = (st.st_mode >> 3) & need == need
+        else:
+            ok = st.st_mode & need == need
+        if not ok:
+            name = path.relative_to(root) if path != root else path
+            raise ComposeError(
+                f"{what}: {name} (mode {st.st_mode & 0o777:04o}, owner uid {st.st_uid}) is not "
+                f"readable by the image's user (uid {IMAGE_UID}); run `chmod -R a+rX "
+                f"{root}`, or pass {_UNCHECKED_HINT}"
             )

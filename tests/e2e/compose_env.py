@@ -14,6 +14,8 @@ import shutil
 import subprocess
 import time
 import urllib.request
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -99,6 +101,27 @@ class Project:
 
     def logs(self) -> str:
         return self.compose("logs", "--no-color", "--tail", "80", check=False)
+
+
+@contextmanager
+def running(project: Project, address: str, ready_timeout: float = 300) -> Iterator[Project]:
+    """`docker-compose up -d` from the built image, until every stage has attached at
+    `address`; afterwards (or on any failure, with the logs printed) `down`, and no
+    container or network of the project may be left."""
+    from omnirail import Client
+
+    try:
+        project.compose("up", "-d", "--no-build", timeout=600)
+        with Client(address, timeout=60) as client:
+            client.wait_ready(timeout=ready_timeout)
+        yield project
+    except BaseException:
+        print(project.logs())
+        raise
+    finally:
+        project.down()
+        assert project.containers() == [], "containers left after docker-compose down"
+        assert project.networks() == [], "networks left after docker-compose down"
 
 
 def http_json(url: str, timeout: float = 5.0) -> Any:

@@ -45,17 +45,9 @@ def project() -> Iterator[Project]:
         f"omnirail-e2e-{random.getrandbits(24):06x}", env, compose_env.ROOT / "docker-compose.yml"
     )
     try:
-        proj.compose("up", "-d", "--no-build", timeout=600)
-        with Client(ADDRESS, timeout=60) as client:
-            client.wait_ready(timeout=300)
-        yield proj
-    except BaseException:
-        print(proj.logs())
-        raise
+        with compose_env.running(proj, ADDRESS):
+            yield proj
     finally:
-        proj.down()
-        assert proj.containers() == [], "containers left after docker-compose down"
-        assert proj.networks() == [], "networks left after docker-compose down"
         # The pools lived in the containers' IPC namespaces; nothing may land on the host.
         left = {n for n in set(os.listdir("/dev/shm")) - shm_before if n.startswith("omnirail")}
         assert not left, f"shared memory left on the host: {sorted(left)}"

@@ -7,6 +7,7 @@ tokens, streaming text and audio."""
 from __future__ import annotations
 
 import random
+import re
 import subprocess
 import sys
 from collections.abc import Iterator
@@ -46,23 +47,21 @@ def project(model: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[P
     where = tmp_path_factory.mktemp("qwen3_omni_compose")
     pipeline = write_pipeline(where / "qwen3_omni", str(model), MAX_NEW_TOKENS, TALKER_TOKENS)
     out = where / "docker-compose.yml"
-    subprocess.run(
-        [str(Path(sys.executable).parent / "omnirail"), "compose", str(pipeline), "-o", str(out),
-         "--coordinator-port", str(PORT), "--build-context", "none"],
-        check=True, capture_output=True, text=True, cwd=compose_env.ROOT,
-    )  # fmt: skip
+    command = [
+        str(Path(sys.executable).parent / "omnirail"), "compose", str(pipeline), "-o", str(out),
+        "--coordinator-port", str(PORT), "--build-context", "none",
+    ]  # fmt: skip
+    # save_pretrained writes the shards 0600: compose refuses what the image's user could
+    # not read, naming the file and the fix, rather than the stages failing once started.
+    refused = subprocess.run(command, capture_output=True, text=True, cwd=compose_env.ROOT)
+    assert refused.returncode == 2
+    assert "is not readable by the image's user (uid 10001)" in refused.stderr
+    assert f"chmod -R a+rX {model}" in refused.stderr
+    subprocess.run(["chmod", "-R", "a+rX", str(model)], check=True)
+    subprocess.run(command, check=True, capture_output=True, text=True, cwd=compose_env.ROOT)
     proj = Project(f"omnirail-e2e-qwen3-{random.getrandbits(24):06x}", env, out)
-    try:
-        proj.compose("up", "-d", "--no-build", timeout=600)
-        with Client(f"localhost:{PORT}", timeout=60) as client:
-            client.wait_ready(timeout=600)
+    with compose_env.running(proj, f"localhost:{PORT}", ready_timeout=600):
         yield proj
-    except BaseException:
-        print(proj.logs())
-        raise
-    finally:
-        proj.down()
-        assert proj.containers() == [], "containers left after docker-compose down"
 
 
 def _stream(request: dict[str, Any]) -> tuple[dict[str, list], Any]:
@@ -104,11 +103,11 @@ def test_model_stages_read_the_model_read_only(project: Project, model: Path) ->
     coordinator's has none."""
     names = project.containers()
     for stage in MODEL_STAGES:
-        (name,) = [n for n in names if f"-{stage}-" in n or n.endswith(f"-{stage}")]
+        (name,) = [n for n in names if re.search(rf"[_-]{stage}[_-]\d+$", n)]
         config = yaml.safe_load(project.podman("exec", name, "cat", "/model/config.json"))
         assert config["model_type"] == "qwen3_omni_moe"
         with pytest.raises(compose_env.SetupError, match="Read-only"):
             project.podman("exec", name, "touch", "/model/written")
-    (coordinator,) = [n for n in names if "coordinator" in n]
+    (coordinator,) = [n for n in names if re.search(r"[_-]coordinator[_-]\d+$", n)]
     with pytest.raises(compose_env.SetupError):
         project.podman("exec", coordinator, "ls", "/model")

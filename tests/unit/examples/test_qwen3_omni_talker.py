@@ -549,19 +549,33 @@ def test_code2wav_chunks_arrive_as_frames_do(reference):
     assert sizes[6] == 5 * streamer.upsample
     tail = streamer.flush(state)
     assert tail.numel() == streamer.upsample
-    assert state.cache is None and state.hidden is None
+    assert state.cache is None and state.convs == {}
 
 
-def test_code2wav_conv_context_is_measured(reference):
-    """The measured receptive field is what exactness needs: much less context is not exact."""
-    streamer = Code2WavStreamer(reference.code2wav)
-    assert streamer.tail == 555  # 1920 t - 555 samples for t frames
-    assert streamer.conv_context >= 11
-    codes = random_codes(60, seed=3)
+def test_conv_stream_equals_the_whole_stack(reference):
+    """code2wav's convolution stack fed in pieces of 1 to 7 frames gives the samples the
+    module gives for all frames at once, in order (its tail of 555 samples still to come)."""
+    from examples.qwen3_omni.conv_stream import ConvStream
+
+    c2w = reference.code2wav
+    hidden = torch.randn(
+        (1, c2w.config.hidden_size, 40), generator=torch.Generator().manual_seed(7)
+    )
     with torch.no_grad():
-        ref = reference.code2wav.chunked_decode(codes.unsqueeze(0))[0, 0]
-    short = Code2WavStreamer(reference.code2wav, chunk_frames=4, conv_context=1)
-    assert (stream_audio(short, codes) - ref).abs().max().item() > 100 * AUDIO_BOUND
+        whole = hidden
+        for blocks in c2w.upsample:
+            for block in blocks:
+                whole = block(whole)
+        for block in c2w.decoder:
+            whole = block(whole)
+        whole = whole.clamp(-1, 1)[0, 0]
+    assert whole.shape[0] == 40 * 1920 - 555
+    stream, state, parts, at = ConvStream(c2w), {}, [], 0
+    for size in [1, 3, 7, 2, 5, 1, 4, 6, 3, 1, 7]:
+        parts.append(stream(state, hidden[..., at : at + size])[0, 0])
+        at += size
+    assert at == 40
+    assert (torch.cat(parts) - whole).abs().max().item() < 1e-6
 
 
 def test_code2wav_bad_codes(streamer):

@@ -239,6 +239,32 @@ def test_a_hugging_face_cache_snapshot_is_refused(tmp_path: Path) -> None:
     )
 
 
+def test_files_the_image_user_cannot_read_are_refused(tmp_path: Path) -> None:
+    """`save_pretrained` writes shards 0600: the image's user (uid 10001) could not open
+    them, and the stages would fail only once started. Compose names the file and the fix."""
+    model = model_dir(tmp_path / "m")
+    shard = model / "model-00001-of-00002.safetensors"
+    shard.write_bytes(b"")
+    path = small_pipeline(tmp_path, chain("a", "b"), "make_model", model_path=str(model))
+    for mode, readable in ((0o600, False), (0o640, False), (0o644, True)):
+        shard.chmod(mode)
+        if readable:
+            gen(path, None)
+            continue
+        with pytest.raises(ComposeError) as info:
+            gen(path, None)
+        assert str(info.value) == (
+            f"model_path {str(model)!r}: model-00001-of-00002.safetensors (mode {mode:04o}, "
+            f"owner uid {os.getuid()}) is not readable by the image's user (uid 10001); run "
+            f"`chmod -R a+rX {model}`, or pass --no-check-model-dir if it will exist where "
+            "the containers run"
+        )
+    (model / "sub").mkdir(mode=0o700)
+    with pytest.raises(ComposeError, match=r": sub \(mode 0700"):
+        gen(path, None)
+    assert services(gen(path, None, check_model_dirs=False))["a"]["volumes"][1] == model_bind(model)
+
+
 def test_cli_model_dir(tmp_path: Path) -> None:
     model = model_dir(tmp_path / "m")
     path = small_pipeline(tmp_path, chain("a", "b"), "make_model", model_path="/absent/model")
