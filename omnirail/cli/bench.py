@@ -50,7 +50,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
 
     # Held by this process for the whole run: the bound is host-wide, so the mesh or the
     # relay's receiver it starts runs under it too. `host` measures with and without.
-    tuned = args.what in ("pipeline", "relay")
+    tuned = args.what in ("pipeline", "relay", "omni")
     hold, wake = cpu_latency.report(args.cpu_wake_latency_us if tuned else None)
     try:
         report = _run(args)
@@ -244,7 +244,7 @@ def add_bench_parser(sub: Any) -> None:
         type=_wake_setting,
         default=0,
         metavar="US|off",
-        help="pipeline, relay: hold idle CPUs to wake within US µs while measuring, as a "
+        help="pipeline, relay, omni: hold idle CPUs to wake within US µs while measuring, as a "
         "latency-tuned serving host would (PM QoS; needs root, else the report says it was "
         "not held); off measures the host as it is (default: 0, polling)",
     )
