@@ -41,7 +41,8 @@ arrived and the text has not ended.
 
 Each request has its own KV cache and its own positions (transformers keeps `rope_deltas` on
 the shared module; here they never touch it), so requests can be stepped interleaved in any
-order and each gets exactly what it gets alone. Logits processing is the reference's: greedy
+order. `step_many` steps several in one forward with fixed slots (`rows.py`), so each gets
+bitwise what it gets alone. Logits processing is the reference's: greedy
 (or sampled with the reference's warpers), `repetition_penalty` (1.05 in `generate()`) over the
 talker's own generated codes, and the top 1024 ids of the talker's vocabulary suppressed
 except `codec_eos`. A request ends at `codec_eos` or after `max_new_tokens` talker tokens; as in
@@ -69,6 +70,7 @@ from transformers.generation.logits_process import (
 )
 
 from .rows import decode_rows, pad_positions, pad_rows, predict_rows
+from .talker_prompt import assistant_rows, read_tts_embeds, user_part
 from .thinker import TalkerPrompt
 
 # The reference generate()'s defaults for the talker and (when sampling) its code predictor.
@@ -129,7 +131,8 @@ class TalkerState:
 
 
 class TalkerRunner:
-    """The talker with its code predictor, stepping requests one at a time.
+    """The talker with its code predictor, stepping requests together (`step_many`, up to
+    `slots` rows per forward).
 
     `talker` is a `Qwen3OmniMoeTalkerForConditionalGeneration` (with `code_predictor`,
     `text_projection`, `hidden_projection`, `codec_head`), `config` the checkpoint's
@@ -163,8 +166,6 @@ class TalkerRunner:
             i for i in range(self.vocab_size - 1024, self.vocab_size) if i != self.codec_eos_id
         ]
         self.suppress_mask[self.suppress_tokens] = True
-        thinker = config.thinker_config
-        self.mm_token_ids = (thinker.audio_token_id, thinker.image_token_id, thinker.video_token_id)
         if tts_embeds.shape[0] != 3:
             raise ValueError(
                 f"tts_embeds must be (3, D) (bos, eos, pad), got {tuple(tts_embeds.shape)}"
@@ -239,8 +240,8 @@ class TalkerRunner:
             raise ValueError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
         if eos_token_id is not None and not 0 <= eos_token_id < self.vocab_size:
             raise ValueError(f"eos_token_id {eos_token_id} is outside the talker's vocabulary")
-        user_embeds, user_ids = self._user_part(prompt)
-        head, tail = self._assistant_rows(prompt)
+        user_embeds, user_ids = user_part(self.talker, self.config, prompt)
+        head, tail = assistant_rows(self.config, prompt, self.device, self.dtype)
         processors = LogitsProcessorList()
         if repetition_penalty != 1.0:
             processors.append(RepetitionPenaltyLogitsProcessor(repetition_penalty))
@@ -372,69 +373,6 @@ class TalkerRunner:
 
     def _opt(self, value: Any) -> torch.Tensor | None:
         return None if value is None else torch.as_tensor(value).to(self.device)
-
-    def _user_part(self, prompt: TalkerPrompt) -> tuple[torch.Tensor, torch.Tensor]:
-        """`_get_talker_user_parts` over the whole prompt, then only the user turns' positions,
-        as generate() gathers them (one request: no padding)."""
-        talker = self.talker
-        input_ids = prompt.input_ids.to(self.device).reshape(1, -1)
-        seq = input_ids.shape[1]
-        embeds = prompt.embeds.to(self.device, self.dtype).reshape(1, seq, -1)
-        mm_mask = torch.zeros_like(input_ids, dtype=torch.bool)
-        for token_id in self.mm_token_ids:
-            mm_mask |= input_ids == token_id
-        cfg = self.config
-        positions = torch.arange(seq, device=self.device).unsqueeze(0)
-        im_start = torch.where(
-            input_ids == cfg.im_start_token_id, positions, positions.new_full((), -1)
-        )
-        previous_im_start = torch.cummax(im_start, dim=-1).values.clamp_min(0)
-        roles = input_ids.gather(1, (previous_im_start + 1).clamp_max(seq - 1))
-        user_mask = roles == cfg.user_token_id
-        if not user_mask.any():
-            raise ValueError("the prompt has no user turn")
-        user_length = int(user_mask.sum())
-        user_indices = torch.where(user_mask, seq + positions, positions).argsort(dim=-1)[
-            :, -user_length:
-        ]
-        with torch.no_grad():
-            full = torch.empty((1, seq, self.hidden_size), device=self.device, dtype=self.dtype)
-            if mm_mask.any():
-                if prompt.accept_hidden is None:
-                    raise ValueError("the prompt has media positions but no thinker hidden states")
-                hidden = prompt.accept_hidden.to(self.device, self.dtype)
-                hidden = hidden.reshape(-1, hidden.shape[-1])
-                n_mm = int(mm_mask.sum())
-                if hidden.shape[0] == seq:
-                    mm_hidden = hidden.reshape(1, seq, -1)[mm_mask]
-                elif hidden.shape[0] == n_mm:
-                    mm_hidden = hidden.reshape(n_mm, -1)
-                else:
-                    raise ValueError(
-                        f"thinker hidden states have {hidden.shape[0]} rows: need the prompt's "
-                        f"{seq} or its {n_mm} media positions"
-                    )
-                full[mm_mask] = talker.hidden_projection(mm_hidden)
-            full[~mm_mask] = talker.text_projection(embeds[~mm_mask])
-            user_embeds = full.gather(1, user_indices.unsqueeze(-1).expand(-1, -1, full.shape[-1]))
-        return user_embeds, input_ids.gather(1, user_indices)
-
-    def _assistant_rows(self, prompt: TalkerPrompt) -> tuple[torch.Tensor, torch.Tensor]:
-        """The thinker embeddings from the last `<|im_start|>assistant` on: its three tokens
-        (`<|im_start|>assistant\\n`), and any prompt text after them, which the talker reads
-        before the generated tokens (none with the usual generation prompt)."""
-        cfg = self.config
-        ids = prompt.input_ids.reshape(-1)
-        starts = torch.nonzero(
-            (ids[:-1] == cfg.im_start_token_id) & (ids[1:] == cfg.assistant_token_id)
-        ).flatten()
-        if starts.numel() == 0:
-            raise ValueError("the prompt has no <|im_start|>assistant (no generation prompt)")
-        start = int(starts[-1])
-        if ids.shape[0] - start < 3:
-            raise ValueError("the prompt ends inside its <|im_start|>assistant line")
-        embeds = prompt.embeds.reshape(ids.shape[0], -1).to(self.device, self.dtype)
-        return embeds[start : start + 3], embeds[start + 3 :]
 
     def _prefill(self, state: TalkerState) -> torch.Tensor:
         """`_get_talker_assistant_parts` with the first generated token (if any), then the
@@ -687,19 +625,3 @@ def _warpers(temperature: float, top_k: int, top_p: float) -> list[Any]:
     if top_p < 1.0:
         out.append(TopPLogitsWarper(top_p))
     return out
-
-
-def read_tts_embeds(model_path: str | Path, ids: Sequence[int]) -> torch.Tensor:
-    """Rows `ids` of the thinker's input embedding table (`thinker.model.embed_tokens.weight`)
-    read from the checkpoint without loading the table: `(len(ids), D)`."""
-    from safetensors import safe_open
-
-    from .weights import ModelDirError, weight_map
-
-    name = "thinker.model.embed_tokens.weight"
-    files = weight_map(model_path)
-    if name not in files:
-        raise ModelDirError(f"{model_path}: no tensor {name!r}")
-    with safe_open(str(Path(model_path) / files[name]), framework="pt") as f:
-        table = f.get_slice(name)
-        return torch.stack([table[i : i + 1][0] for i in ids])

@@ -20,7 +20,8 @@ pytest.importorskip("PIL")
 
 from examples.qwen3_omni import tiny_model
 from examples.qwen3_omni.code2wav import Code2WavStreamer
-from examples.qwen3_omni.talker import TalkerRunner, read_tts_embeds
+from examples.qwen3_omni.talker import TalkerRunner
+from examples.qwen3_omni.talker_prompt import read_tts_embeds
 from examples.qwen3_omni.thinker import TalkerPrompt
 from examples.qwen3_omni.tiny_model import inputs_from_thinker_generate
 
