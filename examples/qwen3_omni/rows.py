@@ -16,7 +16,8 @@ together instead:
   change a greedy choice: a request gets bitwise what it gets alone.
 - **Per-request attention.** Each request keeps its own `DynamicCache` (its own length);
   the projections, norms and rope run on all slots at once, then each request's query
-  attends to its own cache (transformers' `sdpa_attention_forward`, as the module runs it).
+  attends to its own cache (one `scaled_dot_product_attention` call each: padding keys
+  under a mask changes the sums, ~1e-7, so one batched call would not be invariant).
 - **MoE experts as `batched_mm`** (one small matmul per (row, expert) pair, the number of
   pairs fixed by the slots), not `grouped_mm`, whose per-expert row counts depend on the
   batch. It is called directly (`_mlp`), not by switching the module's experts
@@ -42,8 +43,8 @@ from collections.abc import Sequence
 from typing import Any
 
 import torch
+import torch.nn.functional as F
 from transformers.integrations.moe import batched_mm_experts_forward
-from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.models.qwen3_omni_moe.modeling_qwen3_omni_moe import apply_rotary_pos_emb
 
 
@@ -137,13 +138,16 @@ def _attend(
     key = attn.k_norm(attn.k_proj(hidden).view(shape)).transpose(1, 2)
     value = attn.v_proj(hidden).view(shape).transpose(1, 2)
     query, key = apply_rotary_pos_emb(query, key, cos, sin)
-    out = query.new_zeros((slots, 1, query.shape[1], attn.head_dim))
+    heads, kv_heads = query.shape[1], key.shape[1]
+    out = query.new_zeros((slots, heads, 1, attn.head_dim))
     for i, cache in enumerate(caches):
         keys, values = cache.update(key[i : i + 1], value[i : i + 1], attn.layer_idx)
-        row, _ = sdpa_attention_forward(
-            attn, query[i : i + 1], keys, values, None, dropout=0.0, scaling=attn.scaling
-        )
-        out[i] = row[0]
+        # What transformers' sdpa_attention_forward runs for one query position and no mask
+        # (not causal, scale = head_dim ** -0.5), without its per-call checks.
+        out[i] = F.scaled_dot_product_attention(
+            query[i : i + 1], keys, values, scale=attn.scaling, enable_gqa=heads != kv_heads
+        )[0]
+    out = out.transpose(1, 2)
     return attn.o_proj(out.reshape(slots, 1, -1))
 
 
