@@ -67,7 +67,6 @@ class Code2WavState:
     cache: Any = None  # the transformer's cache over `window`
     fed: int = 0  # frames of `window` through the transformer and the convolutions
     convs: ConvState = field(default_factory=dict)  # the convolutions' kept inputs
-    produced: int = 0  # samples of the segment window the convolutions gave so far
     emitted: int = 0  # samples of the segment window emitted (or dropped as context)
     chunks: int = 0
     finished: bool = False
@@ -212,7 +211,6 @@ class Code2WavStreamer:
         state.cache = None
         state.convs = {}
         state.fed = 0
-        state.produced = 0
         state.emitted = context * self.upsample  # the context's samples are dropped
 
     def _emit(self, state: Code2WavState) -> torch.Tensor:
@@ -231,28 +229,24 @@ class Code2WavStreamer:
                 inputs_embeds=embeds, cache=state.cache, use_cache=True
             ).last_hidden_state.permute(0, 2, 1)
             wav = self.convs(state.convs, hidden)[0, 0]
-        state.fed = n
-        start, state.produced = state.produced, state.produced + wav.shape[0]
-        if state.produced != self.samples(n):
+        # The convolutions have now given samples(n) of the segment window's samples.
+        start, end = self.samples(state.fed), self.samples(n)
+        if wav.shape[0] != end - start:
             raise AssertionError("code2wav streamer: the convolutions gave an unexpected length")
+        state.fed = n
         out = wav[max(state.emitted - start, 0) :]
-        state.emitted = max(state.emitted, state.produced)
+        state.emitted = max(state.emitted, end)
         state.samples_out += out.shape[0]
         state.chunks += 1
         return out.float()
 
     def _measure_tail(self) -> int:
-        """Samples a decode drops at its end (`d`, see the module docstring), from the
-        module's own convolution stack on zeros."""
+        """Samples a decode drops at its end (`d`, see the module docstring): what the
+        convolution stack gives for a few frames of zeros, against frames * upsample."""
         frames = 8
         p = next(self.code2wav.parameters())
         hidden = torch.zeros((1, self.config.hidden_size, frames), dtype=p.dtype, device=p.device)
-        for blocks in self.code2wav.upsample:
-            for block in blocks:
-                hidden = block(hidden)
-        for block in self.code2wav.decoder:
-            hidden = block(hidden)
-        return frames * self.upsample - hidden.shape[-1]
+        return frames * self.upsample - self.convs({}, hidden).shape[-1]
 
     def _cat(self, parts: list[torch.Tensor]) -> torch.Tensor:
         parts = [p for p in parts if p.numel()]

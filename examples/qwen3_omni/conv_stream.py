@@ -88,24 +88,28 @@ class ConvStream:
         return layer(x)  # SnakeBeta: pointwise
 
     def _check(self, layer: Any) -> None:
-        convs = {
-            CausalConv: [layer],
-            ConvNeXt: [getattr(layer, "dwconv", None)],
-            ResidualUnit: [getattr(layer, "conv1", None), getattr(layer, "conv2", None)],
-        }
-        for kind, inner in convs.items():
-            if isinstance(layer, kind):
-                for conv in inner:
-                    if conv.conv.stride[0] != 1:
-                        raise ValueError(f"code2wav: a causal convolution of stride {conv.stride}")
-                return
-        if isinstance(layer, CausalTransConv):
+        convs = _causal_convs(layer)
+        if convs is not None:
+            for conv in convs:
+                if conv.conv.stride[0] != 1:
+                    raise ValueError(f"code2wav: a causal convolution of stride {conv.stride}")
+        elif isinstance(layer, CausalTransConv):
             kernel, stride = layer.conv.kernel_size[0], layer.conv.stride[0]
             if kernel > 2 * stride or layer.left_pad > stride:
                 raise ValueError(f"code2wav: a transposed convolution {kernel}/{stride}")
-            return
-        if not isinstance(layer, SnakeBeta):
+        elif not isinstance(layer, SnakeBeta):
             raise ValueError(f"code2wav: no streaming form for {type(layer).__name__}")
+
+
+def _causal_convs(layer: Any) -> list[CausalConv] | None:
+    """The causal convolutions inside `layer` (None: a layer with none of its own kind)."""
+    if isinstance(layer, CausalConv):
+        return [layer]
+    if isinstance(layer, ConvNeXt):
+        return [layer.dwconv]
+    if isinstance(layer, ResidualUnit):
+        return [layer.conv1, layer.conv2]
+    return None
 
 
 def _conv(state: ConvState, layer: CausalConv, x: torch.Tensor) -> torch.Tensor:

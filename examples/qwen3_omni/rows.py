@@ -48,6 +48,11 @@ from transformers.integrations.moe import batched_mm_experts_forward
 from transformers.models.qwen3_omni_moe.modeling_qwen3_omni_moe import apply_rotary_pos_emb
 
 
+def slot_groups(items: Sequence[Any], slots: int) -> list[Sequence[Any]]:
+    """`items` in runs of at most `slots`, in order (one slotted forward each)."""
+    return [items[i : i + slots] for i in range(0, len(items), slots)]
+
+
 def pad_rows(rows: Sequence[torch.Tensor], slots: int) -> torch.Tensor:
     """`rows` (each (1, 1, H) or (1, H)) stacked into (slots, 1, H), zeros after them."""
     if len(rows) > slots:

@@ -69,7 +69,7 @@ from transformers.generation.logits_process import (
     TopPLogitsWarper,
 )
 
-from .rows import decode_rows, pad_positions, pad_rows, predict_rows
+from .rows import decode_rows, pad_positions, pad_rows, predict_rows, slot_groups
 from .talker_prompt import assistant_rows, read_tts_embeds, user_part
 from .thinker import TalkerPrompt
 
@@ -337,7 +337,7 @@ class TalkerRunner:
                     chosen.append((i, state, self._prefill(state)))
                 else:
                     decoding.append((i, state))
-            for group in _slices(decoding, self.slots):
+            for group in slot_groups(decoding, self.slots):
                 logits = self._decode_rows([state for _, state in group])
                 chosen.extend((i, state, logits[j : j + 1]) for j, (i, state) in enumerate(group))
             speaking: list[tuple[int, TalkerState, int]] = []
@@ -352,7 +352,7 @@ class TalkerRunner:
                     out[i] = TalkerStep(finished=True)
                 else:
                     speaking.append((i, state, token))
-            for group in _slices(speaking, self.slots):
+            for group in slot_groups(speaking, self.slots):
                 frames = self._predict_rows([st for _, st, _ in group], [t for _, _, t in group])
                 for (i, state, _), frame in zip(group, frames, strict=True):
                     state.frames += 1
@@ -603,10 +603,6 @@ class TalkerRunner:
                 prev = previous[i : i + 1].to(self.device)
                 codes[i] = self._choose(state, logits[i : i + 1], state.predictor_processors, prev)
         return codes
-
-
-def _slices(items: list[Any], size: int) -> list[list[Any]]:
-    return [items[i : i + size] for i in range(0, len(items), size)]
 
 
 def _take(items: list[Any], i: int) -> Any:

@@ -39,7 +39,7 @@ from typing import Any
 import torch
 
 from .encoders import AudioEncoding, ImageEncoding, InputError, audio_output_lengths
-from .rows import decode_rows, pad_positions, pad_rows
+from .rows import decode_rows, pad_positions, pad_rows, slot_groups
 
 
 class _RopeIndex:
@@ -315,10 +315,7 @@ class ThinkerRunner:
         same whoever else is stepped with it (see `rows` for why fixed slots)."""
         if any(state.finished for state in states):
             raise RuntimeError("thinker: step on a finished request")
-        out: list[StepOutput] = []
-        for start in range(0, len(states), self.slots):
-            out.extend(self._step_slots(states[start : start + self.slots]))
-        return out
+        return [out for group in slot_groups(states, self.slots) for out in self._step_slots(group)]
 
     def _step_slots(self, states: Sequence[ThinkerState]) -> list[StepOutput]:
         ids = torch.tensor([[s.last_token] for s in states], dtype=torch.long, device=self.device)
