@@ -29,3 +29,10 @@ def processor(tiny_dir):
     from examples.qwen3_omni.processor import load_processor
 
     return load_processor(tiny_dir)
+
+
+@pytest.fixture(scope="module")
+def streamer(reference):
+    from examples.qwen3_omni.code2wav import Code2WavStreamer
+
+    return Code2WavStreamer(reference.code2wav)
