@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import importlib
 import math
+import os
 import shutil
 import statistics
 import tempfile
@@ -180,6 +181,18 @@ class _Transformers:
         )
         self.conversation = tiny_model.sample_conversation(kind, TEXT)
         self._inputs: dict[int, dict[str, Any]] = {}
+        # generate() ends with the vocoder over every row's codes; the codes of its last
+        # call are kept (an instance attribute wraps the bound method; the module is
+        # untouched) to time the vocoder alone on one request (`vocoder_floor_ms`).
+        self.codes: Any = None
+        decode = self.model.code2wav.chunked_decode
+
+        def keep_codes(codes: Any, *args: Any, **kwargs: Any) -> Any:
+            self.codes = codes
+            return decode(codes, *args, **kwargs)
+
+        self._decode = decode
+        self.model.code2wav.chunked_decode = keep_codes
 
     def inputs(self, c: int) -> dict[str, Any]:
         """The processor's batch of `c` copies of the conversation (made once per size:
@@ -232,6 +245,21 @@ class _Transformers:
             )
         return wall, out
 
+    def vocoder_floor_ms(self, repeats: int = 3) -> float:
+        """transformers' code2wav alone on one request's codes (the last wave's first
+        row, as generate() decodes them), best of `repeats`: vocoder work that any
+        server of this model does per request."""
+        import torch
+
+        one = self.codes[:1]
+        best = math.inf
+        with torch.no_grad():
+            for _ in range(repeats):
+                t0 = time.perf_counter()
+                self._decode(one)
+                best = min(best, time.perf_counter() - t0)
+        return best * 1000
+
 
 # ---- report -----------------------------------------------------------------------------
 
@@ -262,6 +290,16 @@ def _ratios(mesh: dict[str, Any], base: dict[str, Any]) -> dict[str, float]:
         # Aim (issue 17): at least 3 at concurrency 8.
         "audio_s_per_s": round(mesh["audio_s_per_s"] / base["audio_s_per_s"], 4),
     }
+
+
+def _ceiling(base: dict[str, Any], vocoder_ms: float, cores: int) -> float:
+    """The most the mesh's audio-seconds/s could be over transformers' if the vocoder
+    were its only work: the same code2wav on the same codes (streamed in chunks, it does at
+    least the reference's convolutions) on every core at once, with thinker, talker, IO
+    and the coordinator free. transformers' seconds per request over the vocoder's
+    seconds per request per core."""
+    per_request_ms = 1000 / base["requests_per_s"]
+    return round(per_request_ms * cores / vocoder_ms, 3)
 
 
 def run_omni_bench(
@@ -377,7 +415,12 @@ def _measure(
         if base is not None:
             batch_equal &= all(_same(s, want) for s in base_samples)
             level["transformers"] = _summary(base_walls, base_samples)
+            vocoder_ms = base.vocoder_floor_ms()
+            level["transformers"]["vocoder_ms_one_request"] = round(vocoder_ms, 2)
             level["ratios"] = _ratios(level["mesh"], level["transformers"])
+            level["ratios"]["audio_s_per_s_ceiling"] = _ceiling(
+                level["transformers"], vocoder_ms, len(os.sched_getaffinity(0))
+            )
         out.append(level)
     check = {
         "mesh_equals_transformers": mesh_equal,
