@@ -25,6 +25,10 @@ Every item a stage sends to another stage goes through the `EdgeSender` of its e
   one long or stalled stream cannot starve the other requests on the edge. Results and
   stream signals take no stream credit: a result never waits behind chunks (its receiver
   may hold early chunks, unacked, until the result arrives).
+- Local edges (the target is hosted in this process): values go by reference in a
+  `LocalValue`, never packed or relayed, and the item is handed to the target in the
+  process (`DeliverFn` with the value). Order, stream credit (counted in chunks; a local
+  chunk has no bytes) and abort handling are the same as on any other edge.
 """
 
 from __future__ import annotations
@@ -42,7 +46,18 @@ from omnirail.relay.credits import Credits
 from omnirail.relay.io import inline_if_small, relayed_payload
 from omnirail.stage_service.edges import EdgeRelay, EdgeRelays
 from omnirail.v1 import common_pb2, mesh_pb2
-from omnirail.wire.payload import Packed
+from omnirail.wire.payload import Packed, pack
+
+
+class LocalValue:
+    """A value for a stage in this process, handed over by reference (read-only contract:
+    neither side changes it after sending). It holds no relay or stream bytes."""
+
+    __slots__ = ("value",)
+    nbytes = 0
+
+    def __init__(self, value: Any) -> None:
+        self.value = value
 
 
 class Releasable(Protocol):
@@ -53,8 +68,18 @@ class Releasable(Protocol):
     def release(self) -> None: ...
 
 
-# Delivers one item to a replica of `item.to_stage`; the handle is released on its ack.
-DeliverFn = Callable[[mesh_pb2.DeliverItem, Releasable | None], None]
+class DeliverFn(Protocol):
+    """Delivers one item to a replica of `item.to_stage`; the handle is released on its
+    ack. `local`: the value of an item on a local edge (None for its signals)."""
+
+    def __call__(
+        self,
+        item: mesh_pb2.DeliverItem,
+        handle: Releasable | None,
+        local: LocalValue | None = None,
+    ) -> None: ...
+
+
 # A send failed (a relay error, an oversize payload on the inline relay): fail the request.
 FailFn = Callable[[str, BaseException], None]
 # A payload was placed in the relay: (ctx, target, backend, packed, put_ns, forwarded), with
@@ -87,7 +112,7 @@ class Outgoing:
     signal) or a stream signal (packed None)."""
 
     request_id: str
-    packed: Packed | None
+    packed: Packed | LocalValue | None
     signal: mesh_pb2.StreamSignal | None
     meta: mesh_pb2.RequestMeta
     traceparent: str
@@ -139,6 +164,7 @@ class EdgeSender:
         "credit",
         "credits",
         "inline_bytes",
+        "local",
         "name",
         "relay",
         "stage",
@@ -163,6 +189,7 @@ class EdgeSender:
         self.name = edge.name
         self.relay = edge.relay
         self.inline_bytes = edge.inline_bytes
+        self.local = edge.local
         self._deliver_fn = deliver
         # Requests that ended here: a put that finishes after its request's abort is undone.
         self._aborted = aborted
@@ -180,6 +207,10 @@ class EdgeSender:
 
     # ---- sending without waiting ------------------------------------------------------
 
+    def prepare(self, value: Any) -> Packed | LocalValue:
+        """What `value` travels as on this edge: by reference on a local edge, else packed."""
+        return LocalValue(value) if self.local else pack(value)
+
     def send_now(self, out: Outgoing, credit: ChunkCredit | None = None) -> bool:
         """Sends `out` if that needs no waiting; False when its relay put must wait (then
         `put_later` sends it). `credit`: the stream credit a chunk holds, which rides with
@@ -188,6 +219,9 @@ class EdgeSender:
         packed = out.packed
         if packed is None:  # a stream signal
             self._deliver(out, None, credit)
+            return True
+        if isinstance(packed, LocalValue):
+            self._deliver(out, None, credit, packed)
             return True
         payload = inline_if_small(packed, self.relay, self.inline_bytes)
         if payload is not None:
@@ -214,7 +248,7 @@ class EdgeSender:
     ) -> None:
         """Sends an item whose bytes the relay holds (placed from `put_ns` until now)."""
         packed = out.packed
-        assert packed is not None
+        assert isinstance(packed, Packed)
         if self._on_put is not None:
             self._on_put(out.ctx, self.target, self.relay.name, packed, put_ns, forwarded)
         payload = relayed_payload(packed, handle)
@@ -229,6 +263,7 @@ class EdgeSender:
         out: Outgoing,
         payload: common_pb2.Payload | None,
         handle: Releasable | None,
+        local: LocalValue | None = None,
     ) -> None:
         signal = out.signal
         if signal is None:
@@ -252,7 +287,10 @@ class EdgeSender:
             )
             if payload is not None:
                 item.payload.CopyFrom(payload)
-        self._deliver_fn(item, handle)
+        if self.local:
+            self._deliver_fn(item, handle, local)
+        else:
+            self._deliver_fn(item, handle)
         token = out.token
         if token is not None:
             token.one_done()
@@ -272,7 +310,7 @@ class EdgeSender:
     async def _put(self, out: Outgoing, credit: ChunkCredit | None) -> None:
         rid = out.request_id
         packed = out.packed
-        assert packed is not None
+        assert isinstance(packed, Packed)
         put_ns = time.time_ns()
         try:
             handle = await self.relay.put(packed, rid, self.name)

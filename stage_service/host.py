@@ -3,6 +3,9 @@
 Owns what is per process: the relays (one pool per backend), the Deliver server, the
 outgoing Deliver channels (one per receiver address), and the topology the coordinator
 pushes. Each hosted stage has its own Attach stream and its own scheduler.
+
+Items for a stage hosted here are dispatched in the process (`deliver`): no gRPC, no
+relay, values by reference; each stage keeps its own scheduler, spans and metrics.
 """
 
 from __future__ import annotations
@@ -17,8 +20,9 @@ from collections.abc import AsyncIterator
 import grpc
 
 from omnirail.config import PipelineConfig, dotted
-from omnirail.relay.base import Relay, RelayHandle
+from omnirail.relay.base import Relay
 from omnirail.stage_service.attach import AttachClient
+from omnirail.stage_service.edge_sender import LocalValue, Releasable
 from omnirail.stage_service.edges import EdgeRelays
 from omnirail.stage_service.relays import open_relays, plan_relays, relay_host
 from omnirail.stage_service.scheduler import Scheduler, SimpleScheduler
@@ -92,6 +96,8 @@ class StageHost(mesh_pb2_grpc.StageServicer):
         self._address_stage: dict[str, str] = {}
         self._possible: dict[tuple[str, ...], frozenset[str]] = {}
         self._tasks: list[asyncio.Task[None]] = []
+        # Local deliveries in flight (kept so they are not collected before they run).
+        self._local_tasks: set[asyncio.Task[None]] = set()
         self._server: grpc.aio.Server | None = None
         self.shutdown_requested = asyncio.Event()
 
@@ -137,7 +143,7 @@ class StageHost(mesh_pb2_grpc.StageServicer):
                 name,
                 self.pipeline,
                 schedulers[name],
-                EdgeRelays.of(self.pipeline, name, self._relays),
+                EdgeRelays.of(self.pipeline, name, self._relays, local=self.stage_names),
                 self._relays,
                 self,
                 attach,
@@ -178,7 +184,16 @@ class StageHost(mesh_pb2_grpc.StageServicer):
 
     # ---- Router (used by stages) ---------------------------------------------
 
-    def deliver(self, item: mesh_pb2.DeliverItem, handle: RelayHandle | None) -> None:
+    def deliver(
+        self,
+        item: mesh_pb2.DeliverItem,
+        handle: Releasable | None,
+        local: LocalValue | None = None,
+    ) -> None:
+        stage = self.stages.get(item.to_stage)
+        if stage is not None:
+            self._deliver_here(stage, item, handle, local)
+            return
         endpoints = self._topology.get(item.to_stage)
         if not endpoints:
             if handle is not None:
@@ -200,6 +215,28 @@ class StageHost(mesh_pb2_grpc.StageServicer):
             )
             self._channels[address] = channel
         channel.send(item, handle)
+
+    def _deliver_here(
+        self,
+        stage: Stage,
+        item: mesh_pb2.DeliverItem,
+        handle: Releasable | None,
+        local: LocalValue | None,
+    ) -> None:
+        """Hands `item` to a stage of this process. A task per item, started in order: a
+        local item never waits inside `on_item` (nothing to read), so each runs to its end
+        in turn and order per (request, edge) holds; and the sender's own call (often
+        inside its outbox callback) is never re-entered by the receiver's work."""
+
+        def ack(error: OmniError | None) -> None:
+            # An error was already reported by the receiver (it fails the request); the
+            # ack only returns the sender's stream credit.
+            if handle is not None:
+                handle.release()
+
+        task = asyncio.get_running_loop().create_task(stage.on_item(item, ack, local))
+        self._local_tasks.add(task)
+        task.add_done_callback(self._local_tasks.discard)
 
     def possible_stages(self, terminals: tuple[str, ...]) -> frozenset[str]:
         found = self._possible.get(terminals)

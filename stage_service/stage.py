@@ -17,8 +17,14 @@ from typing import Any, Protocol
 
 from omnirail.config import PipelineConfig
 from omnirail.relay.base import Relay, RelayError
-from omnirail.relay.io import inline_payload, receive_payload
-from omnirail.stage_service.edge_sender import EdgeSender, EdgeSenders, Outgoing, SentToken
+from omnirail.relay.io import ReceivedPayload, inline_payload, receive_payload
+from omnirail.stage_service.edge_sender import (
+    EdgeSender,
+    EdgeSenders,
+    LocalValue,
+    Outgoing,
+    SentToken,
+)
 from omnirail.stage_service.edges import EdgeRelays
 from omnirail.stage_service.fanin import FanIn
 from omnirail.stage_service.observe import StageObserver
@@ -132,7 +138,11 @@ class Stage:
 
     # ---- input path ----------------------------------------------------------
 
-    async def on_item(self, item: mesh_pb2.DeliverItem, ack: AckFn) -> None:
+    async def on_item(
+        self, item: mesh_pb2.DeliverItem, ack: AckFn, local: LocalValue | None = None
+    ) -> None:
+        """One delivered item. `local`: the value of an item from a stage in this process
+        (handed over by reference: nothing to read, nothing that can be malformed)."""
         rid = item.request_id
         source = item.from_stage or "coordinator"
         if not rid:
@@ -143,7 +153,7 @@ class Stage:
         relayed = item.payload.HasField("relay")
         error_ack = ack if relayed else None
         if item.HasField("stream"):
-            await self._on_stream_item(item, ack)
+            await self._on_stream_item(item, ack, local)
             return
         if rid in self._aborted:
             if error_ack:
@@ -151,7 +161,10 @@ class Stage:
             return
         get_ns = time.time_ns()
         try:
-            received = await receive_payload(item.payload, self._relays)
+            if local is not None:
+                received = ReceivedPayload(local.value)
+            else:
+                received = await receive_payload(item.payload, self._relays)
         except (PayloadError, RelayError) as exc:
             err = invalid(f"bad payload from {source}: {exc}", self.name)
             if error_ack:
@@ -213,7 +226,9 @@ class Stage:
     # and the relay slot released on arrival, so a window the scheduler keeps never pins
     # relay credit.
 
-    async def _on_stream_item(self, item: mesh_pb2.DeliverItem, ack: AckFn) -> None:
+    async def _on_stream_item(
+        self, item: mesh_pb2.DeliverItem, ack: AckFn, local: LocalValue | None
+    ) -> None:
         rid, source, signal = item.request_id, item.from_stage, item.stream
         if rid in self._aborted or rid in self._ended:
             await drain(item, self._relays)
@@ -250,7 +265,10 @@ class Stage:
         relayed = item.payload.HasField("relay")
         get_ns = time.time_ns()
         try:
-            received = await receive_payload(item.payload, self._relays, copy=relayed)
+            if local is not None:
+                received = ReceivedPayload(local.value)
+            else:
+                received = await receive_payload(item.payload, self._relays, copy=relayed)
         except (PayloadError, RelayError) as exc:
             err = invalid(f"bad stream chunk from {source}: {exc}", self.name)
             ack(err)
@@ -350,9 +368,10 @@ class Stage:
             parts: list[tuple[EdgeSender, Outgoing]] = []
             for target in targets:
                 project = self._project.get(target)
-                packed = pack(project(msg.data) if project is not None else msg.data)
+                sender = self._senders[target]
+                packed = sender.prepare(project(msg.data) if project is not None else msg.data)
                 out = Outgoing(rid, packed, None, req.meta, req.traceparent, None, req, forward)
-                parts.append((self._senders[target], out))
+                parts.append((sender, out))
             # Send in order what needs no waiting; the rest waits for relay credit.
             later: list[tuple[EdgeSender, Outgoing]] | None = None
             for sender, out in parts:
@@ -401,8 +420,14 @@ class Stage:
                 )
             targets = [] if to_client else self._routes.stream_targets(msg.target, req.meta)
             modality = str((msg.metadata or {}).get("modality", ""))
-            packed = pack(msg.data)
+            # Packed once for the client and every edge out of the process; local edges
+            # take the value itself.
+            senders = [self._senders[t] for t in targets]
+            packed = None
+            if to_client or not all(sender.local for sender in senders):
+                packed = pack(msg.data)
             if to_client:
+                assert packed is not None
                 self._client_chunk(rid, req, packed, modality)
         except Exception as exc:
             outbox.sent(rid)
@@ -413,8 +438,10 @@ class Stage:
             outbox.sent(rid)
             return
         token = SentToken(rid, len(targets), outbox.sent)
-        for target in targets:
-            self._streams.chunk(rid, target, packed, modality, req.meta, req.traceparent, token)
+        for target, sender in zip(targets, senders, strict=True):
+            part = LocalValue(msg.data) if sender.local else packed
+            assert part is not None
+            self._streams.chunk(rid, target, part, modality, req.meta, req.traceparent, token)
 
     def _client_chunk(self, rid: str, req: RequestState, packed: Packed, modality: str) -> None:
         if packed.nbytes > self._max_client_chunk:

@@ -10,7 +10,7 @@ and a request's chunks, then its done signal, leave in sequence.
 
 from __future__ import annotations
 
-from omnirail.stage_service.edge_sender import EdgeSenders, Outgoing, SentToken
+from omnirail.stage_service.edge_sender import EdgeSenders, LocalValue, Outgoing, SentToken
 from omnirail.v1 import mesh_pb2
 from omnirail.wire.errors import OmniError
 from omnirail.wire.payload import Packed
@@ -29,7 +29,7 @@ class StreamSender:
         self,
         request_id: str,
         target: str,
-        packed: Packed,
+        packed: Packed | LocalValue,
         modality: str,
         meta: mesh_pb2.RequestMeta,
         traceparent: str,

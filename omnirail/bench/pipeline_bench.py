@@ -2,6 +2,8 @@
 
 Each stage runs in its own process (torch threads 1). The first stage materializes a
 uint8 tensor of `payload_bytes`, middle stages forward it, the last returns a small dict.
+`fused=True` also starts the same stages fused into one process (`fused_stages`: every
+edge dispatched in the process) and measures both meshes in turn.
 """
 
 from __future__ import annotations
@@ -16,7 +18,9 @@ from omnirail.bench import pipeline_file
 from omnirail.tuning import aio
 
 
-def pipeline_yaml(stages: int, payload_bytes: int, stage_ms: float = 0.0) -> dict[str, Any]:
+def pipeline_yaml(
+    stages: int, payload_bytes: int, stage_ms: float = 0.0, fused: bool = False
+) -> dict[str, Any]:
     if stages < 2:
         raise ValueError("--stages must be at least 2")
     names = [f"s{i}" for i in range(stages)]
@@ -41,6 +45,8 @@ def pipeline_yaml(stages: int, payload_bytes: int, stage_ms: float = 0.0) -> dic
         else:
             spec["next"] = names[i + 1]
         specs.append(spec)
+    if fused:
+        return {"name": f"bench-{stages}-fused", "stages": specs, "fused_stages": [names]}
     return {"name": f"bench-{stages}", "stages": specs}
 
 
@@ -105,6 +111,7 @@ def run_pipeline_bench(
     tracing: str = "off",
     pin: bool = True,
     rounds: int = 1,
+    fused: bool = False,
     progress: Callable[[str], None] | None = None,
 ) -> dict[str, Any]:
     """`pin`: the mesh pins each process to one CPU (`omnirail up --pin`). `rounds`: the
@@ -115,7 +122,21 @@ def run_pipeline_bench(
 
     if rounds < 1:
         raise ValueError("--rounds must be at least 1")
-
+    if fused:
+        if tracing == "compare":
+            raise ValueError("--fused and --tracing compare each compare two meshes; pick one")
+        return _compare_fused(
+            stages,
+            payload_bytes,
+            requests,
+            concurrency,
+            throughput_requests,
+            stage_ms,
+            tracing,
+            pin,
+            max(rounds, 3),
+            progress,
+        )
     if tracing == "compare":
         return _compare_tracing(
             stages,
@@ -212,3 +233,75 @@ def _compare_tracing(
         "span_files": spans,
         "pinned": pin,
     }
+
+
+def _compare_fused(
+    stages: int,
+    payload_bytes: int,
+    requests: int,
+    concurrency: int,
+    throughput_requests: int,
+    stage_ms: float,
+    tracing: str,
+    pin: bool,
+    rounds: int,
+    progress: Callable[[str], None] | None,
+) -> dict[str, Any]:
+    """The same stages one process each and fused into one process, both meshes up at
+    once and measured in alternating rounds (latency, then throughput) so both see the
+    same machine load; medians of the rounds and the fused-over-separate ratios."""
+    from omnirail.ops.launcher import Mesh
+
+    if tracing not in TRACING_ENV:
+        raise ValueError(f"tracing must be off or on with --fused, not {tracing!r}")
+    env = TRACING_ENV[tracing]
+    kinds = ("separate", "fused")
+    with (
+        pipeline_file(pipeline_yaml(stages, payload_bytes, stage_ms)) as separate_path,
+        pipeline_file(pipeline_yaml(stages, payload_bytes, stage_ms, fused=True)) as fused_path,
+        Mesh(separate_path, progress=progress, env=env, pin=pin) as separate,
+        Mesh(fused_path, progress=progress, env=env, pin=pin) as fused,
+    ):
+        meshes = {"separate": separate, "fused": fused}
+        p50: dict[str, list[float]] = {k: [] for k in kinds}
+        p99: dict[str, list[float]] = {k: [] for k in kinds}
+        rps: dict[str, list[float]] = {k: [] for k in kinds}
+        for r in range(rounds):
+            for kind in kinds if r % 2 == 0 else kinds[::-1]:
+                address = meshes[kind].address
+                assert address is not None
+                latencies = _latencies(address, requests, payload_bytes)
+                p50[kind].append(round(statistics.median(latencies), 3))
+                p99[kind].append(round(_percentile(latencies, 0.99), 3))
+                rps[kind].append(
+                    round(aio.run(_throughput(address, throughput_requests, concurrency)), 1)
+                )
+        processes = {k: len(m.processes()) for k, m in meshes.items()}
+    report: dict[str, Any] = {
+        "stages": stages,
+        "payload_bytes": payload_bytes,
+        "requests": requests,
+        "concurrency": concurrency,
+        "throughput_requests": throughput_requests,
+        "rounds": rounds,
+        "processes": processes,
+    }
+    for kind in kinds:
+        report[kind] = {
+            "latency_p50_ms": statistics.median(p50[kind]),
+            "latency_p99_ms": statistics.median(p99[kind]),
+            "throughput_rps": statistics.median(rps[kind]),
+            "rounds_latency_p50_ms": p50[kind],
+            "rounds_throughput_rps": rps[kind],
+        }
+    f, s = report["fused"], report["separate"]
+    report["fused_over_separate"] = {
+        "latency_p50": round(f["latency_p50_ms"] / s["latency_p50_ms"], 3),
+        "latency_p99": round(f["latency_p99_ms"] / s["latency_p99_ms"], 3),
+        "throughput": round(f["throughput_rps"] / s["throughput_rps"], 3),
+    }
+    if stage_ms:
+        report["stage_ms"] = stage_ms
+    report["tracing"] = tracing
+    report["pinned"] = pin
+    return report

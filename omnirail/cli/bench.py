@@ -126,6 +126,7 @@ def _run(args: argparse.Namespace) -> dict[str, Any]:
             tracing=args.tracing,
             pin=args.pin,
             rounds=args.rounds,
+            fused=args.fused,
             progress=progress(args.json),
         )
     return report
@@ -224,6 +225,12 @@ def add_bench_parser(sub: Any) -> None:
         type=int,
         default=1,
         help="omni: torch threads of the transformers baseline (the mesh's stages use 1 each)",
+    )
+    b.add_argument(
+        "--fused",
+        action="store_true",
+        help="pipeline: also run the stages fused into one process (local dispatch) and "
+        "compare with one process per stage, interleaved (at least 3 rounds)",
     )
     b.add_argument(
         "--tracing",

@@ -421,6 +421,41 @@ def test_bench_pipeline_json() -> None:
     assert "[omnirail]" not in proc.stderr  # --json: no progress
 
 
+def test_bench_pipeline_fused_against_separate_processes() -> None:
+    proc = omnirail(
+        "bench",
+        "pipeline",
+        "--stages",
+        "3",
+        "--fused",
+        "--payload-bytes",
+        "200000",  # relayed between separate processes, by reference when fused
+        "--requests",
+        "10",
+        "--throughput-requests",
+        "32",
+        "--concurrency",
+        "4",
+        "--json",
+    )
+    assert proc.returncode == 0, explain(proc)
+    report = json.loads(proc.stdout)
+    assert report["processes"] == {"separate": 4, "fused": 2}
+    assert report["rounds"] == 3 and report["payload_bytes"] == 200000
+    for kind in ("separate", "fused"):
+        side = report[kind]
+        for key in ("latency_p50_ms", "latency_p99_ms", "throughput_rps"):
+            assert side[key] > 0, (kind, key, report)
+        assert len(side["rounds_latency_p50_ms"]) == len(side["rounds_throughput_rps"]) == 3
+    ratios = report["fused_over_separate"]
+    assert ratios["throughput"] == pytest.approx(
+        report["fused"]["throughput_rps"] / report["separate"]["throughput_rps"], rel=0.01
+    )
+    assert ratios["latency_p50"] > 0 and ratios["latency_p99"] > 0
+    bad = omnirail("bench", "pipeline", "--fused", "--tracing", "compare")
+    assert bad.returncode != 0 and "pick one" in bad.stderr, explain(bad)
+
+
 def test_bench_relay_untuned_and_a_bad_wake_latency() -> None:
     proc = omnirail("bench", "relay", "--sizes", "4096", "--cpu-wake-latency-us", "off", "--json")
     assert proc.returncode == 0, explain(proc)

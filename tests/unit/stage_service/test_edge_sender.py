@@ -19,6 +19,7 @@ from omnirail.stage_service.edge_sender import (
     ChunkCredit,
     EdgeSender,
     EdgeSenders,
+    LocalValue,
     Outgoing,
     SentToken,
 )
@@ -38,12 +39,15 @@ class Recorder:
 
     def __init__(self) -> None:
         self.items: list[tuple[mesh_pb2.DeliverItem, Any]] = []
+        # The value handed over with each item of a local edge (by position in `items`).
+        self.local: list[Any] = []
         self.failed: list[tuple[str, BaseException]] = []
         self.puts: list[tuple[Any, str, str, int, bool]] = []
         self.aborted: set[str] = set()
 
-    def deliver(self, item: mesh_pb2.DeliverItem, handle: Any) -> None:
+    def deliver(self, item: mesh_pb2.DeliverItem, handle: Any, local: Any = "unset") -> None:
         self.items.append((item, handle))
+        self.local.append(local)
 
     def on_failed(self, rid: str, exc: BaseException) -> None:
         self.failed.append((rid, exc))
@@ -71,14 +75,19 @@ class Recorder:
 
 
 def make(
-    relay: Relay | None = None, *, slots: int = 64, nbytes: int = 1 << 30, per_request: int = 16
+    relay: Relay | None = None,
+    *,
+    slots: int = 64,
+    nbytes: int = 1 << 30,
+    per_request: int = 16,
+    local: bool = False,
 ) -> tuple[EdgeSender, ScriptedRelay | Relay, Recorder]:
     relay = relay if relay is not None else ScriptedRelay()
     rec = Recorder()
     sender = EdgeSender(
         "s",
         "t",
-        EdgeRelay("s->t", relay, INLINE),
+        EdgeRelay("s->t", relay, INLINE, local),
         rec.deliver,
         Credits(slots, nbytes, per_request),
         aborted=rec.aborted,
@@ -189,6 +198,33 @@ def test_chunks_hold_stream_credit_until_acked() -> None:
     small.release()
     small.release()  # idempotent
     assert sender.credits.outstanding("s->t") == (0, 0) and sender.credit.by_request == {}
+
+
+def test_a_local_edge_hands_values_over_by_reference() -> None:
+    """A stage in this process: no packing, no relay, the very object; chunks still hold
+    stream credit (counted in chunks) until acked, signals keep their order."""
+    sender, relay, rec = make(local=True)
+    big = {"x": BIG}
+    out = sender.prepare(big)
+    assert isinstance(out, LocalValue) and out.value is big
+    assert sender.send_now(Outgoing("r", out, None, META, TRACE))
+    signal = mesh_pb2.StreamSignal(chunk_id=0, modality="m")
+    sender.stream(Outgoing("q", sender.prepare(BIG), signal, META, TRACE))
+    sender.stream(done("q", 1))
+    assert [i.payload.WhichOneof("body") for i, _ in rec.items] == [None, None, None]
+    assert rec.local[0].value is big and rec.local[1].value is BIG and rec.local[2] is None
+    assert rec.sent() == [("q", 0, False, ""), ("q", 1, True, "")]
+    assert relay.live == [] and rec.puts == []  # nothing went into the relay
+    credit = rec.items[1][1]
+    assert isinstance(credit, ChunkCredit)
+    assert sender.credits.outstanding("s->t") == (1, 0)
+    credit.release()
+    assert sender.credits.outstanding("s->t") == (0, 0)
+    # A remote edge packs, and its router is called without a local value.
+    remote, _, rec2 = make()
+    assert isinstance(remote.prepare(big), Packed)
+    remote.send_now(result("r", {"x": 1}))
+    assert rec2.local == ["unset"]
 
 
 async def test_order_per_request_holds_behind_a_blocked_put() -> None:

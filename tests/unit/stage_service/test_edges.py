@@ -54,3 +54,15 @@ def test_a_target_outside_the_static_edges_gets_the_stage_credits() -> None:
     assert edges["elsewhere"].relay is relays["shm"]
     assert relays["shm"].limits["a->elsewhere"] == (16, 2 * MiB)
     assert edges["elsewhere"] is edges["elsewhere"]
+
+
+def test_edges_to_stages_hosted_here_are_local() -> None:
+    cfg = PipelineConfig.from_dict(
+        pipe(st("a", next=["b", "c"]), st("b", terminal=True), st("c", terminal=True))
+    )
+    relays: dict[str, Relay] = {"shm": CreditRecorder("shm")}
+    edges = EdgeRelays.of(cfg, "a", relays, local=["a", "b"])
+    assert edges["b"].local and not edges["c"].local
+    assert edges["b"].name == "a->b"  # its stream credit is still counted per edge
+    assert not edges["elsewhere"].local
+    assert not EdgeRelays.of(cfg, "a", relays)["b"].local
