@@ -77,16 +77,21 @@ class ReceivedPayload:
 
 
 async def receive_payload(
-    pb: common_pb2.Payload, relays: Mapping[str, Relay], *, copy: bool = False
+    pb: common_pb2.Payload,
+    relays: Mapping[str, Relay],
+    *,
+    copy: bool = False,
+    device: str | None = None,
 ) -> ReceivedPayload:
     """Decodes `pb`, reading through `relays[backend]` when it names a relay.
 
     copy=False: tensors are read-only views (of the relay segment, or of the message's
-    bytes when inline). Raises PayloadError for a bad header, RelayError for a bad
-    descriptor or unknown backend; nothing stays acquired on error.
+    bytes when inline). device: where tensors the sender had on a GPU go (the receiving
+    stage's GPU; None: the CPU). Raises PayloadError for a bad header, RelayError for a
+    bad descriptor or unknown backend; nothing stays acquired on error.
     """
     if pb.WhichOneof("body") != "relay":
-        return ReceivedPayload(unpack(pb.header, pb.inline_data, copy=copy))
+        return ReceivedPayload(unpack(pb.header, pb.inline_data, copy=copy, device=device))
     desc = pb.relay
     relay = relays.get(desc.backend)
     if relay is None:
@@ -100,7 +105,7 @@ async def receive_payload(
             raise RelayError(
                 f"relay returned {len(received.buffer)} bytes for a descriptor of {desc.nbytes}"
             )
-        value = unpack(pb.header, received.buffer, copy=copy)
+        value = unpack(pb.header, received.buffer, copy=copy, device=device)
     except BaseException:
         received.release()
         raise

@@ -16,6 +16,7 @@ import os
 import uuid
 import zlib
 from collections.abc import AsyncIterator
+from typing import Any
 
 import grpc
 
@@ -24,6 +25,7 @@ from omnirail.relay.base import Relay
 from omnirail.stage_service.attach import AttachClient
 from omnirail.stage_service.edge_sender import LocalValue, Releasable
 from omnirail.stage_service.edges import EdgeRelays
+from omnirail.stage_service.placement import Placement
 from omnirail.stage_service.relays import open_relays, plan_relays, relay_host
 from omnirail.stage_service.scheduler import Scheduler, SimpleScheduler
 from omnirail.stage_service.stage import Stage
@@ -37,11 +39,26 @@ from omnirail.wire.errors import OmniError, invalid, unavailable
 log = logging.getLogger(__name__)
 
 
-def build_scheduler(pipeline: PipelineConfig, name: str) -> Scheduler:
+def factory_args(
+    pipeline: PipelineConfig, name: str, factory: Any, placement: Placement
+) -> dict[str, Any]:
+    """The stage's factory arguments, with its placement added where the factory takes
+    it and the config does not set it: `device` ("cuda:0" or "cpu") and `gpu_id` (the
+    config's GPU id, None on the CPU)."""
+    args = pipeline.factory_args_for(name)
+    for key, value in (("device", placement.device), ("gpu_id", placement.gpu)):
+        if key not in args and dotted.accepts(factory, key):
+            args[key] = value
+    return args
+
+
+def build_scheduler(
+    pipeline: PipelineConfig, name: str, placement: Placement | None = None
+) -> Scheduler:
     """Calls the stage factory; a plain callable becomes a `SimpleScheduler`."""
     cfg = pipeline.stage(name)
     factory = dotted.resolve(cfg.factory, pipeline.source_dir)
-    made = factory(**pipeline.factory_args_for(name))
+    made = factory(**factory_args(pipeline, name, factory, placement or Placement()))
     if callable(made) and not isinstance(made, Scheduler):
         made = SimpleScheduler(made, name=name)
     if isinstance(made, Scheduler):
@@ -73,8 +90,10 @@ class StageHost(mesh_pb2_grpc.StageServicer):
         tracer: Tracer | None = None,
         metrics: StageMetrics | None = None,
         metrics_address: str = "",
+        placement: Placement | None = None,
     ) -> None:
         self.pipeline = pipeline
+        self.placement = placement or Placement()
         self._tracer = tracer
         # One registry for every stage hosted here; the address goes out in Register.
         self._metrics = metrics or StageMetrics()
@@ -104,7 +123,9 @@ class StageHost(mesh_pb2_grpc.StageServicer):
     # ---- lifecycle -----------------------------------------------------------
 
     async def start(self) -> str:
-        schedulers = {name: build_scheduler(self.pipeline, name) for name in self.stage_names}
+        schedulers = {
+            name: build_scheduler(self.pipeline, name, self.placement) for name in self.stage_names
+        }
         server, health = create_server(
             [mesh_pb2.DESCRIPTOR.services_by_name["Stage"].full_name],
             max_message_bytes=self._max_message,
@@ -149,6 +170,7 @@ class StageHost(mesh_pb2_grpc.StageServicer):
                 attach,
                 self._tracer,
                 self._metrics,
+                device=self.placement.device,
             )
             stage.start()
             self.stages[name] = stage

@@ -8,19 +8,26 @@ import os
 import signal
 
 from omnirail.config import PipelineConfig
+from omnirail.stage_service import placement
+from omnirail.stage_service.placement import Placement
 
 log = logging.getLogger(__name__)
 
 
-def configure_process(pipeline: PipelineConfig, stage_names: list[str]) -> None:
-    """Environment and torch threads; must run before stage factories import models."""
+def configure_process(pipeline: PipelineConfig, stage_names: list[str]) -> Placement:
+    """Environment, GPU placement and torch threads; must run before stage factories
+    import models (and before anything initializes CUDA). Raises PlacementError when the
+    process's `gpu:` cannot apply here."""
     for key, value in pipeline.env_defaults.items():
         os.environ.setdefault(key, value)
     for name in stage_names:
         for key, value in pipeline.stage(name).env.items():
             os.environ.setdefault(key, value)
+    asked = placement.asked_gpu(pipeline, stage_names)
+    placement.narrow(asked, os.environ)
     import torch
 
+    placed = placement.settle(pipeline, asked, os.environ)
     # Oversubscribing cores collapses throughput; each stage states what it needs.
     threads = max(pipeline.stage(n).torch_threads for n in stage_names)
     torch.set_num_threads(threads)
@@ -28,6 +35,7 @@ def configure_process(pipeline: PipelineConfig, stage_names: list[str]) -> None:
         torch.set_num_interop_threads(1)
     except RuntimeError:  # already set once in this process
         pass
+    return placed
 
 
 async def serve(
@@ -51,7 +59,8 @@ async def serve(
         stop_metrics_server,
     )
 
-    configure_process(pipeline, stage_names)
+    placed = configure_process(pipeline, stage_names)
+    log.info("stages %s run on %s", stage_names, placed.device)
     telemetry = setup_tracing(f"omnirail-stage-{'+'.join(stage_names)}")
     metrics = StageMetrics()
     metrics_address = ""
@@ -69,6 +78,7 @@ async def serve(
         tracer=telemetry.tracer,
         metrics=metrics,
         metrics_address=dial_address(metrics_address, endpoint[0], advertise) if endpoint else "",
+        placement=placed,
     )
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGINT, signal.SIGTERM):

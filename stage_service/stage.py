@@ -73,8 +73,11 @@ class Stage:
         reporter: Reporter,
         tracer: Tracer | None = None,
         metrics: StageMetrics | None = None,
+        device: str = "cpu",
     ) -> None:
         self.name = name
+        # Where tensors a sender had on a GPU arrive: this stage's GPU (None: the CPU).
+        self._device = None if device == "cpu" else device
         self.cfg = pipeline.stage(name)
         self.scheduler = scheduler
         self._edges = edges
@@ -164,7 +167,7 @@ class Stage:
             if local is not None:
                 received = ReceivedPayload(local.value)
             else:
-                received = await receive_payload(item.payload, self._relays)
+                received = await receive_payload(item.payload, self._relays, device=self._device)
         except (PayloadError, RelayError) as exc:
             err = invalid(f"bad payload from {source}: {exc}", self.name)
             if error_ack:
@@ -268,7 +271,9 @@ class Stage:
             if local is not None:
                 received = ReceivedPayload(local.value)
             else:
-                received = await receive_payload(item.payload, self._relays, copy=relayed)
+                received = await receive_payload(
+                    item.payload, self._relays, copy=relayed, device=self._device
+                )
         except (PayloadError, RelayError) as exc:
             err = invalid(f"bad stream chunk from {source}: {exc}", self.name)
             ack(err)

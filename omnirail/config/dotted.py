@@ -17,6 +17,7 @@ import hashlib
 import importlib
 import importlib.machinery
 import importlib.util
+import inspect
 import os
 import re
 import sys
@@ -210,3 +211,13 @@ def _resolve_dots(path: str) -> Any:
             ) from exc
         i += 1
     return _getattrs(path, obj, parts[i:])
+
+
+def accepts(fn: Any, param: str) -> bool:
+    """Whether `fn` takes a parameter `param` by keyword (injected factory arguments)."""
+    try:
+        sig = inspect.signature(fn)
+    except (TypeError, ValueError):
+        return False
+    p = sig.parameters.get(param)
+    return p is not None and p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)

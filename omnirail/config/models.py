@@ -7,7 +7,6 @@ Constructing a model checks structure only (types, ranges, unknown fields);
 
 from __future__ import annotations
 
-import inspect
 import re
 from collections.abc import Iterable, Mapping
 from typing import TYPE_CHECKING, Annotated, Any, Literal
@@ -247,6 +246,9 @@ class PipelineConfig(_Model):
     # Idle CPUs must wake within this many µs while the mesh's processes run (a PM QoS
     # request, see omnirail/cpu_latency.py); None leaves the host's power management alone.
     cpu_wake_latency_us: int | None = Field(None, ge=0, le=MAX_US, strict=True)
+    # A stage with `gpu:` on a host whose process sees no CUDA device fails start-up unless
+    # this allows it to run on the CPU instead (with a warning in its log).
+    cpu_fallback: bool = False
 
     _source_dir: str | None = PrivateAttr(default=None)
 
@@ -386,7 +388,7 @@ class PipelineConfig(_Model):
         args = {**stage.factory_args, **self.runtime_overrides.get(stage_name, {})}
         if self.model_path is not None and "model_path" not in args:
             factory = dotted.resolve(stage.factory, self.source_dir)
-            if _accepts(factory, "model_path"):
+            if dotted.accepts(factory, "model_path"):
                 args["model_path"] = self.model_path
         return args
 
@@ -448,15 +450,6 @@ class PipelineConfig(_Model):
 
 def _backend_conflict(shorthand: str, explicit: str) -> str:
     return f"relay_backend {shorthand!r} conflicts with relay.backend {explicit!r}"
-
-
-def _accepts(fn: Any, param: str) -> bool:
-    try:
-        sig = inspect.signature(fn)
-    except (TypeError, ValueError):
-        return False
-    p = sig.parameters.get(param)
-    return p is not None and p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)
 
 
 # -- pydantic error conversion ---------------------------------------------------------

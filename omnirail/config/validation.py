@@ -62,6 +62,7 @@ def validate(cfg: PipelineConfig, resolve: bool = True) -> None:
     if problem:
         err(f"pipeline.relay.backend: {problem}")
     _check_relay_options(cfg, by_name, err)
+    _check_relay_devices(cfg, by_name, err)
     _check_process_relays(cfg, err)
     _check_dotted(cfg, by_name, resolve, err)
     if errors:
@@ -134,13 +135,14 @@ def _check_stage(
         if target not in (nxt or []):
             err(f"{at}.project_payload: target {target!r} is not in next")
 
+    # TP ranks: one GPU each (a list of tp_size ids), or none at all (CPU ranks, gloo).
     if isinstance(s.gpu, list):
         if len(s.gpu) != s.tp_size:
             err(f"{at}.gpu: {len(s.gpu)} GPU id(s) listed but tp_size is {s.tp_size}")
         if len(set(s.gpu)) != len(s.gpu):
             err(f"{at}.gpu: duplicate GPU ids {s.gpu}")
-    elif s.tp_size > 1:
-        err(f"{at}.tp_size: tp_size {s.tp_size} requires gpu to be a list of {s.tp_size} ids")
+    elif s.gpu is not None and s.tp_size > 1:
+        err(f"{at}.gpu: tp_size {s.tp_size} needs a list of {s.tp_size} GPU ids, one per rank")
     for key in s.env:
         if not _ENV_NAME_RE.match(key):
             err(f"{at}.env: invalid variable name {key!r}")
@@ -195,6 +197,27 @@ def _check_relay_options(cfg: PipelineConfig, by_name: Mapping[str, StageConfig]
     for where, backend, options in levels:
         for key, problem in _option_problems(backend, options):
             err(f"{where}.options.{key}: {problem}")
+
+
+# What `relay.device` can say today: every backend holds its pool in host memory, and a
+# CUDA tensor crosses any edge staged through it (the payload records its device; the
+# receiver puts it on its own stage's device). Pools in device memory (NIXL VRAM, NCCL
+# through torchdist) are not built: a setting asking for one is refused, not ignored.
+_RELAY_DEVICES = ("cpu",)
+
+
+def _check_relay_devices(cfg: PipelineConfig, by_name: Mapping[str, StageConfig], err: Any) -> None:
+    levels: list[tuple[str, Any]] = [("pipeline.relay", cfg.relay)]
+    for name, s in by_name.items():
+        levels.append((f"stages[{name}].relay", s.relay))
+        levels += [(f"stages[{name}].relay_to[{t}]", r) for t, r in s.relay_to.items()]
+    for where, relay in levels:
+        if relay is not None and relay.device not in _RELAY_DEVICES:
+            err(
+                f"{where}.device: {relay.device!r} is not supported; relay pools are in host "
+                "memory, and CUDA tensors cross every edge through them (the receiver gets "
+                "them on its own stage's device). Leave device unset"
+            )
 
 
 def _option_problems(backend: str, options: dict[str, Any]) -> list[tuple[str, str]]:

@@ -238,6 +238,9 @@ def _stage_service(
         device = {"driver": "nvidia", "device_ids": [str(g) for g in svc.gpus]}
         device["capabilities"] = ["gpu"]
         service["deploy"] = {"resources": {"reservations": {"devices": [device]}}}
+        # The runtime shows the container only these GPUs, renumbered from 0: the stage
+        # maps its config ids through this (stage_service/placement.py).
+        service["environment"]["OMNIRAIL_GPUS"] = ",".join(str(g) for g in svc.gpus)
     return _ordered(service)
 
 

@@ -7,7 +7,10 @@ execution and never another exception type.
 Header layout: msgpack array ``[1, nbytes, tree]`` where ``tree`` holds None, bool, int,
 float, str, bytes, dicts (str or int keys), lists and these ExtTypes:
 
-- 1 tensor placeholder: msgpack ``[kind, dtype, shape, offset, nbytes]``, kind "torch"|"numpy"
+- 1 tensor placeholder: msgpack ``[kind, dtype, shape, offset, nbytes]``, kind "torch"|"numpy";
+  a torch tensor that was on a device (a GPU) has a sixth item, the device type ("cuda"):
+  its bytes were staged through host memory, and a receiver given a device (`unpack(...,
+  device=)`, the receiving stage's) gets it there; other receivers get it on the CPU
 - 2 tuple: msgpack array of the items
 - 3 complex: msgpack ``[real, imag]``
 
@@ -283,10 +286,11 @@ class _Encoder:
         known = self.seen.get(id(obj))
         if known is not None:
             return known
+        device = ""
         if kind == "numpy":
             dtype_name, arr = _numpy_source(obj)
         else:
-            dtype_name, arr = _torch_source(obj)
+            dtype_name, arr, device = _torch_source(obj)
         flat = _flat_u8(arr)
         itemsize = _NP_DTYPES[dtype_name].itemsize
         step = self.align if self.align >= itemsize else itemsize
@@ -296,9 +300,10 @@ class _Encoder:
             offset = -(-self.cursor // step) * step
             self.chunks.append((offset, flat))
             self.cursor = offset + nbytes
-        ext = _ext(
-            _EXT_TENSOR, self.packer.pack([kind, dtype_name, list(obj.shape), offset, nbytes])
-        )
+        spec = [kind, dtype_name, list(obj.shape), offset, nbytes]
+        if device:
+            spec.append(device)
+        ext = _ext(_EXT_TENSOR, self.packer.pack(spec))
         self.seen[id(obj)] = ext
         self.keep.append(obj)
         return ext
@@ -330,7 +335,8 @@ def _numpy_source(obj: np.ndarray) -> tuple[str, np.ndarray]:
 _TORCH_NAMES: dict[Any, str] = {}
 
 
-def _torch_source(obj: Any) -> tuple[str, np.ndarray]:
+def _torch_source(obj: Any) -> tuple[str, np.ndarray, str]:
+    """(dtype name, host bytes, device type: "" on the CPU)."""
     if not _TORCH_NAMES:
         torch = sys.modules["torch"]
         for name in _NP_DTYPES:
@@ -340,19 +346,26 @@ def _torch_source(obj: Any) -> tuple[str, np.ndarray]:
         # The common case in one call: numpy() refuses tensors on other devices, with a
         # gradient, conj or neg bits, or a non-strided layout; those take the path below.
         try:
-            return dtype_name, obj.numpy()
+            return dtype_name, obj.numpy(), ""
         except Exception:
             pass
     return _torch_source_slow(obj)
 
 
-def _torch_source_slow(obj: Any) -> tuple[str, np.ndarray]:
+# Device types whose tensors are staged through host memory (their type is recorded).
+_STAGED_DEVICES = frozenset({"cuda", "xpu", "mps"})
+
+
+def _torch_source_slow(obj: Any) -> tuple[str, np.ndarray, str]:
     torch = sys.modules["torch"]
+    device = ""
     if not obj.is_cpu:
-        raise PayloadError(
-            f"tensor on {obj.device}: relays for GPU memory are not supported yet; "
-            "move it to the CPU first"
-        )
+        if obj.device.type not in _STAGED_DEVICES:
+            raise PayloadError(f"tensor on {obj.device}: only CPU and GPU tensors can be sent")
+        device = obj.device.type
+        # Staged through host memory: one device-to-host copy (synchronous, so the bytes
+        # are there before anything reads them).
+        obj = obj.detach().to("cpu")
     if obj.layout is not torch.strided:
         raise PayloadError(f"unsupported tensor layout {obj.layout}")
     dtype_name = _TORCH_NAMES.get(obj.dtype)
@@ -368,7 +381,7 @@ def _torch_source_slow(obj: Any) -> tuple[str, np.ndarray]:
         t = t.contiguous()
     if dtype_name == "bfloat16":  # numpy has no bfloat16: move its raw bits
         t = t.view(torch.int16)
-    return dtype_name, t.numpy()
+    return dtype_name, t.numpy(), device
 
 
 def pack(obj: Any, *, align: int = 64) -> Packed:
@@ -393,20 +406,21 @@ def pack(obj: Any, *, align: int = 64) -> Packed:
 # Headers of lone tensors by (dtype name, shape): a stream sends the same shapes over and
 # over, and the two msgpack calls cost more than the rest of the header. Bounded: cleared
 # when full, so shapes that keep changing cost a rebuild, never memory.
-_TENSOR_HEADERS: dict[tuple[str, tuple[int, ...]], bytes] = {}
+_TENSOR_HEADERS: dict[tuple[str, tuple[int, ...], str], bytes] = {}
 _TENSOR_HEADERS_MAX = 256
 
 
 def _pack_tensor(obj: Any) -> Packed:
     """`pack` of a payload that is one torch tensor (the usual relayed payload): the same
     header as the general path (offset 0 suits every alignment), without its walk."""
-    dtype_name, arr = _torch_source(obj)
+    dtype_name, arr, device = _torch_source(obj)
     flat = _flat_u8(arr)
     nbytes = flat.size
-    key = (dtype_name, obj.shape)
+    key = (dtype_name, obj.shape, device)
     header = _TENSOR_HEADERS.get(key)
     if header is None:
-        spec = msgpack.packb(["torch", dtype_name, list(obj.shape), 0, nbytes])
+        fields = ["torch", dtype_name, list(obj.shape), 0, nbytes]
+        spec = msgpack.packb([*fields, device] if device else fields)
         header = msgpack.packb([_VERSION, nbytes, _ext(_EXT_TENSOR, spec)])
         if len(_TENSOR_HEADERS) >= _TENSOR_HEADERS_MAX:
             _TENSOR_HEADERS.clear()
@@ -418,10 +432,13 @@ def _pack_tensor(obj: Any) -> Packed:
 
 
 class _Decoder:
-    def __init__(self, buf: memoryview, copy: bool, numpy_only: bool = False) -> None:
+    def __init__(
+        self, buf: memoryview, copy: bool, numpy_only: bool = False, device: str | None = None
+    ) -> None:
         self.buf = buf
         self.copy = copy
         self.numpy_only = numpy_only
+        self.device = device
         self.ext_depth = 0
         self.specs: list[_TensorSpec] = []
 
@@ -456,11 +473,14 @@ class _Decoder:
         raise PayloadError(f"unknown ext type {code}")
 
     def tensor(self, spec: Any) -> Any:
-        if type(spec) is not list or len(spec) != 5:
+        if type(spec) is not list or len(spec) not in (5, 6):
             raise PayloadError("bad tensor placeholder")
-        kind, dtype_name, shape, offset, nbytes = spec
+        kind, dtype_name, shape, offset, nbytes = spec[:5]
+        on = spec[5] if len(spec) == 6 else ""
         if kind not in ("torch", "numpy"):
             raise PayloadError(f"unknown tensor kind {kind!r}")
+        if on and (on not in _STAGED_DEVICES or kind != "torch"):
+            raise PayloadError(f"bad tensor device {on!r}")
         if type(dtype_name) is not str or dtype_name not in _NP_DTYPES:
             raise PayloadError(f"unknown dtype {dtype_name!r}")
         if kind == "numpy" and dtype_name == "bfloat16":
@@ -481,9 +501,9 @@ class _Decoder:
             )
         if offset % dtype.itemsize:
             raise PayloadError(f"tensor offset {offset} is not aligned to its dtype")
-        checked = _TensorSpec(kind, dtype_name, dtype, tuple(shape), offset, nbytes, count)
+        checked = _TensorSpec(kind, dtype_name, dtype, tuple(shape), offset, nbytes, count, on)
         self.specs.append(checked)
-        return checked.build(self.buf, self.copy, self.numpy_only)
+        return checked.build(self.buf, self.copy, self.numpy_only, self.device)
 
 
 @dataclass(slots=True)
@@ -497,8 +517,11 @@ class _TensorSpec:
     offset: int
     nbytes: int
     count: int
+    on: str = ""  # the device type the sender had it on ("" for the CPU)
 
-    def build(self, buf: memoryview, copy: bool, numpy_only: bool) -> Any:
+    def build(
+        self, buf: memoryview, copy: bool, numpy_only: bool, device: str | None = None
+    ) -> Any:
         offset, nbytes = self.offset, self.nbytes
         if offset + nbytes > len(buf):
             raise PayloadError(
@@ -521,6 +544,10 @@ class _TensorSpec:
         t = torch.from_numpy(arr) if copy else _from_numpy_ro(torch, arr)
         if self.dtype_name == "bfloat16":
             t = t.view(torch.bfloat16)
+        if self.on and device is not None:
+            # A device tensor at the sender goes onto the receiver's device (a copy: the
+            # relay's view is released as usual).
+            t = t.to(device)
         return t
 
 
@@ -557,6 +584,7 @@ def unpack(
     *,
     copy: bool = False,
     numpy_only: bool = False,
+    device: str | None = None,
 ) -> Any:
     """Rebuilds the value `pack` encoded.
 
@@ -564,6 +592,8 @@ def unpack(
     writing to them is undefined behaviour. copy=True: owned, writable copies.
     numpy_only: torch tensors come back as numpy arrays too, and torch is never imported
     (bfloat16 as uint16 holding the raw bits).
+    device: where tensors the sender had on a GPU go (the receiving stage's device, e.g.
+    "cuda:0"); None leaves them on the CPU. CPU tensors stay on the CPU either way.
     """
     try:
         buf = memoryview(buffer if buffer is not None else b"")
@@ -571,8 +601,8 @@ def unpack(
             buf = buf.cast("B")
         lone = _LONE_SPECS.get(header) if type(header) is bytes else None
         if lone is not None:
-            return lone.build(buf, copy, numpy_only)
-        decoder = _Decoder(buf, copy, numpy_only)
+            return lone.build(buf, copy, numpy_only, device)
+        decoder = _Decoder(buf, copy, numpy_only, device)
         envelope = decoder.load(header)
         if type(envelope) is not list or len(envelope) != 3 or envelope[0] != _VERSION:
             raise PayloadError("header is not an omnirail payload header (version 1)")

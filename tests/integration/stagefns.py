@@ -176,3 +176,42 @@ def make_check_stamp() -> Any:
         return {"i": payload["i"], "intact": bool((x == payload["i"]).all()), "n": x.numel()}
 
     return fn
+
+
+# ---- placement ------------------------------------------------------------------------
+
+
+def make_where(device: str = "?", gpu_id: int | None = -1) -> Any:
+    """Says where its process placed it: the device and GPU id its factory was given, and
+    the GPUs the process sees."""
+
+    def fn(payload: Any) -> dict[str, Any]:
+        x = torch.ones(4, device=device) * 2
+        return {
+            "device": device,
+            "gpu_id": gpu_id,
+            "visible": os.environ.get("CUDA_VISIBLE_DEVICES"),
+            "sum": float(x.sum()),
+        }
+
+    return fn
+
+
+def make_device_source(device: str = "cpu") -> Any:
+    """A tensor made on the stage's device (past the inline bound: relayed)."""
+
+    def fn(inputs: dict[str, Any]) -> dict[str, Any]:
+        n = int(inputs.get("n", 20000))
+        return {"x": torch.arange(n, dtype=torch.float32, device=device), "seen": []}
+
+    return fn
+
+
+def make_device_hop() -> Any:
+    """Records the device its input tensor arrived on, and passes on twice the tensor."""
+
+    def fn(p: dict[str, Any]) -> dict[str, Any]:
+        x = p["x"]
+        return {"x": x * 2, "seen": [*p["seen"], str(x.device)], "sum": float(x.sum())}
+
+    return fn

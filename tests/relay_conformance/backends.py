@@ -30,8 +30,10 @@ class Garbage:
 @dataclass(frozen=True)
 class BackendSpec:
     name: str
-    # Whether it moves torch.cuda tensors; the `device=cuda` cases skip until it does.
-    gpu: bool = False
+    # Whether it carries torch.cuda tensors: every backend does, staged through host memory
+    # by `pack` (a backend moving device memory itself would be tested by the same cases).
+    # The `device=cuda` cases skip without CUDA.
+    gpu: bool = True
     options: dict[str, Any] = field(default_factory=dict)  # RelaySettings.options
     # Other RelaySettings fields every relay of the backend needs (torchdist: rank, world).
     settings: dict[str, Any] = field(default_factory=dict)

@@ -109,12 +109,12 @@ async def peer(open_peer: OpenPeer) -> Peer:
 
 @pytest.fixture(params=["cpu", "cuda"])
 def device(request: pytest.FixtureRequest, backend: BackendSpec) -> str:
-    """Where test tensors live. cuda is a hook for backends that will move GPU memory."""
+    """Where test tensors live: on the CPU, or on the GPU (a CUDA host only)."""
     if request.param == "cuda":
         import torch
 
         if not torch.cuda.is_available():
             pytest.skip("CUDA is not available: GPU-memory transfers need a CUDA device")
         if not backend.gpu:
-            pytest.skip(f"relay backend {backend.name!r} does not move GPU memory (yet)")
+            pytest.skip(f"relay backend {backend.name!r} does not carry GPU tensors")
     return request.param

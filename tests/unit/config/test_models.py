@@ -80,10 +80,10 @@ def test_relay_backend_conflict() -> None:
 def test_relay_for_merges_stage_override_over_pipeline_default() -> None:
     d = demo()
     d["relay"] = {"backend": "nixl", "credits": 8}
-    stage_of(d, "thinker")["relay"] = {"pool_mb": 32, "device": "cuda:0"}
+    stage_of(d, "thinker")["relay"] = {"pool_mb": 32, "credit_mb": 16}
     cfg = PipelineConfig.from_dict(d)
     r = cfg.relay_for("thinker")
-    assert (r.backend, r.credits, r.pool_mb, r.device) == ("nixl", 8, 32, "cuda:0")
+    assert (r.backend, r.credits, r.pool_mb, r.credit_mb) == ("nixl", 8, 32, 16)
     assert cfg.relay_for("decode") == cfg.relay
 
 

@@ -195,9 +195,9 @@ BAD_CASES: list[tuple[str, dict[str, Any], list[str]]] = [
         ["stages[thinker].gpu: 2 GPU id(s) listed but tp_size is 4"],
     ),
     (
-        "tp_without_gpu_list",
+        "tp_with_one_gpu",
         _mut(_set("thinker", gpu=0, tp_size=2)),
-        ["stages[thinker].tp_size", "requires gpu to be a list"],
+        ["stages[thinker].gpu: tp_size 2 needs a list of 2 GPU ids, one per rank"],
     ),
     (
         "gpu_list_duplicates",

@@ -247,7 +247,9 @@ def test_gpus_inline_and_options(tmp_path: Path) -> None:
     assert ipc_of(bundle) == {}  # inline edges need nothing
     device = svc["a"]["deploy"]["resources"]["reservations"]["devices"][0]
     assert device == {"driver": "nvidia", "device_ids": ["1"], "capabilities": ["gpu"]}
-    assert "deploy" not in svc["b"]
+    # The container sees its one GPU as device 0; the stage maps config id 1 through this.
+    assert svc["a"]["environment"]["OMNIRAIL_GPUS"] == "1"
+    assert "deploy" not in svc["b"] and "OMNIRAIL_GPUS" not in svc["b"]["environment"]
     assert svc["a"]["image"] == "reg/omni:1" and svc["coordinator"]["image"] == "reg/omni:1"
     assert (svc["jaeger"]["image"], svc["prometheus"]["image"]) == ("j:1", "p:1")
     assert svc["coordinator"]["ports"] == ["6001:50051"]

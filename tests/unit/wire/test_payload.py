@@ -183,7 +183,7 @@ def test_lone_tensor_headers_stay_right_past_their_cache_bound():
     [
         (torch.zeros(2, dtype=torch.float8_e4m3fn), "unsupported torch dtype"),
         (torch.zeros(2).to_sparse(), "unsupported tensor layout"),
-        (torch.zeros(2, device="meta"), "relays for GPU memory are not supported yet"),
+        (torch.zeros(2, device="meta"), "only CPU and GPU tensors can be sent"),
     ],
 )
 def test_lone_unsupported_tensors(value, message):
@@ -304,7 +304,7 @@ def test_views_keep_buffer_alive():
         ({"a": np.datetime64("2020-01-01")}, "unsupported numpy scalar"),
         ({"a": torch.zeros(2, dtype=torch.float8_e4m3fn)}, "unsupported torch dtype"),
         ({"a": torch.zeros(2).to_sparse()}, "unsupported tensor layout"),
-        ({"a": torch.zeros(2, device="meta")}, "relays for GPU memory are not supported yet"),
+        ({"a": torch.zeros(2, device="meta")}, "only CPU and GPU tensors can be sent"),
         ({"s": "\ud800"}, "cannot encode header"),
     ],
 )
@@ -543,3 +543,54 @@ def test_write_into_a_byte_range_writes_only_that_range():
     for start, stop in ((-1, 5), (5, 4), (0, packed.nbytes + 1)):
         with pytest.raises(ValueError, match="byte range"):
             packed.write_into(bytearray(packed.nbytes), start, stop)
+
+
+# ---- tensors a sender had on a GPU ------------------------------------------------------
+
+
+def _spec_header(spec: list) -> bytes:
+    return msgpack.packb([1, 16, msgpack.ExtType(1, msgpack.packb(spec))])
+
+
+def test_a_staged_device_tensor_lands_on_the_receivers_device() -> None:
+    """A placeholder with a device type (what `pack` writes for a GPU tensor) decodes on
+    the CPU for a receiver without a device, and onto the receiver's device otherwise
+    ("meta" stands in for a GPU on a host without one)."""
+    data = np.arange(4, dtype=np.float32).tobytes()
+    header = _spec_header(["torch", "float32", [4], 0, 16, "cuda"])
+    on_cpu = unpack(header, data)
+    assert on_cpu.device.type == "cpu" and on_cpu.tolist() == [0.0, 1.0, 2.0, 3.0]
+    moved = unpack(header, data, device="meta")
+    assert moved.device.type == "meta" and moved.shape == (4,)
+    # The lone-tensor fast path (second decode of the same header) moves it too.
+    assert unpack(header, data, device="meta").device.type == "meta"
+    # A CPU tensor stays on the CPU whatever the receiver's device.
+    plain = pack(torch.arange(4, dtype=torch.float32))
+    assert unpack(plain.header, plain.to_bytes(), device="meta").device.type == "cpu"
+    assert len(msgpack.unpackb(msgpack.unpackb(plain.header)[2].data)) == 5
+
+
+@pytest.mark.parametrize(
+    "spec",
+    [
+        ["torch", "float32", [4], 0, 16, "tpu"],
+        ["torch", "float32", [4], 0, 16, 1],
+        ["numpy", "float32", [4], 0, 16, "cuda"],
+        ["torch", "float32", [4], 0, 16, "cuda", "x"],
+    ],
+)
+def test_bad_device_placeholders_are_refused(spec: list) -> None:
+    with pytest.raises(PayloadError):
+        unpack(_spec_header(spec), bytes(16))
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_cuda_tensors_are_staged_through_host_memory() -> None:
+    value = {"x": torch.arange(6, dtype=torch.bfloat16, device="cuda").reshape(2, 3), "n": 1}
+    packed = pack(value)
+    back = unpack(packed.header, packed.to_bytes())
+    assert back["x"].device.type == "cpu" and torch.equal(back["x"], value["x"].cpu())
+    on_gpu = unpack(packed.header, packed.to_bytes(), device="cuda:0")
+    assert on_gpu["x"].device == torch.device("cuda:0") and torch.equal(on_gpu["x"], value["x"])
+    lone = pack(value["x"])
+    assert torch.equal(unpack(lone.header, lone.to_bytes(), device="cuda:0"), value["x"])
