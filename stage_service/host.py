@@ -29,6 +29,7 @@ from omnirail.stage_service.placement import Placement
 from omnirail.stage_service.relays import open_relays, plan_relays, relay_host
 from omnirail.stage_service.scheduler import Scheduler, SimpleScheduler
 from omnirail.stage_service.stage import Stage
+from omnirail.stage_service.tp import TensorParallel
 from omnirail.telemetry.metrics import StageMetrics
 from omnirail.telemetry.tracer import Tracer
 from omnirail.transport.deliver import DeliverChannel
@@ -40,26 +41,41 @@ log = logging.getLogger(__name__)
 
 
 def factory_args(
-    pipeline: PipelineConfig, name: str, factory: Any, placement: Placement
+    pipeline: PipelineConfig,
+    name: str,
+    factory: Any,
+    placement: Placement,
+    tp: TensorParallel | None = None,
 ) -> dict[str, Any]:
     """The stage's factory arguments, with its placement added where the factory takes
-    it and the config does not set it: `device` ("cuda:0" or "cpu") and `gpu_id` (the
-    config's GPU id, None on the CPU)."""
+    it and the config does not set it: `device` ("cuda:0" or "cpu"), `gpu_id` (the
+    config's GPU id, None on the CPU) and `tp` (its tensor-parallel rank and group)."""
     args = pipeline.factory_args_for(name)
-    for key, value in (("device", placement.device), ("gpu_id", placement.gpu)):
+    injected = (
+        ("device", placement.device),
+        ("gpu_id", placement.gpu),
+        ("tp", tp or TensorParallel(name, device=placement.device)),
+    )
+    for key, value in injected:
         if key not in args and dotted.accepts(factory, key):
             args[key] = value
     return args
 
 
 def build_scheduler(
-    pipeline: PipelineConfig, name: str, placement: Placement | None = None
+    pipeline: PipelineConfig,
+    name: str,
+    placement: Placement | None = None,
+    tp: TensorParallel | None = None,
 ) -> Scheduler:
-    """Calls the stage factory; a plain callable becomes a `SimpleScheduler`."""
+    """Calls the stage factory; a plain callable becomes a `SimpleScheduler` (on a
+    tensor-parallel stage, a call every rank runs: `TensorParallel.shared`)."""
     cfg = pipeline.stage(name)
     factory = dotted.resolve(cfg.factory, pipeline.source_dir)
-    made = factory(**factory_args(pipeline, name, factory, placement or Placement()))
+    made = factory(**factory_args(pipeline, name, factory, placement or Placement(), tp))
     if callable(made) and not isinstance(made, Scheduler):
+        if tp is not None and tp.size > 1:
+            made = tp.shared("fn", made)
         made = SimpleScheduler(made, name=name)
     if isinstance(made, Scheduler):
         sources = pipeline.stream_sources_of(name)
@@ -91,9 +107,12 @@ class StageHost(mesh_pb2_grpc.StageServicer):
         metrics: StageMetrics | None = None,
         metrics_address: str = "",
         placement: Placement | None = None,
+        tp: TensorParallel | None = None,
     ) -> None:
         self.pipeline = pipeline
         self.placement = placement or Placement()
+        # Rank 0 of a tensor-parallel stage's group (None for other stages).
+        self.tp = tp
         self._tracer = tracer
         # One registry for every stage hosted here; the address goes out in Register.
         self._metrics = metrics or StageMetrics()
@@ -123,8 +142,12 @@ class StageHost(mesh_pb2_grpc.StageServicer):
     # ---- lifecycle -----------------------------------------------------------
 
     async def start(self) -> str:
+        loop = asyncio.get_running_loop()
+        if self.tp is not None:
+            self.tp.on_broken = lambda: loop.call_soon_threadsafe(self._tp_broke)
         schedulers = {
-            name: build_scheduler(self.pipeline, name, self.placement) for name in self.stage_names
+            name: build_scheduler(self.pipeline, name, self.placement, self.tp)
+            for name in self.stage_names
         }
         server, health = create_server(
             [mesh_pb2.DESCRIPTOR.services_by_name["Stage"].full_name],
@@ -179,6 +202,12 @@ class StageHost(mesh_pb2_grpc.StageServicer):
         await health.set("", SERVING)
         return advertise
 
+    def _tp_broke(self) -> None:
+        """A rank of this stage's group is gone: the call that found it failed with
+        UNAVAILABLE; stop (a moment later, so that failure reaches the coordinator) and
+        let the launcher restart the group. Requests still here fail as the stage goes."""
+        asyncio.get_running_loop().call_later(0.2, self.shutdown_requested.set)
+
     async def _run_attach(self, attach: AttachClient) -> None:
         await attach.run()
         # The stream only ends for good on shutdown (or stop()).
@@ -195,6 +224,8 @@ class StageHost(mesh_pb2_grpc.StageServicer):
         for task in self._tasks:
             task.cancel()
         await asyncio.gather(*self._tasks, return_exceptions=True)
+        if self.tp is not None:
+            await asyncio.to_thread(self.tp.stop_followers)
         for stage in self.stages.values():
             await stage.stop()
         for channel in self._channels.values():

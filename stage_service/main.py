@@ -10,11 +10,14 @@ import signal
 from omnirail.config import PipelineConfig
 from omnirail.stage_service import placement
 from omnirail.stage_service.placement import Placement
+from omnirail.stage_service.tp import TensorParallel
 
 log = logging.getLogger(__name__)
 
 
-def configure_process(pipeline: PipelineConfig, stage_names: list[str]) -> Placement:
+def configure_process(
+    pipeline: PipelineConfig, stage_names: list[str], tp_rank: int | None = None
+) -> Placement:
     """Environment, GPU placement and torch threads; must run before stage factories
     import models (and before anything initializes CUDA). Raises PlacementError when the
     process's `gpu:` cannot apply here."""
@@ -23,7 +26,7 @@ def configure_process(pipeline: PipelineConfig, stage_names: list[str]) -> Place
     for name in stage_names:
         for key, value in pipeline.stage(name).env.items():
             os.environ.setdefault(key, value)
-    asked = placement.asked_gpu(pipeline, stage_names)
+    asked = placement.asked_gpu(pipeline, stage_names, tp_rank)
     placement.narrow(asked, os.environ)
     import torch
 
@@ -48,6 +51,8 @@ async def serve(
     shm_prefix: str = "omnirail",
     metrics_host: str | None = None,
     metrics_port: int | None = None,
+    tp_rank: int | None = None,
+    tp_init: str | None = None,
 ) -> None:
     from omnirail.stage_service.host import StageHost
     from omnirail.telemetry import setup_tracing
@@ -59,8 +64,14 @@ async def serve(
         stop_metrics_server,
     )
 
-    placed = configure_process(pipeline, stage_names)
+    placed = configure_process(pipeline, stage_names, tp_rank)
     log.info("stages %s run on %s", stage_names, placed.device)
+    tp = None
+    if tp_rank is not None:
+        tp = await _join_tp(pipeline, stage_names, tp_rank, tp_init, placed)
+        if tp_rank > 0:
+            await asyncio.to_thread(_follow, pipeline, stage_names[0], placed, tp)
+            return
     telemetry = setup_tracing(f"omnirail-stage-{'+'.join(stage_names)}")
     metrics = StageMetrics()
     metrics_address = ""
@@ -79,6 +90,7 @@ async def serve(
         metrics=metrics,
         metrics_address=dial_address(metrics_address, endpoint[0], advertise) if endpoint else "",
         placement=placed,
+        tp=tp,
     )
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGINT, signal.SIGTERM):
@@ -89,7 +101,46 @@ async def serve(
         await host.shutdown_requested.wait()
     finally:
         await host.stop()
+        if tp is not None:
+            tp.close()
         if metrics_address:
             await asyncio.to_thread(stop_metrics_server, metrics_address)
         # Spans of requests that just ended must not be lost at shutdown.
         await asyncio.to_thread(telemetry.shutdown)
+
+
+async def _join_tp(
+    pipeline: PipelineConfig,
+    stage_names: list[str],
+    rank: int,
+    init_method: str | None,
+    placed: Placement,
+) -> TensorParallel:
+    """Joins the stage's tensor-parallel group (blocks until every rank is there)."""
+    stage = pipeline.stage(stage_names[0])
+    if len(stage_names) != 1 or stage.tp_size < 2:
+        raise ValueError(
+            f"--tp-rank is for a tensor-parallel stage alone in its process; "
+            f"stages[{stage.name}].tp_size is {stage.tp_size}"
+        )
+    if not 0 <= rank < stage.tp_size:
+        raise ValueError(
+            f"--tp-rank {rank} is outside stages[{stage.name}].tp_size {stage.tp_size}"
+        )
+    if not init_method:
+        raise ValueError("--tp-rank needs --tp-init tcp://HOST:PORT (rank 0's rendezvous)")
+    return await asyncio.to_thread(
+        TensorParallel.join, stage.name, rank, stage.tp_size, init_method, placed.device
+    )
+
+
+def _follow(pipeline: PipelineConfig, name: str, placed: Placement, tp: TensorParallel) -> None:
+    """A follower rank: builds the stage's model as rank 0 does, then runs the calls rank
+    0 broadcasts until it stops; a broken group ends the process with an error."""
+    from omnirail.stage_service.host import build_scheduler
+
+    build_scheduler(pipeline, name, placed, tp)  # registers its shared calls
+    try:
+        tp.follow()
+    finally:
+        tp.close()

@@ -295,6 +295,8 @@ def cmd_stage(args: argparse.Namespace) -> int:
                 shm_prefix=args.shm_prefix,
                 metrics_host=args.metrics_host,
                 metrics_port=args.metrics_port,
+                tp_rank=args.tp_rank,
+                tp_init=args.tp_init,
             )
         )
     return 0
@@ -463,6 +465,15 @@ def build_parser() -> argparse.ArgumentParser:
     )
     s.add_argument("--metrics-host", default=None, help="default: the pipeline's metrics.host")
     s.add_argument("--cpus", default=None, help=_CPUS_HELP.format(what="its stages' cpus"))
+    s.add_argument(
+        "--tp-rank",
+        type=int,
+        default=None,
+        help="this process's rank in a tensor-parallel stage's group (rank 0 serves the mesh)",
+    )
+    s.add_argument(
+        "--tp-init", default=None, help="the group's rendezvous, tcp://HOST:PORT (rank 0 binds it)"
+    )
     _add_wake_flag(s, "it")
     s.set_defaults(fn=cmd_stage)
 

@@ -61,6 +61,11 @@ def plan_services(cfg: PipelineConfig) -> list[StageService]:
     services: list[StageService] = []
     taken: dict[str, str] = {name: f"the {name} service" for name in RESERVED_SERVICES}
     for p in plan_processes(cfg):
+        if p.tp_rank is not None:
+            raise ComposeError(
+                f"stages[{p.stages[0]}].tp_size: tensor-parallel stages run under "
+                "`omnirail up` only; compose cannot start their rank groups yet"
+            )
         base = dns_label(p.group)
         # compose's `deploy.replicas` would give every replica the one address a stage
         # advertises, so each replica is a service of its own.

@@ -24,7 +24,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from omnirail.config import PipelineConfig, load_pipeline
-from omnirail.ops.plan import plan_processes
+from omnirail.ops.plan import StageProcess, plan_processes
+from omnirail.ops.tp_groups import RankGroups
 from omnirail.telemetry import SPAN_DIR_ENV
 from omnirail.tuning.cpu_latency import CpuWakeLatency, check_us, try_hold
 from omnirail.tuning.cpus import available_cpus, format_cpus, spread
@@ -102,6 +103,8 @@ class Mesh:
         self.shm_prefix = f"omnirail-{self.run_id}"
         self._progress = progress or (lambda msg: None)
         self._children: list[_Child] = []
+        self._rank_groups = RankGroups(self._spawn_rank, self._progress)
+        self._stage_flags: dict[str, list[str]] = {}
         self.address: str | None = None
 
     def __enter__(self) -> Mesh:
@@ -161,9 +164,11 @@ class Mesh:
         listen = (
             f"{self.host}:{self.port}" if self.transport == "tcp" else self._listen("coordinator")
         )
-        processes = self._stage_processes()
+        planned = plan_processes(self.pipeline)
+        processes = {f"stage-{p.name}": list(p.stages) for p in planned}
         pinned = self._pinned(processes)
         wake = self._hold_wake_latency()
+        self._stage_flags = {name: [*pinned.get(name, []), *wake] for name in processes}
         self._progress(f"starting coordinator ({listen})")
         coord = self._spawn(
             "coordinator",
@@ -185,28 +190,43 @@ class Mesh:
                 raise OmniError(Code.UNAVAILABLE, f"coordinator did not start in {timeout:g}s")
             time.sleep(0.02)
         self.address = ready_file.read_text().strip()
-        for name, stages in processes.items():
-            self._progress(f"starting process {name!r}: stages {', '.join(stages)}")
-            self._spawn(
-                name,
-                [
-                    "stage",
-                    "--pipeline",
-                    self.pipeline_path,
-                    "--stage",
-                    ",".join(stages),
-                    "--coordinator",
-                    self.address,
-                    "--listen",
-                    self._listen(name),
-                    "--shm-prefix",
-                    self.shm_prefix,
-                    *pinned.get(name, []),
-                    *wake,
-                ],
-            )
+        groups: dict[str, list[StageProcess]] = {}
+        for p in planned:
+            if p.tp_rank is None:
+                self._spawn_stage(p)
+            else:
+                groups.setdefault(p.replica_name, []).append(p)
+        for name, ranks in groups.items():
+            self._rank_groups.start_group(name, ranks)
         self._wait_ready(deadline)
+        self._rank_groups.watch()
         return self.address
+
+    def _spawn_stage(self, p: StageProcess, tp: list[str] | None = None) -> _Child:
+        name = f"stage-{p.name}"
+        self._progress(f"starting process {name!r}: stages {', '.join(p.stages)}")
+        assert self.address is not None
+        args = [
+            "stage",
+            "--pipeline",
+            self.pipeline_path,
+            "--stage",
+            ",".join(p.stages),
+            "--coordinator",
+            self.address,
+            "--listen",
+            self._listen(name),
+            "--shm-prefix",
+            self.shm_prefix,
+            *self._stage_flags.get(name, []),
+            *(tp or []),
+        ]
+        return self._spawn(name, args)
+
+    def _spawn_rank(self, p: StageProcess, init_method: str) -> _Child:
+        """One rank process of a tensor-parallel stage (`RankGroups` restarts them)."""
+        flags = ["--tp-rank", str(p.tp_rank), "--tp-init", init_method]
+        return self._spawn_stage(p, flags)
 
     def _hold_wake_latency(self) -> list[str]:
         """Holds the wake-latency bound here too, so that a host refusing it is reported
@@ -223,10 +243,6 @@ class Mesh:
         else:
             self._progress(f"warning: cpu_wake_latency_us {us} not applied: {error}")
         return [] if self.wake_override is None else ["--cpu-wake-latency-us", str(us)]
-
-    def _stage_processes(self) -> dict[str, list[str]]:
-        """Every stage process the mesh starts, in start order: name -> its stages."""
-        return {f"stage-{p.name}": list(p.stages) for p in plan_processes(self.pipeline)}
 
     def _pinned(self, stage_processes: dict[str, list[str]]) -> dict[str, list[str]]:
         """`--cpus` flags for the processes `pin` spreads: the coordinator, then the stage
@@ -281,11 +297,19 @@ class Mesh:
         return {c.name: c.proc.pid for c in self._children}
 
     def poll_exited(self) -> list[tuple[str, int]]:
-        return [(c.name, c.proc.returncode) for c in self._children if c.proc.poll() is not None]
+        """Processes that exited, except ranks of tensor-parallel groups, which restart
+        on their own (`RankGroups`) until their budget runs out."""
+        with self._rank_groups.lock:
+            return [
+                (c.name, c.proc.returncode)
+                for c in self._children
+                if c.proc.poll() is not None and not self._rank_groups.owns(c)
+            ]
 
     # ---- stop ------------------------------------------------------------------
 
     def stop(self, grace: float = 5.0) -> None:
+        self._rank_groups.stop()  # no restarts while everything stops
         stages = [c for c in self._children if c.name != "coordinator"]
         coordinator = [c for c in self._children if c.name == "coordinator"]
         for batch in (stages, coordinator):

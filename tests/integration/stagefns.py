@@ -215,3 +215,18 @@ def make_device_hop() -> Any:
         return {"x": x * 2, "seen": [*p["seen"], str(x.device)], "sum": float(x.sum())}
 
     return fn
+
+
+def make_tp_input() -> Any:
+    """{"rows", "seed", "sleep_s"} -> a batch of inputs for the tensor-parallel MLP."""
+
+    def fn(inputs: dict[str, Any]) -> dict[str, Any]:
+        gen = torch.Generator().manual_seed(int(inputs.get("seed", 0)))
+        x = torch.randn(int(inputs.get("rows", 4)), 32, generator=gen)
+        return {"x": x, "sleep_s": float(inputs.get("sleep_s", 0))}
+
+    return fn
+
+
+def make_tp_output() -> Any:
+    return lambda p: {"y": p["y"], "ranks": p["ranks"], "part": p["part"], "mlp_pid": p["pid"]}

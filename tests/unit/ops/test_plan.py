@@ -28,18 +28,37 @@ def _cfg() -> PipelineConfig:
     )
 
 
-def test_one_process_per_group_and_replica_in_declaration_order() -> None:
+def test_one_process_per_group_replica_and_tp_rank_in_declaration_order() -> None:
     assert plan_processes(_cfg()) == [
         StageProcess("front", ("a", "b")),
-        StageProcess("c", ("c",), 0, (0, 1)),
-        StageProcess("c", ("c",), 1, (0, 1)),
+        StageProcess("c", ("c",), 0, (1,), 0, 2),
+        StageProcess("c", ("c",), 0, (0,), 1, 2),
+        StageProcess("c", ("c",), 1, (1,), 0, 2),
+        StageProcess("c", ("c",), 1, (0,), 1, 2),
         StageProcess("d", ("d",)),
     ]
-    assert [p.name for p in plan_processes(_cfg())] == ["front", "c-0", "c-1", "d"]
+    assert [p.name for p in plan_processes(_cfg())] == [
+        "front",
+        "c-0_tp0",
+        "c-0_tp1",
+        "c-1_tp0",
+        "c-1_tp1",
+        "d",
+    ]
 
 
 def test_compose_services_are_the_planned_processes() -> None:
-    cfg = _cfg()
+    cfg = PipelineConfig.from_dict(
+        {
+            "name": "p",
+            "stages": [
+                {"name": "a", "factory": "x:y", "next": "c", "process": "front"},
+                {"name": "c", "factory": "x:y", "next": "d", "replicas": 2, "gpu": 0},
+                {"name": "d", "factory": "x:y", "terminal": True},
+            ],
+        },
+        resolve=False,
+    )
     services = plan_services(cfg)
     assert [(s.group, s.stages, s.replica) for s in services] == [
         (p.group, p.stages, p.replica) for p in plan_processes(cfg)
