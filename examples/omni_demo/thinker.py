@@ -5,6 +5,12 @@ the batch and keeps each layer's keys and values; every decode step then runs on
 newest token of every running request through the model in one batch (continuous
 batching: requests join and leave between steps). Each step streams the sampled token id
 to `decode` and the token's last hidden state to `talker`.
+
+With `tp_size: N` (N dividing its 4 heads) the decoder runs sharded over N rank processes,
+Megatron style: each rank keeps its heads of every attention layer and its part of every
+MLP, keeps the KV cache of its heads only, and one all-reduce after each attention output
+and each MLP sums the parts. Rank 0 samples and streams; the other ranks run the same
+prefill and decode calls (`tp.shared`), each on its own caches.
 """
 
 from __future__ import annotations
@@ -17,6 +23,7 @@ from torch import nn
 from torch.nn import functional as F
 
 from omnirail.stage_service.ar import ARRequest, ARScheduler, ARStep
+from omnirail.stage_service.tp import TensorParallel
 
 from .text import BOS, EOS, PAD, VOCAB
 
@@ -30,7 +37,9 @@ class ToyDecoder(nn.Module):
 
     def __init__(self, vocab: int, dim: int = DIM, layers: int = 2, heads: int = 4) -> None:
         super().__init__()
-        self.heads = heads
+        self.heads = heads  # heads this process computes (all of them unless sharded)
+        # Sums a sharded layer's partial outputs across ranks (nothing to sum unsharded).
+        self.reduce = _no_reduce
         self.embed = nn.Embedding(vocab, dim)
         self.qkv = nn.ModuleList(nn.Linear(dim, 3 * dim) for _ in range(layers))
         self.out = nn.ModuleList(nn.Linear(dim, dim) for _ in range(layers))
@@ -88,8 +97,61 @@ class ToyDecoder(nn.Module):
 
     def _block_out(self, i: int, h: torch.Tensor, att: torch.Tensor) -> torch.Tensor:
         b, _, t, _ = att.shape
-        h = h + self.out[i](att.transpose(1, 2).reshape(b, t, -1))
-        return h + self.mlp[i](self.norm2[i](h))
+        h = h + self.reduce(self.out[i](att.transpose(1, 2).reshape(b, t, -1)))
+        return h + self.reduce(self.mlp[i](self.norm2[i](h)))
+
+
+def _no_reduce(x: torch.Tensor) -> torch.Tensor:
+    return x
+
+
+@torch.no_grad()
+def shard(model: ToyDecoder, tp: TensorParallel) -> ToyDecoder:
+    """Keeps this rank's part of every layer: its heads' rows of each qkv projection and
+    the matching columns of the attention output, its rows of the MLP's first layer and
+    columns of its second. The output layers' biases stay on rank 0 only (the all-reduce
+    adds them once). Embedding, norms and the LM head stay whole on every rank."""
+    if model.heads % tp.size:
+        raise ValueError(f"{model.heads} heads do not split over tp_size {tp.size}")
+    dim = model.embed.embedding_dim
+    head_dim = dim // model.heads
+    per_rank = model.heads // tp.size
+    mine = slice(tp.rank * per_rank * head_dim, (tp.rank + 1) * per_rank * head_dim)
+    rows = torch.cat([torch.arange(dim)[mine] + part * dim for part in range(3)])
+    for qkv, out, mlp in zip(model.qkv, model.out, model.mlp, strict=True):
+        _keep(qkv, rows=rows)
+        _keep(out, cols=torch.arange(dim)[mine], bias=tp.rank == 0)
+        hidden = mlp[0].out_features // tp.size
+        part = torch.arange(tp.rank * hidden, (tp.rank + 1) * hidden)
+        _keep(mlp[0], rows=part)
+        _keep(mlp[2], cols=part, bias=tp.rank == 0)
+    model.heads = per_rank
+    group = tp.group
+
+    def reduce(x: torch.Tensor) -> torch.Tensor:
+        torch.distributed.all_reduce(x, group=group)
+        return x
+
+    model.reduce = reduce
+    return model
+
+
+def _keep(
+    layer: nn.Linear,
+    rows: torch.Tensor | None = None,
+    cols: torch.Tensor | None = None,
+    bias: bool = True,
+) -> None:
+    weight = layer.weight
+    if rows is not None:
+        weight = weight[rows]
+        layer.bias = nn.Parameter(layer.bias[rows].clone())
+    if cols is not None:
+        weight = weight[:, cols]
+        if not bias:
+            layer.bias = nn.Parameter(torch.zeros_like(layer.bias))
+    layer.weight = nn.Parameter(weight.contiguous())
+    layer.in_features, layer.out_features = weight.shape[1], weight.shape[0]
 
 
 def build_decoder(seed: int = 7) -> ToyDecoder:
@@ -121,9 +183,36 @@ def _forbidden(steps: int) -> list[int]:
     return [PAD, BOS] if steps >= _MIN_TOKENS else [PAD, BOS, EOS]
 
 
-def create_thinker(step_ms: float = 0.0, max_batch_size: int = 16, seed: int = 7) -> ARScheduler:
-    """`step_ms` pads each decode step to that long, to act like a bigger model."""
+def create_thinker(
+    step_ms: float = 0.0,
+    max_batch_size: int = 16,
+    seed: int = 7,
+    tp: TensorParallel | None = None,
+) -> ARScheduler:
+    """`step_ms` pads each decode step to that long, to act like a bigger model. `tp`: the
+    stage's tensor-parallel rank and group (the mesh passes it; one rank by default)."""
+    tp = tp or TensorParallel("thinker")
     model = build_decoder(seed)
+    if tp.size > 1:
+        model = shard(model, tp)
+    # Each rank's KV caches (of its own heads), by request.
+    caches: dict[str, list[list[torch.Tensor]]] = {}
+
+    def prefill(rid: str, x: torch.Tensor) -> torch.Tensor:
+        with torch.inference_mode():
+            hidden, caches[rid] = model.prefill(x)
+        return hidden
+
+    def decode(rids: list[str], tokens: torch.Tensor) -> torch.Tensor:
+        # Requests not in this step have ended (finished or aborted) on rank 0.
+        for rid in [r for r in caches if r not in rids]:
+            del caches[rid]
+        with torch.inference_mode():
+            return model.decode(tokens, [caches[r] for r in rids])
+
+    # Every rank runs these on the arguments rank 0 gives (a follower only ever does).
+    prefill = tp.shared("prefill", prefill)
+    decode = tp.shared("decode", decode)
 
     def init(req: ARRequest) -> None:
         data = req.data
@@ -131,10 +220,11 @@ def create_thinker(step_ms: float = 0.0, max_batch_size: int = 16, seed: int = 7
         prompt = torch.cat([data["tokens"].new_tensor([BOS]), data["tokens"]])
         with torch.inference_mode():
             x = torch.cat([data["mm_embeds"].float(), model.embed(prompt)])
-            hidden, cache = model.prefill(x)
+        hidden = prefill(req.request_id, x)
+        with torch.inference_mode():
             logits = model.lm_head(hidden)
         gen = torch.Generator().manual_seed(options["seed"])
-        req.state.update(cache=cache, gen=gen, options=options, tokens=[])
+        req.state.update(gen=gen, options=options, tokens=[])
         req.state["next"] = sample(logits, options["temperature"], gen, _forbidden(0))
         req.state["hidden"] = hidden
 
@@ -155,9 +245,9 @@ def create_thinker(step_ms: float = 0.0, max_batch_size: int = 16, seed: int = 7
             and len(r.state["tokens"]) < r.state["options"]["max_new_tokens"]
         ]
         if running:
+            tokens = torch.tensor([r.state["next"] for r in running])
+            hidden = decode([r.request_id for r in running], tokens)
             with torch.inference_mode():
-                tokens = torch.tensor([r.state["next"] for r in running])
-                hidden = model.decode(tokens, [r.state["cache"] for r in running])
                 logits = model.lm_head(hidden)
             for i, req in enumerate(running):
                 st = req.state
@@ -168,6 +258,7 @@ def create_thinker(step_ms: float = 0.0, max_batch_size: int = 16, seed: int = 7
             if req in running:
                 out.append(ARStep())
                 continue
+            caches.pop(req.request_id, None)  # followers drop theirs at the next decode
             made = [t for t in req.state["tokens"] if t != EOS]
             reason = "eos" if req.state["tokens"][-1] == EOS else "length"
             out.append(ARStep(finished=True, result={"tokens": made, "finish_reason": reason}))

@@ -5,11 +5,14 @@ UNAVAILABLE within a second, and the launcher restarts the group, which serves a
 from __future__ import annotations
 
 import os
+import shutil
 import signal
 import threading
 import time
 from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -19,6 +22,8 @@ from omnirail.client.sdk import Client
 from omnirail.ops.launcher import Mesh
 from omnirail.wire.errors import Code, OmniError
 from tests.integration.conftest import PIPELINES, start_mesh
+
+DEMO = Path(__file__).resolve().parents[2] / "examples" / "omni_demo"
 
 pytestmark = pytest.mark.slow  # ~20-40 s: two meshes, a group restart
 
@@ -116,3 +121,39 @@ def test_two_ranks_on_two_gpus_give_what_one_gives(
         want = a.generate({"seed": 7, "rows": 6}).output
     assert got["ranks"] == 2
     torch.testing.assert_close(got["y"], want["y"], rtol=1e-4, atol=1e-4)
+
+
+def _demo_copy(where: Path, tp_size: int) -> Path:
+    """examples/omni_demo in `where` with its thinker on `tp_size` ranks."""
+    shutil.copytree(DEMO, where, ignore=shutil.ignore_patterns("__pycache__"))
+    cfg = yaml.safe_load((DEMO / "pipeline.yaml").read_text())
+    for stage in cfg["stages"]:
+        if stage["name"] == "thinker":
+            stage["tp_size"] = tp_size
+    path = where / "pipeline.yaml"
+    path.write_text(yaml.safe_dump(cfg, sort_keys=False))
+    return path
+
+
+def test_the_demo_thinker_sharded_over_two_ranks_says_the_same(tmp_path: Path) -> None:
+    """The omni demo's thinker (a toy transformer with KV caches under continuous
+    batching) with its heads and MLPs split over two ranks: the same words and audio as
+    on one rank, for requests alone and together."""
+    inputs = [
+        {"text": f"tell me a story {i}", "max_new_tokens": 6 + 4 * i, "seed": i, "temperature": 0}
+        for i in range(4)
+    ]
+    outputs: dict[int, list[Any]] = {}
+    for tp_size in (1, 2):
+        with Mesh(_demo_copy(tmp_path / f"tp{tp_size}", tp_size)) as mesh:
+            if tp_size == 2:
+                assert {"stage-thinker_tp0", "stage-thinker_tp1"} <= set(mesh.processes())
+            with Client(mesh.address or "", timeout=120) as client:
+                alone = [client.generate(x).outputs for x in inputs]
+                with ThreadPoolExecutor(len(inputs)) as pool:
+                    together = list(pool.map(lambda x: client.generate(x).outputs, inputs))
+            assert together == alone
+            outputs[tp_size] = alone
+    for one, two in zip(outputs[1], outputs[2], strict=True):
+        assert two["decode"]["text"] == one["decode"]["text"]
+        assert two["code2wav"]["samples"] == one["code2wav"]["samples"]
