@@ -7,6 +7,7 @@ to end (the point of continuous batching over the fixed batches of `SimpleSchedu
 
 from __future__ import annotations
 
+import logging
 import queue
 from collections import deque
 from collections.abc import Callable
@@ -14,6 +15,8 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from omnirail.stage_service.scheduler import IncomingMessage, OutgoingMessage, ThreadScheduler
+
+log = logging.getLogger(__name__)
 
 # How long the loop waits for news when every running request is held back by its
 # consumer: short, since the outbox has no signal for "chunks drained" to wait on.
@@ -91,12 +94,16 @@ class ARStep:
 
 StepFn = Callable[[list[ARRequest]], list[ARStep]]
 InitFn = Callable[[ARRequest], None]
+EndFn = Callable[[str], None]
 
 
 class ARScheduler(ThreadScheduler):
     """Steps up to `max_batch_size` requests together; the rest wait in arrival order.
 
-    `init_fn(request)` runs once as a request joins the batch (prefill). A request with
+    `init_fn(request)` runs once as a request joins the batch (prefill); `end_fn(request_id)`
+    once as it leaves for any reason (finished, failed, aborted), on the compute thread
+    in order with steps: the place to free what init_fn made outside `request.state`
+    (caches a tensor-parallel stage keeps on every rank). A request with
     `max_unsent` or more chunks still unsent in the outbox sits out steps until its
     consumer catches up, so one slow client does not stall the batch.
 
@@ -114,6 +121,7 @@ class ARScheduler(ThreadScheduler):
         max_batch_size: int = 32,
         max_unsent: int = 16,
         init_fn: InitFn | None = None,
+        end_fn: EndFn | None = None,
         hold_inputs: bool = False,
         name: str = "ar",
     ) -> None:
@@ -126,6 +134,7 @@ class ARScheduler(ThreadScheduler):
             raise ValueError(f"max_unsent must be >= 1, got {max_unsent}")
         self._step_fn = step_fn
         self._init_fn = init_fn
+        self._end_fn = end_fn
         self.max_batch_size = max_batch_size
         self.max_unsent = max_unsent
         # Every known request, running or waiting, so input reaches waiting ones too.
@@ -134,6 +143,8 @@ class ARScheduler(ThreadScheduler):
         self._waiting: deque[ARRequest] = deque()
         self._parked: set[str] = set()  # running, but waiting for input
         self._abort_queue: deque[str] = deque()
+        # Requests admitted (init_fn started) and not yet removed: end_fn is owed them.
+        self._admitted: set[str] = set()
 
     def abort(self, request_id: str) -> None:
         super().abort(request_id)
@@ -219,6 +230,7 @@ class ARScheduler(ThreadScheduler):
             rid = req.request_id
             if self._live.get(rid) is not req:  # removed while waiting (abort, duplicate)
                 continue
+            self._admitted.add(rid)
             if self._init_fn is not None:
                 try:
                     self._init_fn(req)
@@ -285,6 +297,13 @@ class ARScheduler(ThreadScheduler):
             req.release_inputs()
         self._running.pop(rid, None)
         self._parked.discard(rid)
+        if rid in self._admitted:
+            self._admitted.discard(rid)
+            if self._end_fn is not None:
+                try:
+                    self._end_fn(rid)
+                except Exception:  # the request is gone either way
+                    log.exception("%s: end_fn failed for %s", self.name, rid)
 
     def _fail(self, rids: list[str], exc: Exception) -> None:
         errors = [OutgoingMessage(r, "error", exc) for r in rids if r not in self.aborted]

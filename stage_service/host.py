@@ -225,6 +225,7 @@ class StageHost(mesh_pb2_grpc.StageServicer):
             task.cancel()
         await asyncio.gather(*self._tasks, return_exceptions=True)
         if self.tp is not None:
+            self.tp.on_broken = None  # stopping anyway: a follower gone first is no news
             await asyncio.to_thread(self.tp.stop_followers)
         for stage in self.stages.values():
             await stage.stop()

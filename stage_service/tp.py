@@ -169,7 +169,10 @@ class TensorParallel:
             self.broken = why
             log.error("stage %s: tensor-parallel group broke: %s", self.stage, why)
             if self.on_broken is not None:
-                self.on_broken()
+                try:
+                    self.on_broken()
+                except Exception:  # e.g. the stage's loop already closed at shutdown
+                    log.exception("stage %s: reporting the broken group failed", self.stage)
 
     def stop_followers(self) -> None:
         """Rank 0: tells the followers to leave their loop (the stage stops)."""

@@ -204,15 +204,18 @@ def create_thinker(
         return hidden
 
     def decode(rids: list[str], tokens: torch.Tensor) -> torch.Tensor:
-        # Requests not in this step have ended (finished or aborted) on rank 0.
-        for rid in [r for r in caches if r not in rids]:
-            del caches[rid]
         with torch.inference_mode():
             return model.decode(tokens, [caches[r] for r in rids])
 
-    # Every rank runs these on the arguments rank 0 gives (a follower only ever does).
+    def forget(rid: str) -> None:
+        caches.pop(rid, None)
+
+    # Every rank runs these on the arguments rank 0 gives (a follower only ever does). A
+    # step's batch is not every live request (one may sit out while its consumer lags),
+    # so caches go only when the scheduler says a request ended (end_fn).
     prefill = tp.shared("prefill", prefill)
     decode = tp.shared("decode", decode)
+    forget = tp.shared("forget", forget)
 
     def init(req: ARRequest) -> None:
         data = req.data
@@ -258,7 +261,6 @@ def create_thinker(
             if req in running:
                 out.append(ARStep())
                 continue
-            caches.pop(req.request_id, None)  # followers drop theirs at the next decode
             made = [t for t in req.state["tokens"] if t != EOS]
             reason = "eos" if req.state["tokens"][-1] == EOS else "length"
             out.append(ARStep(finished=True, result={"tokens": made, "finish_reason": reason}))
@@ -266,4 +268,6 @@ def create_thinker(
             time.sleep(max(0.0, step_ms / 1000.0 - (time.perf_counter() - started)))
         return out
 
-    return ARScheduler(step, init_fn=init, max_batch_size=max_batch_size, name="thinker")
+    return ARScheduler(
+        step, init_fn=init, end_fn=forget, max_batch_size=max_batch_size, name="thinker"
+    )

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import threading
+
 import numpy as np
 import pytest
 import torch
@@ -178,3 +180,35 @@ def test_code2wav_audio_is_continuous_across_chunks() -> None:
     split = torch.cat([voc._synthesize(pieces, params[:2]), voc._synthesize(pieces, params[2:])])
     torch.testing.assert_close(split, at_once, atol=2e-4, rtol=0)
     assert abs(float(at_once[0])) < 1e-3  # fades in from silence, no click at the start
+
+
+def test_a_request_sitting_out_steps_keeps_its_cache() -> None:
+    """The thinker's KV caches live outside the batch (so tensor-parallel ranks can keep
+    theirs): a request held back while its consumer lags must find its cache when it
+    rejoins, and say what it says alone."""
+    from omnirail.stage_service.scheduler import IncomingMessage
+    from tests.unit.stage_service.scheduler_support import Collector
+
+    alone = _generate(thinker.create_thinker(), [ARRequest("slow", _prompt("wait for me", 4))])
+    sched = thinker.create_thinker()
+    lagging = threading.Event()
+    lagging.set()
+
+    def unsent(rid: str | None = None) -> int:
+        # "slow"'s consumer lags until told otherwise; every other keeps up (no stage
+        # here marks chunks sent).
+        return 10**6 if rid == "slow" and lagging.is_set() else 0
+
+    sched.outbox.unsent = unsent  # type: ignore[method-assign]
+    out = Collector(sched.outbox)
+    sched.inbox.put(IncomingMessage("slow", "new_request", _prompt("wait for me", 4)))
+    sched.inbox.put(IncomingMessage("fast", "new_request", _prompt("go", 5)))
+    sched.start()
+    try:
+        assert out.final_for("fast").type == "result"
+        lagging.clear()
+        final = out.final_for("slow")
+    finally:
+        sched.stop()
+    assert final.type == "result", final.data
+    assert final.data["tokens"] == alone["slow"][0]

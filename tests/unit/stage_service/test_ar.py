@@ -7,6 +7,7 @@ messages queue up at a known step boundary. No sleeps or timing assertions.
 from __future__ import annotations
 
 import threading
+import time
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -382,3 +383,30 @@ def test_hold_inputs_releases_held_chunks_on_abort() -> None:
         assert sorted(released) == [0, 1, 2]
     finally:
         sched.stop()
+
+
+def test_end_fn_runs_once_for_every_admitted_request_however_it_ends(started) -> None:
+    """Finished, aborted mid-run, failed in init_fn: end_fn once each; a request aborted
+    while it waited was never initialized and gets none."""
+    ended: list[str] = []
+
+    def init_fn(req: ARRequest) -> None:
+        if req.request_id == "bad":
+            raise ValueError("prefill failed")
+
+    rec = Recorder()
+    sched, out = started(rec, init_fn=init_fn, end_fn=ended.append, max_batch_size=2)
+    rec.hold()
+    for rid, steps in (("a", 2), ("b", 500), ("w", 5), ("bad", 1)):
+        sched.inbox.put(new(rid, steps))
+    assert rec.held.wait(TIMEOUT)  # a and b run; w and bad wait for a slot
+    sched.abort("w")
+    rec.release.set()
+    out.final_for("a")
+    sched.abort("b")
+    assert str(out.final_for("bad").data) == "prefill failed"
+    deadline = time.monotonic() + TIMEOUT
+    while sorted(ended) != ["a", "b", "bad"]:
+        assert time.monotonic() < deadline, ended
+        time.sleep(0.01)
+    assert len(ended) == 3 and sched._admitted == set()
