@@ -316,6 +316,46 @@ class Memcpy:
         self.best = max(self.best, n * self.size / (time.perf_counter() - t0) / 1e9)
 
 
+class DeviceCopy:
+    """The same on a GPU: `copy_` between two tensors on `device`, synchronized; the
+    reference for GPU tensors (which `pack` stages through host memory)."""
+
+    def __init__(self, size: int, device: str) -> None:
+        import torch
+
+        self._torch = torch
+        self.size = size
+        self.src = torch.ones(size, dtype=torch.uint8, device=device)
+        self.dst = torch.empty_like(self.src)
+        self.dst.copy_(self.src)
+        torch.cuda.synchronize(device)
+        self.device = device
+        self.best = 0.0
+
+    def measure(self, secs: float) -> None:
+        n, t0 = 0, time.perf_counter()
+        while n < _MIN_TRANSFERS or time.perf_counter() - t0 < secs:
+            self.dst.copy_(self.src)
+            n += 1
+        self._torch.cuda.synchronize(self.device)
+        self.best = max(self.best, n * self.size / (time.perf_counter() - t0) / 1e9)
+
+
+def check_device(device: str) -> str:
+    """`device` if tensors can be made there: "cpu", or "cuda"/"cuda:N" with CUDA present."""
+    if device == "cpu":
+        return device
+    if device != "cuda" and not device.startswith("cuda:"):
+        raise ValueError(f"--device must be cpu, cuda or cuda:N, not {device!r}")
+    import torch
+
+    if not torch.cuda.is_available():
+        raise ValueError(
+            f"--device {device}: torch {torch.__version__} sees no CUDA device on this host"
+        )
+    return device
+
+
 def _read_frame(sock: socket.socket, buf: bytearray) -> Any:
     while True:
         frames = _split_frames(buf)
@@ -359,6 +399,7 @@ async def _bench(
     settings: Any,
     receiver_options: dict,
     receiver_wrap: list[str],
+    device: str = "cpu",
 ) -> dict:
     import torch
 
@@ -393,11 +434,13 @@ async def _bench(
     link = _Link(ours)
     try:
         for size in sizes:
-            value = torch.ones(size, dtype=torch.uint8)
+            value = torch.ones(size, dtype=torch.uint8, device=device)
             # Warm the pool pages and the receiver's mapping before timing.
             await _throughput(link, relay, value, min(0.2, min_seconds))
             best, transfers = 0.0, 0
-            memcpy = Memcpy(size)
+            memcpy: Memcpy | DeviceCopy = (
+                Memcpy(size) if device == "cpu" else DeviceCopy(size, device)
+            )
             for _ in range(repeat):
                 t0 = time.perf_counter()
                 n = await _throughput(link, relay, value, min_seconds)
@@ -429,7 +472,14 @@ async def _bench(
         except subprocess.TimeoutExpired:
             proc.kill()
             proc.wait()
-    return {"backend": backend, "options": settings.options_dict(), "sizes": results}
+    return {
+        "backend": backend,
+        "options": settings.options_dict(),
+        "device": device,
+        # What `memcpy_gbps` and `ratio` compare with: a copy on the tensors' own device.
+        "reference": "memcpy" if device == "cpu" else "device_to_device_copy",
+        "sizes": results,
+    }
 
 
 def run_relay_bench(
@@ -440,8 +490,13 @@ def run_relay_bench(
     options: dict | None = None,
     receiver_options: dict | None = None,
     receiver_wrap: list[str] | None = None,
+    device: str = "cpu",
 ) -> dict:
     """Measures cross-process put->get throughput (GB/s) and latency per payload size.
+
+    `device`: where the sent tensors live ("cuda": GPU tensors, which every backend
+    carries staged through host memory; `ratio` is then against a same-run copy on the
+    GPU).
 
     `options`: RelaySettings.options of both sides; `receiver_options` override them on the
     receiver; `receiver_wrap` prefixes the receiver's command (e.g. `ip netns exec NS`, to
@@ -450,6 +505,7 @@ def run_relay_bench(
     from omnirail.relay.base import RelaySettings
     from omnirail.relay.shm import sweep_segments
 
+    device = check_device(device)
     prefix = f"omnirail-bench{os.getpid()}"
     options = dict(options or {})
     ranks: dict[str, int] = {}
@@ -468,6 +524,7 @@ def run_relay_bench(
                 settings,
                 dict(receiver_options or {}),
                 list(receiver_wrap or []),
+                device,
             )
         )
     finally:

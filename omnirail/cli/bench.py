@@ -74,6 +74,7 @@ def _run(args: argparse.Namespace) -> dict[str, Any]:
             options=_parse_options(args.option),
             receiver_options=_parse_options(args.receiver_option),
             receiver_wrap=shlex.split(args.receiver_wrap or ""),
+            device=args.device,
         )
     elif args.what == "host":
         from omnirail.bench.host_bench import run_host_bench
@@ -225,6 +226,12 @@ def add_bench_parser(sub: Any) -> None:
         type=int,
         default=1,
         help="omni: torch threads of the transformers baseline (the mesh's stages use 1 each)",
+    )
+    b.add_argument(
+        "--device",
+        default="cpu",
+        help="relay: where the sent tensors live (cpu, cuda, cuda:N); with a GPU, ratio is "
+        "against a same-run copy on it",
     )
     b.add_argument(
         "--fused",

@@ -461,9 +461,28 @@ def test_bench_relay_untuned_and_a_bad_wake_latency() -> None:
     assert proc.returncode == 0, explain(proc)
     report = json.loads(proc.stdout)
     assert report["sizes"]["4096"]["gbps"] > 0
+    assert (report["device"], report["reference"]) == ("cpu", "memcpy")
     assert report["cpu_wake_latency"] == {"requested_us": None, "held": False}
     bad = omnirail("bench", "relay", "--cpu-wake-latency-us", "-1")
     assert bad.returncode == 2 and "must be 0..1000000 µs, got -1" in bad.stderr, explain(bad)
+
+
+def test_bench_relay_device() -> None:
+    """GPU tensors through the relay, against a same-run copy on the GPU; a host without
+    CUDA is told so."""
+    import torch
+
+    if not torch.cuda.is_available():
+        proc = omnirail("bench", "relay", "--device", "cuda", "--json")
+        assert proc.returncode == 2 and "sees no CUDA device" in proc.stderr, explain(proc)
+    else:
+        proc = omnirail("bench", "relay", "--device", "cuda", "--sizes", "1048576", "--json")
+        assert proc.returncode == 0, explain(proc)
+        report = json.loads(proc.stdout)
+        assert (report["device"], report["reference"]) == ("cuda", "device_to_device_copy")
+        assert report["sizes"]["1048576"]["gbps"] > 0
+    bad = omnirail("bench", "relay", "--device", "gpu")
+    assert bad.returncode == 2 and "--device must be cpu, cuda or cuda:N" in bad.stderr
 
 
 def test_bench_host_json() -> None:
