@@ -78,6 +78,8 @@ def cmd_up(args: argparse.Namespace) -> int:
         )
         print(address, flush=True)
         while not stop:
+            # Stage processes restart on their own (or stay down past their budget while
+            # the rest serves); the coordinator's exit ends the mesh.
             exited = mesh.poll_exited()
             if exited:
                 for who, code in exited:
@@ -478,8 +480,10 @@ def build_parser() -> argparse.ArgumentParser:
     s.set_defaults(fn=cmd_stage)
 
     from omnirail.cli.compose import add_compose_parser
+    from omnirail.cli.status import add_status_parser
 
     add_compose_parser(sub)
+    add_status_parser(sub)
 
     t = sub.add_parser("trace", help="print a request's span waterfall from a local mesh")
     t.add_argument("request_id")

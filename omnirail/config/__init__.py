@@ -17,6 +17,7 @@ from omnirail.config.models import (
     MetricsConfig,
     PipelineConfig,
     RelayConfig,
+    RestartConfig,
     StageConfig,
     StreamConfig,
 )
@@ -29,6 +30,7 @@ __all__ = [
     "MetricsConfig",
     "PipelineConfig",
     "RelayConfig",
+    "RestartConfig",
     "StageConfig",
     "StreamConfig",
     "format_topology",

@@ -123,6 +123,17 @@ class MetricsConfig(_Model):
     stage_port: int = Field(0, ge=0, le=65535)
 
 
+class RestartConfig(_Model):
+    """How `omnirail up` restarts a stage process that exits (omnirail/ops/supervise.py):
+    at most `max` restarts within `window_s` (0: never), the first after `backoff_s`,
+    each next one twice as late, up to `backoff_max_s`."""
+
+    max: int = Field(5, ge=0)
+    window_s: float = Field(60.0, gt=0)
+    backoff_s: float = Field(0.5, ge=0)
+    backoff_max_s: float = Field(10.0, ge=0)
+
+
 class StreamConfig(_Model):
     """Flow control of the stream edges out of a stage, and how it takes early chunks."""
 
@@ -180,6 +191,9 @@ class StageConfig(_Model):
     relay_to: dict[str, RelayConfig] = {}
     replicas: int = Field(1, ge=1)
     torch_threads: int = Field(1, ge=1)
+    # Restarts of the stage's process when it exits (stages sharing a process: the first
+    # stage's applies).
+    restart: RestartConfig = RestartConfig()
     # CPUs the stage's process is pinned to (every thread), as a list or "0-3,6". Stages
     # sharing a process: the union of theirs. None: wherever the OS schedules it.
     cpus: CpuList = None

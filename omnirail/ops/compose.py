@@ -234,6 +234,7 @@ def _stage_service(
         service["ipc"] = f"service:{ipc.owner}"
         depends[ipc.owner] = {"condition": "service_started"}
     service["depends_on"] = depends
+    service["restart"] = svc.restart
     if svc.gpus:
         device = {"driver": "nvidia", "device_ids": [str(g) for g in svc.gpus]}
         device["capabilities"] = ["gpu"]

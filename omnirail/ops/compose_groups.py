@@ -9,7 +9,7 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass
 
-from omnirail.config import PipelineConfig
+from omnirail.config import PipelineConfig, RestartConfig
 from omnirail.config.graph import join_groups
 from omnirail.ops.plan import plan_processes
 
@@ -34,6 +34,7 @@ class StageService:
     stages: tuple[str, ...]
     replica: int | None = None  # None when the group has one replica
     gpus: tuple[int, ...] = ()
+    restart: str = "no"  # compose's restart policy (`restart_policy`)
 
 
 @dataclass(frozen=True)
@@ -54,6 +55,14 @@ def dns_label(name: str) -> str:
             "letters, digits and inner '-', at most 63); rename it"
         )
     return label
+
+
+def restart_policy(restart: RestartConfig) -> str:
+    """The container runtime's version of a stage's `restart`: restart on failure, at
+    most `max` times (the runtime counts every retry, with its own backoff, where
+    `omnirail up` counts them per `window_s`); `max: 0`, never. A container stopped on
+    purpose (`compose stop`, `podman kill`) is not restarted."""
+    return f"on-failure:{restart.max}" if restart.max > 0 else "no"
 
 
 def plan_services(cfg: PipelineConfig) -> list[StageService]:
@@ -79,7 +88,8 @@ def plan_services(cfg: PipelineConfig) -> list[StageService]:
                 "rename one (service names are lower case, '_' becomes '-')"
             )
         taken[name] = owner
-        services.append(StageService(name, p.group, p.stages, p.replica, p.gpus))
+        policy = restart_policy(cfg.stage(p.stages[0]).restart)
+        services.append(StageService(name, p.group, p.stages, p.replica, p.gpus, policy))
     return services
 
 

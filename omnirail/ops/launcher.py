@@ -25,7 +25,7 @@ from pathlib import Path
 
 from omnirail.config import PipelineConfig, load_pipeline
 from omnirail.ops.plan import StageProcess, plan_processes
-from omnirail.ops.tp_groups import RankGroups
+from omnirail.ops.supervise import Supervisor
 from omnirail.telemetry import SPAN_DIR_ENV
 from omnirail.tuning.cpu_latency import CpuWakeLatency, check_us, try_hold
 from omnirail.tuning.cpus import available_cpus, format_cpus, spread
@@ -103,7 +103,7 @@ class Mesh:
         self.shm_prefix = f"omnirail-{self.run_id}"
         self._progress = progress or (lambda msg: None)
         self._children: list[_Child] = []
-        self._rank_groups = RankGroups(self._spawn_rank, self._progress)
+        self._supervisor = Supervisor(self._spawn_stage, self._progress, self._write_status)
         self._stage_flags: dict[str, list[str]] = {}
         self.address: str | None = None
 
@@ -190,19 +190,32 @@ class Mesh:
                 raise OmniError(Code.UNAVAILABLE, f"coordinator did not start in {timeout:g}s")
             time.sleep(0.02)
         self.address = ready_file.read_text().strip()
-        groups: dict[str, list[StageProcess]] = {}
+        # Units the supervisor restarts: each stage process, and each TP rank group whole.
+        units: dict[str, list[StageProcess]] = {}
         for p in planned:
-            if p.tp_rank is None:
-                self._spawn_stage(p)
-            else:
-                groups.setdefault(p.replica_name, []).append(p)
-        for name, ranks in groups.items():
-            self._rank_groups.start_group(name, ranks)
+            units.setdefault(p.replica_name if p.tp_rank is not None else p.name, []).append(p)
+        for name, members in units.items():
+            policy = self.pipeline.stage(members[0].stages[0]).restart
+            self._supervisor.start_unit(f"stage-{name}", members, policy)
         self._wait_ready(deadline)
-        self._rank_groups.watch()
+        self._supervisor.watch()
+        self._write_status()
         return self.address
 
-    def _spawn_stage(self, p: StageProcess, tp: list[str] | None = None) -> _Child:
+    @property
+    def status_file(self) -> Path:
+        """Each stage process's pid, state, restarts and last exit (`omnirail status`)."""
+        return self.run_dir / "processes.json"
+
+    def status(self) -> dict[str, dict[str, object]]:
+        return self._supervisor.snapshot()
+
+    def _write_status(self) -> None:
+        tmp = self.status_file.with_suffix(".tmp")
+        tmp.write_text(json.dumps(self._supervisor.snapshot()))
+        os.replace(tmp, self.status_file)
+
+    def _spawn_stage(self, p: StageProcess, tp_init: str | None = None) -> _Child:
         name = f"stage-{p.name}"
         self._progress(f"starting process {name!r}: stages {', '.join(p.stages)}")
         assert self.address is not None
@@ -219,14 +232,10 @@ class Mesh:
             "--shm-prefix",
             self.shm_prefix,
             *self._stage_flags.get(name, []),
-            *(tp or []),
         ]
+        if tp_init is not None:  # one rank of a tensor-parallel stage
+            args += ["--tp-rank", str(p.tp_rank), "--tp-init", tp_init]
         return self._spawn(name, args)
-
-    def _spawn_rank(self, p: StageProcess, init_method: str) -> _Child:
-        """One rank process of a tensor-parallel stage (`RankGroups` restarts them)."""
-        flags = ["--tp-rank", str(p.tp_rank), "--tp-init", init_method]
-        return self._spawn_stage(p, flags)
 
     def _hold_wake_latency(self) -> list[str]:
         """Holds the wake-latency bound here too, so that a host refusing it is reported
@@ -297,19 +306,20 @@ class Mesh:
         return {c.name: c.proc.pid for c in self._children}
 
     def poll_exited(self) -> list[tuple[str, int]]:
-        """Processes that exited, except ranks of tensor-parallel groups, which restart
-        on their own (`RankGroups`) until their budget runs out."""
-        with self._rank_groups.lock:
+        """Processes that exited and are nobody's to restart: the coordinator (stage
+        processes are the supervisor's, which restarts them or, past their budget, leaves
+        them down while the rest serves)."""
+        with self._supervisor.lock:
             return [
                 (c.name, c.proc.returncode)
                 for c in self._children
-                if c.proc.poll() is not None and not self._rank_groups.owns(c)
+                if c.proc.poll() is not None and not self._supervisor.owns(c)
             ]
 
     # ---- stop ------------------------------------------------------------------
 
     def stop(self, grace: float = 5.0) -> None:
-        self._rank_groups.stop()  # no restarts while everything stops
+        self._supervisor.stop()  # no restarts while everything stops
         stages = [c for c in self._children if c.name != "coordinator"]
         coordinator = [c for c in self._children if c.name == "coordinator"]
         for batch in (stages, coordinator):

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import os
 import random
+import signal
 import threading
 import time
 import urllib.parse
@@ -195,3 +196,27 @@ def test_shm_edges_share_one_ipc_namespace(project: Project) -> None:
     assert any(n.startswith("omnirail-preprocessing") for n in encoders.split()), encoders
     thinker = project.podman("exec", f"{project.name}_thinker_1", "ls", "/dev/shm")
     assert not any(n.startswith("omnirail-preprocessing") for n in thinker.split()), thinker
+
+
+def test_a_stage_whose_process_dies_is_restarted_by_its_policy(project: Project) -> None:
+    """The generated file gives stages `restart: on-failure:N`: a stage process that dies
+    (not a container stopped on purpose) comes back by itself and serves again."""
+    container = f"{project.name}_talker_1"
+    policy = project.podman("inspect", "-f", "{{.HostConfig.RestartPolicy.Name}}", container)
+    assert policy.strip() == "on-failure", policy
+    pid = int(project.podman("inspect", "-f", "{{.State.Pid}}", container).strip())
+    os.kill(pid, signal.SIGKILL)  # the stage process itself, from the host
+    with Client(ADDRESS, timeout=120, tensors="numpy") as client:
+
+        def served() -> bool:
+            chunks, result = _stream(client, {"text": "back by itself", "max_new_tokens": 5})
+            _check(chunks, result.outputs)
+            return True
+
+        try:
+            wait_for(served, 180, "a request served after the talker restarted", interval=1.0)
+        except BaseException:
+            print(project.logs())
+            raise
+    restarts = project.podman("inspect", "-f", "{{.RestartCount}}", container).strip()
+    assert int(restarts) >= 1, restarts

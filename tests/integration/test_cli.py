@@ -297,6 +297,33 @@ def test_up_detached_generate_down() -> None:
         missing = omnirail("trace", "no-such-request", "--name", name, timeout=QUICK_TIMEOUT)
         assert missing.returncode == 1 and "no-such-request" in missing.stderr
 
+        # A stage killed under `up` is restarted; `status` shows it, and it serves again.
+        status = omnirail("status", "--name", name, "--json", timeout=QUICK_TIMEOUT)
+        processes = json.loads(status.stdout)[name]["processes"]
+        assert {p["state"] for p in processes.values()} == {"running"}, processes
+        os.kill(processes["stage-fuse"]["pid"], signal.SIGKILL)
+        deadline = time.monotonic() + 90
+        while True:
+            status = omnirail("status", "--name", name, "--json", timeout=QUICK_TIMEOUT)
+            fuse = json.loads(status.stdout)[name]["processes"]["stage-fuse"]
+            if fuse["state"] == "running" and fuse["restarts"] == 1:
+                break
+            assert time.monotonic() < deadline, fuse
+            time.sleep(0.2)
+        assert fuse["last_exit"]["code"] == -signal.SIGKILL
+        children = mesh_processes(launcher)
+        found.pids = [launcher, *children]
+        while True:
+            gen = omnirail("generate", "--address", address, "--input", '{"text": "hi"}')
+            if gen.returncode == 0:
+                break
+            assert time.monotonic() < deadline, explain(gen)
+            time.sleep(0.3)
+        check_quickstart_outputs(json.loads(gen.stdout))
+        table = omnirail("status", timeout=QUICK_TIMEOUT)
+        assert table.returncode == 0 and "RESTARTS" in table.stdout, explain(table)
+        assert "stage-fuse" in table.stdout and "code -9" in table.stdout
+
         down = omnirail("down", "--name", name, timeout=QUICK_TIMEOUT)
         assert down.returncode == 0, explain(down)
         assert f"stopped {name}" in down.stdout

@@ -1,4 +1,6 @@
-"""Garbage on a Deliver stream, and a stage process that dies mid-request."""
+"""Garbage on a Deliver stream, and a stage process that dies mid-request: its requests fail
+with UNAVAILABLE, and the launcher restarts it (or, with no restarts left, leaves it down
+while the mesh keeps answering)."""
 
 from __future__ import annotations
 
@@ -6,16 +8,19 @@ import os
 import signal
 import threading
 import time
+from pathlib import Path
 
 import grpc
 import pytest
+import yaml
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from omnirail.client.sdk import Client
+from omnirail.ops.launcher import Mesh
 from omnirail.v1 import common_pb2, mesh_pb2, mesh_pb2_grpc
 from omnirail.wire.errors import Code, OmniError
 from omnirail.wire.payload import encode_inline
-from tests.integration.conftest import shm_names, start_mesh
+from tests.integration.conftest import PIPELINES, shm_names, start_mesh
 
 
 def _stage_address(client: Client, stage: str) -> str:
@@ -95,34 +100,81 @@ def test_garbage_on_deliver_fails_items_not_the_stage() -> None:
         mesh.stop()
 
 
-def test_killed_stage_fails_inflight_requests_unavailable() -> None:
+def _kill_mid_request(mesh: Mesh, client: Client) -> tuple[int, float]:
+    """Three 20 s requests at `double`, then SIGKILL of its process: each fails with
+    UNAVAILABLE naming the stage, well before its compute or deadline would end it."""
+    errors: list[OmniError] = []
+    started = time.monotonic()
+
+    def run() -> None:
+        try:
+            client.generate({"n": 4, "sleep": 20}, timeout=60)
+        except OmniError as exc:
+            errors.append(exc)
+
+    threads = [threading.Thread(target=run) for _ in range(3)]
+    for t in threads:
+        t.start()
+    time.sleep(1.0)
+    pid = mesh.processes()["stage-double"]
+    os.kill(pid, signal.SIGKILL)
+    for t in threads:
+        t.join(30)
+    assert [e.code for e in errors] == [Code.UNAVAILABLE] * 3
+    assert all(e.stage == "double" for e in errors)
+    assert time.monotonic() - started < 15  # well before the 20 s compute / 60 s deadline
+    return pid, started
+
+
+def test_killed_stage_fails_inflight_requests_and_is_restarted() -> None:
     mesh = start_mesh("linear")
     try:
         with Client(mesh.address or "", timeout=60) as client:
-            errors: list[OmniError] = []
-            started = time.monotonic()
-
-            def run() -> None:
+            pid, _ = _kill_mid_request(mesh, client)
+            # The launcher starts it again; it registers and serves with no one asking.
+            deadline = time.monotonic() + 90
+            while True:
                 try:
-                    client.generate({"n": 4, "sleep": 20}, timeout=60)
+                    out = client.generate({"n": 4}, timeout=10).output
+                    break
                 except OmniError as exc:
-                    errors.append(exc)
+                    assert exc.code == Code.UNAVAILABLE, exc
+                    assert time.monotonic() < deadline, mesh.log_tails()
+                    time.sleep(0.2)
+            assert out["sum"] == 12.0 and out["pid"] != pid
+        status = mesh.status()["stage-double"]
+        assert (status["state"], status["restarts"]) == ("running", 1)
+        assert status["last_exit"]["code"] == -signal.SIGKILL
+        assert mesh.poll_exited() == []
+    finally:
+        mesh.stop()
+    assert shm_names(mesh.shm_prefix) == []
 
-            threads = [threading.Thread(target=run) for _ in range(3)]
-            for t in threads:
-                t.start()
-            time.sleep(1.0)
-            os.kill(mesh.processes()["stage-double"], signal.SIGKILL)
-            for t in threads:
-                t.join(30)
-            assert [e.code for e in errors] == [Code.UNAVAILABLE] * 3
-            assert all(e.stage == "double" for e in errors)
-            assert time.monotonic() - started < 15  # well before the 20 s compute / 60 s deadline
+
+def test_a_stage_out_of_restarts_stays_down_and_the_mesh_keeps_answering(
+    tmp_path: Path,
+) -> None:
+    cfg = yaml.safe_load((PIPELINES / "linear.yaml").read_text())
+    cfg["stages"][1]["restart"] = {"max": 0}
+    path = tmp_path / "pipeline.yaml"
+    path.write_text(yaml.safe_dump(cfg))
+    mesh = Mesh(path)
+    mesh.start(timeout=240)
+    try:
+        with Client(mesh.address or "", timeout=60) as client:
+            _kill_mid_request(mesh, client)
             # New requests are refused at once while the stage is gone.
             with pytest.raises(OmniError) as info:
                 client.generate({"n": 1})
             assert info.value.code == Code.UNAVAILABLE
             assert "double" in info.value.message
+        deadline = time.monotonic() + 10
+        while mesh.status()["stage-double"]["state"] != "stopped":
+            assert time.monotonic() < deadline, mesh.status()
+            time.sleep(0.05)
+        assert mesh.poll_exited() == []  # the coordinator and the other stages run on
+        with Client(mesh.address or "", timeout=60) as client:
+            assert client.describe().stages  # the coordinator still answers
     finally:
         mesh.stop()
     assert shm_names(mesh.shm_prefix) == []

@@ -250,6 +250,9 @@ def test_gpus_inline_and_options(tmp_path: Path) -> None:
     # The container sees its one GPU as device 0; the stage maps config id 1 through this.
     assert svc["a"]["environment"]["OMNIRAIL_GPUS"] == "1"
     assert "deploy" not in svc["b"] and "OMNIRAIL_GPUS" not in svc["b"]["environment"]
+    # Stages restart on failure, as many times as `restart.max` allows (default 5).
+    assert svc["a"]["restart"] == svc["b"]["restart"] == "on-failure:5"
+    assert "restart" not in svc["coordinator"]
     assert svc["a"]["image"] == "reg/omni:1" and svc["coordinator"]["image"] == "reg/omni:1"
     assert (svc["jaeger"]["image"], svc["prometheus"]["image"]) == ("j:1", "p:1")
     assert svc["coordinator"]["ports"] == ["6001:50051"]

@@ -63,3 +63,17 @@ def test_compose_services_are_the_planned_processes() -> None:
     assert [(s.group, s.stages, s.replica) for s in services] == [
         (p.group, p.stages, p.replica) for p in plan_processes(cfg)
     ]
+
+
+def test_compose_services_restart_as_their_stage_says() -> None:
+    cfg = PipelineConfig.from_dict(
+        {
+            "name": "p",
+            "stages": [
+                {"name": "a", "factory": "x:y", "next": "b", "restart": {"max": 2}},
+                {"name": "b", "factory": "x:y", "terminal": True, "restart": {"max": 0}},
+            ],
+        },
+        resolve=False,
+    )
+    assert [s.restart for s in plan_services(cfg)] == ["on-failure:2", "no"]
