@@ -162,6 +162,7 @@ class AsyncSession:
         self._futures: dict[str, asyncio.Future[client_pb2.SessionEvent]] = {}
         self._streams: dict[str, asyncio.Queue[client_pb2.SessionEvent | OmniError]] = {}
         self.broken = False
+        self._closing = False
         loop = asyncio.get_running_loop()
         self._reader = loop.create_task(self._read())
         self._writer = loop.create_task(self._write())
@@ -194,15 +195,25 @@ class AsyncSession:
                         future.set_result(event)
         except grpc.RpcError as exc:
             error = exc
+        finally:
+            # Also when the read is cancelled (`close()` cancels the call, and grpc.aio
+            # then raises CancelledError here): nothing may be left waiting.
+            self._end(error)
+
+    def _end(self, error: BaseException | None) -> None:
         self.broken = True
         self._writer.cancel()
         waiting, self._futures = self._futures, {}
         streams, self._streams = self._streams, {}
+        if self._closing:
+            ended = OmniError(Code.CANCELLED, "the client was closed")
+        else:
+            ended = _broken(error)
         for future in waiting.values():
             if not future.done():
-                future.set_exception(_broken(error))
+                future.set_exception(ended)
         for stream in streams.values():
-            stream.put_nowait(_broken(error))
+            stream.put_nowait(ended)
 
     def send(self, request: client_pb2.GenerateRequest) -> asyncio.Future[client_pb2.SessionEvent]:
         future: asyncio.Future[client_pb2.SessionEvent] = asyncio.get_running_loop().create_future()
@@ -234,6 +245,8 @@ class AsyncSession:
         self._wake.set()
 
     async def close(self) -> None:
+        """Ends the session; requests still waiting on it end with CANCELLED."""
+        self._closing = True
         self._writer.cancel()
         self._call.cancel()
         for task in (self._writer, self._reader):

@@ -279,3 +279,40 @@ def test_generate_rpc_streams_chunks_then_result_and_cancel_aborts(streaming_mes
         while client.status("rpc-cancel").state != "aborted":
             assert time.monotonic() < deadline, client.status("rpc-cancel")
             time.sleep(0.02)
+
+
+def test_closing_the_async_client_ends_the_streams_being_read(streaming_mesh: Mesh) -> None:
+    """`AsyncClient.close()` while streams are read: each ends at once with CANCELLED (it
+    used to wait for its timeout, then say DEADLINE_EXCEEDED)."""
+
+    async def main() -> list[BaseException | None]:
+        client = AsyncClient(streaming_mesh.address or "", timeout=120)
+        started = asyncio.Event()
+        firsts = 0
+
+        async def read(i: int) -> BaseException | None:
+            nonlocal firsts
+            try:
+                async for event in client.stream({"n": 500, "step_ms": 10}, request_id=f"cl-{i}"):
+                    if isinstance(event, Chunk) and event.chunk_id == 0:
+                        firsts += 1
+                        if firsts == 3:
+                            started.set()
+            except OmniError as exc:
+                return exc
+            return None
+
+        readers = [asyncio.create_task(read(i)) for i in range(3)]
+        await asyncio.wait_for(started.wait(), 60)
+        t0 = time.monotonic()
+        await client.close()
+        ended = await asyncio.wait_for(asyncio.gather(*readers), 10)
+        assert time.monotonic() - t0 < 5
+        return ended
+
+    ended = asyncio.run(main())
+    assert all(isinstance(e, OmniError) and e.code == Code.CANCELLED for e in ended), ended
+    # The mesh aborts what the closed session had running; a new client is served.
+    with Client(streaming_mesh.address or "", timeout=60) as client:
+        chunks, _ = collect_stream(client.stream({"n": 9}))
+    assert len(chunks) == len(_windows(9, 4, 2))
