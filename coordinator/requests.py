@@ -123,3 +123,30 @@ class RequestTable:
         for rec in (*self.live.values(), *self._finished.values()):
             counts[State.Name(rec.state).lower()] += 1
         return counts
+
+
+class EarlyAborts:
+    """Request ids aborted before the coordinator knew them, remembered for `ttl_s` (at
+    most `limit` of them): an Abort can overtake its request's start (they travel on
+    different calls), and the start that comes after must not run."""
+
+    def __init__(self, ttl_s: float = 30.0, limit: int = 10_000) -> None:
+        self._ttl_s = ttl_s
+        self._limit = limit
+        self._ids: OrderedDict[str, tuple[float, str]] = OrderedDict()
+
+    def add(self, request_id: str, reason: str) -> None:
+        now = time.monotonic()
+        self._ids[request_id] = (now + self._ttl_s, reason)
+        self._ids.move_to_end(request_id)
+        while self._ids and (
+            len(self._ids) > self._limit or next(iter(self._ids.values()))[0] < now
+        ):
+            self._ids.popitem(last=False)
+
+    def take(self, request_id: str) -> str | None:
+        """The abort's reason if `request_id` was aborted early (and is not any more)."""
+        found = self._ids.pop(request_id, None)
+        if found is None or found[0] < time.monotonic():
+            return None
+        return found[1]

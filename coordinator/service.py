@@ -17,7 +17,7 @@ from grpc_health.v1 import health
 
 from omnirail.config import PipelineConfig, dotted
 from omnirail.coordinator.registry import Replica, StageRegistry
-from omnirail.coordinator.requests import RequestRecord, RequestTable, State
+from omnirail.coordinator.requests import EarlyAborts, RequestRecord, RequestTable, State
 from omnirail.telemetry.logs import ids
 from omnirail.telemetry.metrics import CoordinatorMetrics
 from omnirail.telemetry.tracer import KIND_SERVER, Tracer, parse_traceparent
@@ -59,6 +59,7 @@ class Coordinator(client_pb2_grpc.OmnirailServicer, mesh_pb2_grpc.CoordinatorSer
         # host:port of this process's /metrics endpoint, for DescribePipeline ("" when off).
         self.metrics_address = ""
         self.requests = RequestTable(metrics=self.metrics)
+        self._early_aborts = EarlyAborts()
         self.metrics.watch_running(lambda: len(self.requests.live))
         self._entry = pipeline.resolved_entry_stage
         self._terminals = tuple(pipeline.terminal_stages)
@@ -175,9 +176,11 @@ class Coordinator(client_pb2_grpc.OmnirailServicer, mesh_pb2_grpc.CoordinatorSer
                         rec.on_chunk.append(lambda chunk, r=rec: emit_chunk(r, chunk))
                 for abort in msg.abort:
                     rec = self.requests.live.get(abort.request_id)
+                    reason = abort.reason or "aborted by client"
                     if rec is not None:
-                        reason = abort.reason or "aborted by client"
                         self._end(rec, State.ABORTED, OmniError(Code.CANCELLED, reason))
+                    elif self.requests.get(abort.request_id) is None:
+                        self._early_aborts.add(abort.request_id, reason)
 
         def take() -> client_pb2.SessionEvents | None:
             nonlocal events
@@ -218,11 +221,22 @@ class Coordinator(client_pb2_grpc.OmnirailServicer, mesh_pb2_grpc.CoordinatorSer
     async def Abort(
         self, request: client_pb2.AbortRequest, context: grpc.aio.ServicerContext
     ) -> client_pb2.AbortResponse:
+        reason = request.reason or "aborted by client"
+        if self.requests.get(request.request_id) is None and _REQUEST_ID.match(request.request_id):
+            # Perhaps it overtook its request's start: that start is cancelled if it comes.
+            self._early_aborts.add(request.request_id, reason)
+            await _abort_call(
+                context,
+                OmniError(
+                    Code.NOT_FOUND,
+                    f"unknown request_id {request.request_id!r} (if it starts within 30 s, "
+                    "it is cancelled)",
+                ),
+            )
         rec = await self._lookup(request.request_id, context)
         response = client_pb2.AbortResponse(request_id=rec.request_id)
         if rec.finished:
             return response
-        reason = request.reason or "aborted by client"
         acked = await self.abort(rec, OmniError(Code.CANCELLED, reason), wait=True)
         response.acknowledged_by.extend(acked)
         return response
@@ -287,6 +301,9 @@ class Coordinator(client_pb2_grpc.OmnirailServicer, mesh_pb2_grpc.CoordinatorSer
             raise invalid("request_id must be 1-128 characters of [A-Za-z0-9._:@-]")
         if rid in self.requests.live:
             raise invalid(f"request_id {rid!r} is already in use by a live request")
+        aborted = self._early_aborts.take(rid)
+        if aborted is not None:
+            raise OmniError(Code.CANCELLED, f"aborted before it started: {aborted}")
         if not request.HasField("inputs"):
             raise invalid("inputs: required")
         size = request.inputs.ByteSize()

@@ -5,6 +5,7 @@ from __future__ import annotations
 import concurrent.futures
 import threading
 import time
+import uuid
 
 import grpc
 import pytest
@@ -115,6 +116,21 @@ def test_abort_unknown_request_is_not_found(client: Client) -> None:
     with pytest.raises(OmniError) as info:
         client.abort("no-such-request")
     assert info.value.code == Code.NOT_FOUND
+
+
+def test_an_abort_that_overtakes_its_start_cancels_the_start(client: Client) -> None:
+    """The abort comes first (another call): the request's start is refused with
+    CANCELLED instead of running to its end; the id is free again afterwards."""
+    rid = f"early-{uuid.uuid4().hex[:8]}"
+    with pytest.raises(OmniError) as info:
+        client.abort(rid, "changed my mind")
+    assert info.value.code == Code.NOT_FOUND and "cancelled" in info.value.message
+    with pytest.raises(OmniError) as info:
+        client.generate({"n": 4}, request_id=rid)
+    assert info.value.code == Code.CANCELLED
+    assert "aborted before it started: changed my mind" in info.value.message
+    assert client.generate({"n": 4}, request_id=rid).output["sum"] == 12.0
+    assert client.generate({"n": 4}).output["sum"] == 12.0  # others never noticed
 
 
 # ---- bad input on the raw client API ----------------------------------------------
