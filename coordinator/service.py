@@ -40,6 +40,10 @@ log = logging.getLogger(__name__)
 # Relay infos ride in every topology broadcast: bounded so one bad stage cannot bloat them.
 MAX_RELAY_INFOS = 8
 MAX_RELAY_INFO_BYTES = 1 << 20
+# An overloaded coordinator's hint to callers (trailing metadata `retry-after-ms`): long
+# enough for a few requests of a typical pipeline to end, short against their deadlines.
+RETRY_AFTER_KEY = "retry-after-ms"
+RETRY_AFTER_MS = 200
 _REQUEST_ID = re.compile(r"^[A-Za-z0-9._:@-]{1,128}$")
 
 
@@ -70,6 +74,7 @@ class Coordinator(client_pb2_grpc.OmnirailServicer, mesh_pb2_grpc.CoordinatorSer
         )
         self._possible: dict[tuple[str, ...], frozenset[str]] = {}
         self._max_input = pipeline.max_input_mb << 20
+        self._max_live = pipeline.max_live_requests
         self._client_buffer = pipeline.client_stream_buffer
         self._max_message = pipeline.endpoints.max_message_mb << 20
         self._channels: dict[str, DeliverChannel] = {}
@@ -304,6 +309,13 @@ class Coordinator(client_pb2_grpc.OmnirailServicer, mesh_pb2_grpc.CoordinatorSer
         aborted = self._early_aborts.take(rid)
         if aborted is not None:
             raise OmniError(Code.CANCELLED, f"aborted before it started: {aborted}")
+        if len(self.requests.live) >= self._max_live:
+            self.metrics.refused()
+            raise OmniError(
+                Code.RESOURCE_EXHAUSTED,
+                f"overloaded: {self._max_live} requests are running (max_live_requests); "
+                f"retry after {RETRY_AFTER_MS} ms",
+            )
         if not request.HasField("inputs"):
             raise invalid("inputs: required")
         size = request.inputs.ByteSize()
@@ -592,6 +604,11 @@ def _traceparent_of(context: grpc.aio.ServicerContext) -> str:
 
 
 async def _abort_call(context: grpc.aio.ServicerContext, error: OmniError) -> None:
+    metadata = []
     if error.stage:
-        context.set_trailing_metadata(((STAGE_METADATA_KEY, error.stage),))
+        metadata.append((STAGE_METADATA_KEY, error.stage))
+    if error.code == Code.RESOURCE_EXHAUSTED and error.message.startswith("overloaded"):
+        metadata.append((RETRY_AFTER_KEY, str(RETRY_AFTER_MS)))
+    if metadata:
+        context.set_trailing_metadata(tuple(metadata))
     await context.abort(error.grpc_status, error.message)

@@ -251,6 +251,10 @@ class PipelineConfig(_Model):
     terminal_stages_fn: str | None = None
     default_timeout_s: float = Field(60.0, gt=0)
     max_input_mb: int = Field(32, gt=0)
+    # Requests the coordinator runs at once; past it a new one is refused at once with
+    # RESOURCE_EXHAUSTED and a retry hint, instead of queueing work that would miss its
+    # deadline (memory stays flat under overload).
+    max_live_requests: int = Field(1024, gt=0)
     abort_ack_timeout_s: float = Field(5.0, gt=0)
     # Chunks of one streaming request the coordinator holds for a client that does not read
     # them; past this the request fails with RESOURCE_EXHAUSTED instead of growing memory.

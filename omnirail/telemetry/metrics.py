@@ -148,6 +148,11 @@ class CoordinatorMetrics:
             ["reason"],
             registry=r,
         )
+        self._refused = Counter(
+            "omnirail_requests_refused_total",
+            "Requests refused at once because max_live_requests were running (overload).",
+            registry=r,
+        )
         self._ended = {
             state: (requests.labels(name), duration.labels(name))
             for state, name in _STATE_NAMES.items()
@@ -167,6 +172,9 @@ class CoordinatorMetrics:
 
     def first_chunk(self, seconds: float) -> None:
         self._first_chunk.observe(seconds)
+
+    def refused(self) -> None:
+        self._refused.inc()
 
 
 class StageMetrics:

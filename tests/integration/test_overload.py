@@ -1,0 +1,81 @@
+"""Admission control: past `max_live_requests` the coordinator refuses a request at once with
+RESOURCE_EXHAUSTED and a retry hint, instead of queueing work that would miss its deadline;
+what it admitted completes."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from pathlib import Path
+
+import grpc
+import pytest
+import yaml
+
+from omnirail.client.sdk import AsyncClient, build_request
+from omnirail.ops.launcher import Mesh
+from omnirail.v1 import client_pb2_grpc
+from omnirail.wire.errors import Code, OmniError
+from tests.integration.conftest import PIPELINES
+
+LIVE = 8
+
+
+@pytest.fixture(scope="module")
+def mesh(tmp_path_factory: pytest.TempPathFactory):
+    cfg = yaml.safe_load((PIPELINES / "linear.yaml").read_text())
+    cfg["max_live_requests"] = LIVE
+    path = Path(tmp_path_factory.mktemp("overload")) / "pipeline.yaml"
+    path.write_text(yaml.safe_dump(cfg))
+    with Mesh(path) as m:
+        yield m
+
+
+def test_overload_is_refused_at_once_and_admitted_work_completes(mesh: Mesh) -> None:
+    async def one(client: AsyncClient, i: int) -> tuple[str, float]:
+        t0 = time.monotonic()
+        try:
+            out = await client.generate({"n": 4, "sleep": 0.2}, request_id=f"ov-{i}")
+            assert out.output["sum"] == 12.0
+            return "ok", time.monotonic() - t0
+        except OmniError as exc:
+            assert exc.code == Code.RESOURCE_EXHAUSTED, exc
+            assert "max_live_requests" in exc.message and "retry after" in exc.message
+            return "refused", time.monotonic() - t0
+
+    async def main() -> list[tuple[str, float]]:
+        async with AsyncClient(mesh.address or "", timeout=60) as client:
+            return await asyncio.gather(*(one(client, i) for i in range(10 * LIVE)))
+
+    outcomes = asyncio.run(main())
+    ok = [t for what, t in outcomes if what == "ok"]
+    refused = [t for what, t in outcomes if what == "refused"]
+    assert len(ok) >= LIVE and refused, (len(ok), len(refused))
+    # Refusals do not wait for the work in front of them (8 x 0.2 s of sleeping stages).
+    assert sorted(refused)[len(refused) // 2] < 1.0, sorted(refused)[-5:]
+
+
+def test_a_refusal_carries_a_retry_hint_in_its_metadata(mesh: Mesh) -> None:
+    async def main() -> grpc.RpcError:
+        async with AsyncClient(mesh.address or "", timeout=60) as client:
+            busy = [
+                asyncio.create_task(client.generate({"n": 4, "sleep": 1.0}, request_id=f"hold-{i}"))
+                for i in range(LIVE)
+            ]
+            await asyncio.sleep(0.5)  # all admitted and running
+            async with grpc.aio.insecure_channel(mesh.address or "") as channel:
+                stub = client_pb2_grpc.OmnirailStub(channel)
+                try:
+                    request = build_request({"n": 1}, "over-the-limit", 30.0, "")
+                    async for _ in stub.Generate(request, timeout=30):
+                        pass
+                except grpc.RpcError as exc:
+                    error = exc
+                else:
+                    raise AssertionError("the 9th request was admitted")
+            await asyncio.gather(*busy)
+            return error
+
+    error = asyncio.run(main())
+    assert error.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+    assert dict(error.trailing_metadata())["retry-after-ms"] == "200"
