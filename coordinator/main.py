@@ -58,6 +58,11 @@ async def serve(
         loop.add_signal_handler(sig, stop.set)
     await stop.wait()
     await health.enter_graceful_shutdown()
+    # Drain: what runs may end (the stages still serve: the launcher stops them after
+    # the coordinator); new requests are refused meanwhile.
+    left = await coordinator.drain(pipeline.drain_s)
+    if left:
+        log.warning("coordinator: %d request(s) still running after drain_s; failed them", left)
     await coordinator.close()
     await server.stop(grace=1.0)
     if coordinator.metrics_address:

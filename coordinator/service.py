@@ -64,6 +64,7 @@ class Coordinator(client_pb2_grpc.OmnirailServicer, mesh_pb2_grpc.CoordinatorSer
         self.metrics_address = ""
         self.requests = RequestTable(metrics=self.metrics)
         self._early_aborts = EarlyAborts()
+        self.draining = False
         self.metrics.watch_running(lambda: len(self.requests.live))
         self._entry = pipeline.resolved_entry_stage
         self._terminals = tuple(pipeline.terminal_stages)
@@ -304,6 +305,8 @@ class Coordinator(client_pb2_grpc.OmnirailServicer, mesh_pb2_grpc.CoordinatorSer
         rid = request.request_id or uuid.uuid4().hex
         if not _REQUEST_ID.match(rid):
             raise invalid("request_id must be 1-128 characters of [A-Za-z0-9._:@-]")
+        if self.draining:
+            raise unavailable("the mesh is shutting down: it takes no new requests")
         if rid in self.requests.live:
             raise invalid(f"request_id {rid!r} is already in use by a live request")
         aborted = self._early_aborts.take(rid)
@@ -590,6 +593,23 @@ class Coordinator(client_pb2_grpc.OmnirailServicer, mesh_pb2_grpc.CoordinatorSer
         self.registry.broadcast(mesh_pb2.CoordinatorCommand(topology=self.registry.topology()))
         ready = not self.registry.missing()
         await self._health.set(PIPELINE_SERVICE, SERVING if ready else NOT_SERVING)
+
+    async def drain(self, grace_s: float) -> int:
+        """Shutting down: new requests are refused (UNAVAILABLE) while the live ones run
+        on, for at most `grace_s`; those still live then fail with UNAVAILABLE. Returns
+        how many that was."""
+        self.draining = True
+        deadline = time.monotonic() + grace_s
+        while self.requests.live and time.monotonic() < deadline:
+            await asyncio.sleep(0.05)
+        left = list(self.requests.live.values())
+        for rec in left:
+            self._end(
+                rec,
+                State.FAILED,
+                unavailable(f"the mesh shut down before the request ended (drain_s {grace_s:g})"),
+            )
+        return len(left)
 
     async def close(self) -> None:
         for channel in self._channels.values():

@@ -255,6 +255,9 @@ class PipelineConfig(_Model):
     # RESOURCE_EXHAUSTED and a retry hint, instead of queueing work that would miss its
     # deadline (memory stays flat under overload).
     max_live_requests: int = Field(1024, gt=0)
+    # On shutdown (SIGTERM, `omnirail down`) the coordinator refuses new requests and gives
+    # the running ones this long to end before it fails them.
+    drain_s: float = Field(10.0, ge=0)
     abort_ack_timeout_s: float = Field(5.0, gt=0)
     # Chunks of one streaming request the coordinator holds for a client that does not read
     # them; past this the request fails with RESOURCE_EXHAUSTED instead of growing memory.

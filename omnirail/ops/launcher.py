@@ -319,14 +319,18 @@ class Mesh:
     # ---- stop ------------------------------------------------------------------
 
     def stop(self, grace: float = 5.0) -> None:
+        """Drains, then stops: the coordinator first (it refuses new requests and lets the
+        running ones end, for up to the pipeline's `drain_s`, while every stage still
+        serves them), then the stage processes; each gets `grace` seconds after SIGTERM
+        (the coordinator, `drain_s` more) before SIGKILL."""
         self._supervisor.stop()  # no restarts while everything stops
-        stages = [c for c in self._children if c.name != "coordinator"]
         coordinator = [c for c in self._children if c.name == "coordinator"]
-        for batch in (stages, coordinator):
+        stages = [c for c in self._children if c.name != "coordinator"]
+        for batch, wait in ((coordinator, grace + self.pipeline.drain_s), (stages, grace)):
             for child in batch:
                 if child.proc.poll() is None:
                     child.proc.send_signal(signal.SIGTERM)
-            end = time.monotonic() + grace
+            end = time.monotonic() + wait
             for child in batch:
                 try:
                     child.proc.wait(timeout=max(0.0, end - time.monotonic()))
