@@ -19,6 +19,8 @@ class Replica:
     inflight: int = 0
     metrics_address: str = ""
     relay_infos: tuple[bytes, ...] = ()
+    # Requests the coordinator sent to this replica (as the entry) that are still live.
+    assigned: int = 0
     # Commands accumulate here and go out in one write.
     pending: mesh_pb2.CoordinatorCommand = field(default_factory=mesh_pb2.CoordinatorCommand)
     wake: asyncio.Event = field(default_factory=asyncio.Event)
@@ -34,8 +36,21 @@ class Replica:
         return command
 
 
+BALANCE_POLICIES = ("least_outstanding", "round_robin", "request_id")
+
+
 class StageRegistry:
-    def __init__(self, stage_names: list[str]) -> None:
+    """Replicas by stage. `pick` chooses the entry stage's replica for a new request by
+    `balance`: least_outstanding (fewest of the coordinator's live requests, ties by the
+    request id's hash), round_robin, or request_id (a hash of it: the same id, the same
+    replica). Later hops hash the request id in the stages (every producer of a fan-in
+    must agree on the replica without asking anyone)."""
+
+    def __init__(self, stage_names: list[str], balance: str = "least_outstanding") -> None:
+        if balance not in BALANCE_POLICIES:
+            raise ValueError(f"balance must be one of {list(BALANCE_POLICIES)}, not {balance!r}")
+        self._balance = balance
+        self._turn = 0
         self._by_stage: dict[str, dict[str, Replica]] = {name: {} for name in stage_names}
 
     def knows(self, stage: str) -> bool:
@@ -71,7 +86,15 @@ class StageRegistry:
         replicas = self.replicas(stage)
         if not replicas:
             return None
-        return replicas[zlib.crc32(request_id.encode()) % len(replicas)]
+        n = len(replicas)
+        if self._balance == "round_robin":
+            self._turn += 1
+            return replicas[self._turn % n]
+        start = zlib.crc32(request_id.encode()) % n
+        if self._balance == "request_id" or n == 1:
+            return replicas[start]
+        ring = replicas[start:] + replicas[:start]
+        return min(ring, key=lambda r: r.assigned)  # first of the least loaded
 
     def topology(self) -> mesh_pb2.Topology:
         topo = mesh_pb2.Topology()

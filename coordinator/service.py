@@ -58,7 +58,7 @@ class Coordinator(client_pb2_grpc.OmnirailServicer, mesh_pb2_grpc.CoordinatorSer
         self.pipeline = pipeline
         self._tracer = tracer or Tracer()
         self._health = health_servicer
-        self.registry = StageRegistry(pipeline.stage_names)
+        self.registry = StageRegistry(pipeline.stage_names, pipeline.balance)
         self.metrics = metrics or CoordinatorMetrics()
         # host:port of this process's /metrics endpoint, for DescribePipeline ("" when off).
         self.metrics_address = ""
@@ -374,6 +374,8 @@ class Coordinator(client_pb2_grpc.OmnirailServicer, mesh_pb2_grpc.CoordinatorSer
             meta=mesh_pb2.RequestMeta(terminal_stages=terminals, deadline=rec.deadline),
         )
         self._channel(replica.address).send(item)
+        replica.assigned += 1
+        rec.on_done.append(lambda _: _unassign(replica))
         return rec
 
     def _resolve_terminals(self, rid: str, inputs: dict[str, Any]) -> tuple[str, ...]:
@@ -614,6 +616,10 @@ class Coordinator(client_pb2_grpc.OmnirailServicer, mesh_pb2_grpc.CoordinatorSer
     async def close(self) -> None:
         for channel in self._channels.values():
             await channel.close()
+
+
+def _unassign(replica: Replica) -> None:
+    replica.assigned -= 1
 
 
 def _traceparent_of(context: grpc.aio.ServicerContext) -> str:

@@ -258,6 +258,9 @@ class PipelineConfig(_Model):
     # On shutdown (SIGTERM, `omnirail down`) the coordinator refuses new requests and gives
     # the running ones this long to end before it fails them.
     drain_s: float = Field(10.0, ge=0)
+    # How the coordinator picks the entry stage's replica for a new request (see
+    # coordinator/registry.py): least_outstanding, round_robin or request_id.
+    balance: Literal["least_outstanding", "round_robin", "request_id"] = "least_outstanding"
     abort_ack_timeout_s: float = Field(5.0, gt=0)
     # Chunks of one streaming request the coordinator holds for a client that does not read
     # them; past this the request fails with RESOURCE_EXHAUSTED instead of growing memory.

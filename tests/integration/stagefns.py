@@ -230,3 +230,13 @@ def make_tp_input() -> Any:
 
 def make_tp_output() -> Any:
     return lambda p: {"y": p["y"], "ranks": p["ranks"], "part": p["part"], "mlp_pid": p["pid"]}
+
+
+def make_pid_after(sleep_s: float = 0.0) -> Any:
+    """Answers its process id after `inputs["sleep"]` seconds (which replica served)."""
+
+    def fn(inputs: dict[str, Any]) -> dict[str, Any]:
+        time.sleep(float(inputs.get("sleep", sleep_s)))
+        return {"pid": os.getpid()}
+
+    return fn

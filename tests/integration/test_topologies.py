@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import collections
 import concurrent.futures
+import zlib
 from collections.abc import Iterator
 
 import numpy as np
@@ -112,3 +114,21 @@ def test_replicas_share_the_load_and_fan_in_stays_consistent(replicas: Client) -
         outs = list(pool.map(lambda n: replicas.generate({"n": n}).output, sizes))
     assert [o["left_sum"] for o in outs] == [sum(range(n)) + n for n in sizes]
     assert len({o["pid"] for o in outs}) == 2
+
+
+def test_the_entry_replica_with_fewest_live_requests_gets_the_next() -> None:
+    """least_outstanding (the default): 16 slow requests at once split 8 and 8, even when
+    every request id hashes to the same replica (request_id balancing would send all 16
+    to one)."""
+    ids = [f"lo-{i}" for i in range(200) if zlib.crc32(f"lo-{i}".encode()) % 2 == 0][:16]
+    clients = _client("entry_replicas")
+    client = next(clients)
+    try:
+        with concurrent.futures.ThreadPoolExecutor(16) as pool:
+            outs = list(
+                pool.map(lambda rid: client.generate({"sleep": 0.5}, request_id=rid).output, ids)
+            )
+    finally:
+        clients.close()
+    counts = collections.Counter(out["pid"] for out in outs)
+    assert sorted(counts.values()) == [8, 8], counts
