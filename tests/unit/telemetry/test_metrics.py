@@ -44,6 +44,7 @@ LABELS = {
     "omnirail_request_duration_seconds": {"state"},
     "omnirail_time_to_first_chunk_seconds": set(),
     "omnirail_aborts": {"reason"},
+    "omnirail_requests_refused": set(),
     "omnirail_stage_queue_depth": {"stage"},
     "omnirail_stage_inflight": {"stage"},
     "omnirail_stage_queue_seconds": {"stage"},
@@ -59,6 +60,7 @@ COORDINATOR_FAMILIES = {
     "omnirail_request_duration_seconds",
     "omnirail_time_to_first_chunk_seconds",
     "omnirail_aborts",
+    "omnirail_requests_refused",
 }
 
 
@@ -145,6 +147,10 @@ def test_coordinator_counts_states_and_aborts() -> None:
     }
     m.watch_running(lambda: 7)
     assert value("omnirail_requests_running") == 7
+    assert value("omnirail_requests_refused_total") == 0
+    m.refused()
+    m.refused()
+    assert value("omnirail_requests_refused_total") == 2
 
 
 _REASONS = ("client", "deadline", "unavailable", "stage_error")
