@@ -100,6 +100,19 @@ async def _sequential(address: str, requests: int, payload_bytes: int) -> list[f
     return latencies
 
 
+def _round(
+    address: str, requests: int, payload_bytes: int, throughput_requests: int, concurrency: int
+) -> tuple[float, float, float]:
+    """One round on a mesh: sequential latency p50 and p99 (ms), then throughput (rps)."""
+    latencies = _latencies(address, requests, payload_bytes)
+    rps = aio.run(_throughput(address, throughput_requests, concurrency))
+    return (
+        round(statistics.median(latencies), 3),
+        round(_percentile(latencies, 0.99), 3),
+        round(rps, 1),
+    )
+
+
 def run_pipeline_bench(
     *,
     stages: int = 3,
@@ -155,12 +168,12 @@ def run_pipeline_bench(
             assert mesh.address is not None
             p50s, p99s, rpss = [], [], []
             for _ in range(rounds):
-                latencies = _latencies(mesh.address, requests, payload_bytes)
-                p50s.append(round(statistics.median(latencies), 3))
-                p99s.append(round(_percentile(latencies, 0.99), 3))
-                rpss.append(
-                    round(aio.run(_throughput(mesh.address, throughput_requests, concurrency)), 1)
+                p50, p99, rps = _round(
+                    mesh.address, requests, payload_bytes, throughput_requests, concurrency
                 )
+                p50s.append(p50)
+                p99s.append(p99)
+                rpss.append(rps)
     report: dict[str, Any] = {
         "stages": stages,
         "payload_bytes": payload_bytes,
@@ -270,12 +283,9 @@ def _compare_fused(
             for kind in kinds if r % 2 == 0 else kinds[::-1]:
                 address = meshes[kind].address
                 assert address is not None
-                latencies = _latencies(address, requests, payload_bytes)
-                p50[kind].append(round(statistics.median(latencies), 3))
-                p99[kind].append(round(_percentile(latencies, 0.99), 3))
-                rps[kind].append(
-                    round(aio.run(_throughput(address, throughput_requests, concurrency)), 1)
-                )
+                figures = _round(address, requests, payload_bytes, throughput_requests, concurrency)
+                for series, value in zip((p50, p99, rps), figures, strict=True):
+                    series[kind].append(value)
         processes = {k: len(m.processes()) for k, m in meshes.items()}
     report: dict[str, Any] = {
         "stages": stages,
