@@ -11,7 +11,7 @@ from dataclasses import dataclass, field
 from omnirail.telemetry.metrics import CoordinatorMetrics
 from omnirail.telemetry.tracer import STATUS_OK, Span
 from omnirail.v1 import client_pb2, common_pb2
-from omnirail.wire.errors import OmniError
+from omnirail.wire.errors import Code, OmniError
 
 
 class State:
@@ -150,3 +150,18 @@ class EarlyAborts:
         if found is None or found[0] < time.monotonic():
             return None
         return found[1]
+
+
+class Overloaded(OmniError):
+    """`max_live_requests` are running: a new request is refused at once, with a hint of
+    when to try again (long enough for a few requests of a typical pipeline to end, short
+    against their deadlines); the client API sends it as trailing metadata."""
+
+    retry_after_ms = 200
+
+    def __init__(self, limit: int) -> None:
+        super().__init__(
+            Code.RESOURCE_EXHAUSTED,
+            f"overloaded: {limit} requests are running (max_live_requests); "
+            f"retry after {self.retry_after_ms} ms",
+        )

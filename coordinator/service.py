@@ -17,7 +17,13 @@ from grpc_health.v1 import health
 
 from omnirail.config import PipelineConfig, dotted
 from omnirail.coordinator.registry import Replica, StageRegistry
-from omnirail.coordinator.requests import EarlyAborts, RequestRecord, RequestTable, State
+from omnirail.coordinator.requests import (
+    EarlyAborts,
+    Overloaded,
+    RequestRecord,
+    RequestTable,
+    State,
+)
 from omnirail.telemetry.logs import ids
 from omnirail.telemetry.metrics import CoordinatorMetrics
 from omnirail.telemetry.tracer import KIND_SERVER, Tracer, parse_traceparent
@@ -40,10 +46,8 @@ log = logging.getLogger(__name__)
 # Relay infos ride in every topology broadcast: bounded so one bad stage cannot bloat them.
 MAX_RELAY_INFOS = 8
 MAX_RELAY_INFO_BYTES = 1 << 20
-# An overloaded coordinator's hint to callers (trailing metadata `retry-after-ms`): long
-# enough for a few requests of a typical pipeline to end, short against their deadlines.
+# Trailing metadata carrying an overloaded coordinator's retry hint (`Overloaded`).
 RETRY_AFTER_KEY = "retry-after-ms"
-RETRY_AFTER_MS = 200
 _REQUEST_ID = re.compile(r"^[A-Za-z0-9._:@-]{1,128}$")
 
 
@@ -314,11 +318,7 @@ class Coordinator(client_pb2_grpc.OmnirailServicer, mesh_pb2_grpc.CoordinatorSer
             raise OmniError(Code.CANCELLED, f"aborted before it started: {aborted}")
         if len(self.requests.live) >= self._max_live:
             self.metrics.refused()
-            raise OmniError(
-                Code.RESOURCE_EXHAUSTED,
-                f"overloaded: {self._max_live} requests are running (max_live_requests); "
-                f"retry after {RETRY_AFTER_MS} ms",
-            )
+            raise Overloaded(self._max_live)
         if not request.HasField("inputs"):
             raise invalid("inputs: required")
         size = request.inputs.ByteSize()
@@ -633,8 +633,8 @@ async def _abort_call(context: grpc.aio.ServicerContext, error: OmniError) -> No
     metadata = []
     if error.stage:
         metadata.append((STAGE_METADATA_KEY, error.stage))
-    if error.code == Code.RESOURCE_EXHAUSTED and error.message.startswith("overloaded"):
-        metadata.append((RETRY_AFTER_KEY, str(RETRY_AFTER_MS)))
+    if isinstance(error, Overloaded):
+        metadata.append((RETRY_AFTER_KEY, str(error.retry_after_ms)))
     if metadata:
         context.set_trailing_metadata(tuple(metadata))
     await context.abort(error.grpc_status, error.message)
