@@ -164,10 +164,7 @@ class Stage:
             return
         get_ns = time.time_ns()
         try:
-            if local is not None:
-                received = ReceivedPayload(local.value)
-            else:
-                received = await receive_payload(item.payload, self._relays, device=self._device)
+            received = await self._receive(item, local, copy=False)
         except (PayloadError, RelayError) as exc:
             err = invalid(f"bad payload from {source}: {exc}", self.name)
             if error_ack:
@@ -199,6 +196,15 @@ class Stage:
             return
         if ready is not PENDING and not req.submitted:
             self._submit(rid, req, ready)
+
+    async def _receive(
+        self, item: mesh_pb2.DeliverItem, local: LocalValue | None, *, copy: bool
+    ) -> ReceivedPayload:
+        """An item's value: the object itself from a stage in this process, else read
+        from the message or relay (GPU tensors onto this stage's device)."""
+        if local is not None:
+            return ReceivedPayload(local.value)
+        return await receive_payload(item.payload, self._relays, copy=copy, device=self._device)
 
     def _request_for(self, item: mesh_pb2.DeliverItem, start_ns: int | None = None) -> RequestState:
         """The request's state here, made (with its span) by its first item."""
@@ -268,12 +274,7 @@ class Stage:
         relayed = item.payload.HasField("relay")
         get_ns = time.time_ns()
         try:
-            if local is not None:
-                received = ReceivedPayload(local.value)
-            else:
-                received = await receive_payload(
-                    item.payload, self._relays, copy=relayed, device=self._device
-                )
+            received = await self._receive(item, local, copy=relayed)
         except (PayloadError, RelayError) as exc:
             err = invalid(f"bad stream chunk from {source}: {exc}", self.name)
             ack(err)
