@@ -3,13 +3,14 @@
 from __future__ import annotations
 
 import os
+import time
 from collections.abc import Iterable, Iterator
 from pathlib import Path
 from typing import Any
 
 import pytest
 
-from omnirail.client.sdk import Chunk, GenerateResult
+from omnirail.client.sdk import Chunk, Client, GenerateResult
 from omnirail.ops.launcher import Mesh
 
 PIPELINES = Path(__file__).parent / "pipelines"
@@ -28,6 +29,16 @@ def collect_stream(events: Iterable[Any]) -> tuple[list[Chunk], GenerateResult]:
         else:
             return chunks, event
     raise AssertionError("stream ended without a result")
+
+
+def wait_nothing_in_flight(client: Client, timeout: float = 15.0) -> None:
+    """Until no stage replica reports a request in flight (loads refresh every moment)."""
+    deadline = time.monotonic() + timeout
+    while busy := [
+        (s.name, r.inflight) for s in client.describe().stages for r in s.replicas if r.inflight
+    ]:
+        assert time.monotonic() < deadline, busy
+        time.sleep(0.2)
 
 
 def start_mesh(name: str, **kwargs: object) -> Mesh:

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import asyncio
 import threading
-import time
 from collections.abc import Iterator
 from typing import Any
 
@@ -19,7 +18,12 @@ import pytest
 from omnirail.client.sdk import AsyncClient, Chunk, Client
 from omnirail.ops.launcher import Mesh
 from omnirail.wire.errors import Code, OmniError
-from tests.integration.conftest import collect_stream, shm_names, start_mesh
+from tests.integration.conftest import (
+    collect_stream,
+    shm_names,
+    start_mesh,
+    wait_nothing_in_flight,
+)
 from tests.integration.test_streaming import _windows
 from tests.otlp_receiver import OtlpReceiver
 
@@ -218,12 +222,7 @@ def test_abort_through_local_edges(fused_streaming: Mesh) -> None:
         assert ended and ended[0].code == Code.CANCELLED
         assert {a.split("/")[0] for a in acked} == {"thinker", "talker", "vocoder"}
         # Nothing is left in flight at any stage, and the edges still carry a full stream.
-        deadline = time.monotonic() + 15
-        while busy := [
-            (s.name, r.inflight) for s in client.describe().stages for r in s.replicas if r.inflight
-        ]:
-            assert time.monotonic() < deadline, busy
-            time.sleep(0.2)
+        wait_nothing_in_flight(client)
         chunks, _ = collect_stream(client.stream({"n": 9}))
         assert [(c.data["ids"], c.data["final"]) for c in chunks] == _windows(9, 4, 2)
 

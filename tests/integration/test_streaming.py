@@ -15,7 +15,12 @@ import torch
 from omnirail.client.sdk import AsyncClient, Chunk, Client
 from omnirail.ops.launcher import Mesh
 from omnirail.wire.errors import Code, OmniError
-from tests.integration.conftest import collect_stream, shm_names, start_mesh
+from tests.integration.conftest import (
+    collect_stream,
+    shm_names,
+    start_mesh,
+    wait_nothing_in_flight,
+)
 
 
 @pytest.fixture(scope="module")
@@ -170,18 +175,7 @@ def test_client_closing_its_stream_aborts_the_request_everywhere(streaming_mesh:
             assert time.monotonic() < deadline, client.status("walk-away")
             time.sleep(0.02)
         # Every stage dropped it: no replica reports work in flight once loads refresh.
-        deadline = time.monotonic() + 15
-        while True:
-            busy = [
-                (s.name, r.inflight)
-                for s in client.describe().stages
-                for r in s.replicas
-                if r.inflight
-            ]
-            if not busy:
-                break
-            assert time.monotonic() < deadline, busy
-            time.sleep(0.2)
+        wait_nothing_in_flight(client)
 
 
 def _stage_address(client: Client, stage: str) -> str:
