@@ -64,7 +64,10 @@ async def serve(
     if left:
         log.warning("coordinator: %d request(s) still running after drain_s; failed them", left)
     await coordinator.close()
-    await server.stop(grace=1.0)
+    # Nothing is live after the drain; what the grace lets end is a last write to a
+    # client. The stages' Attach streams never end on their own, so a long grace would
+    # only be waited out.
+    await server.stop(grace=0.2)
     if coordinator.metrics_address:
-        await asyncio.to_thread(stop_metrics_server, coordinator.metrics_address)
+        stop_metrics_server(coordinator.metrics_address, wait=False)  # the process exits next
     await asyncio.to_thread(telemetry.shutdown)

@@ -104,7 +104,7 @@ async def serve(
         if tp is not None:
             tp.close()
         if metrics_address:
-            await asyncio.to_thread(stop_metrics_server, metrics_address)
+            stop_metrics_server(metrics_address, wait=False)  # the process exits next
         # Spans of requests that just ended must not be lost at shutdown.
         await asyncio.to_thread(telemetry.shutdown)
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import logging
 import os
 import signal
 import subprocess
@@ -89,7 +90,16 @@ def cmd_up(args: argparse.Namespace) -> int:
         return 0
     finally:
         progress(args.quiet)("stopping")
-        mesh.stop()
+        t0 = time.monotonic()
+        exits = mesh.stop()
+        bad = {who: code for who, code in exits.items() if code != 0}
+        # Always said (also under --quiet: a detached mesh's log keeps it).
+        print(
+            f"[omnirail] stopped in {time.monotonic() - t0:.2f}s; "
+            + (f"exit codes other than 0: {bad}" if bad else f"all {len(exits)} processes exited 0"),
+            file=sys.stderr,
+            flush=True,
+        )
         if state is not None:
             state.unlink(missing_ok=True)
 
@@ -273,6 +283,7 @@ def cmd_coordinator(args: argparse.Namespace) -> int:
                 metrics_port=args.metrics_port,
             )
         )
+    _exit_now(0)
     return 0
 
 
@@ -301,7 +312,22 @@ def cmd_stage(args: argparse.Namespace) -> int:
                 tp_init=args.tp_init,
             )
         )
+    _exit_now(0)
     return 0
+
+
+def _exit_now(code: int) -> None:
+    """Ends a service process that has shut down cleanly (its relays closed, segments
+    unlinked, spans exported) without the interpreter's teardown: tearing down torch,
+    grpc and their threads costs 0.3-0.5 s of CPU per process, which made stopping the
+    8-process omni demo on 2 cores take 3 s. Logs and std streams are flushed first."""
+    logging.shutdown()
+    for stream in (sys.stdout, sys.stderr):
+        try:
+            stream.flush()
+        except (OSError, ValueError):
+            pass
+    os._exit(code)
 
 
 def cmd_trace(args: argparse.Namespace) -> int:

@@ -318,14 +318,16 @@ class Mesh:
 
     # ---- stop ------------------------------------------------------------------
 
-    def stop(self, grace: float = 5.0) -> None:
+    def stop(self, grace: float = 5.0) -> dict[str, int]:
         """Drains, then stops: the coordinator first (it refuses new requests and lets the
         running ones end, for up to the pipeline's `drain_s`, while every stage still
         serves them), then the stage processes; each gets `grace` seconds after SIGTERM
-        (the coordinator, `drain_s` more) before SIGKILL."""
+        (the coordinator, `drain_s` more) before SIGKILL. Returns each process's exit
+        code (those that needed SIGKILL are reported and show -9)."""
         self._supervisor.stop()  # no restarts while everything stops
         coordinator = [c for c in self._children if c.name == "coordinator"]
         stages = [c for c in self._children if c.name != "coordinator"]
+        exits: dict[str, int] = {}
         for batch, wait in ((coordinator, grace + self.pipeline.drain_s), (stages, grace)):
             for child in batch:
                 if child.proc.poll() is None:
@@ -335,8 +337,10 @@ class Mesh:
                 try:
                     child.proc.wait(timeout=max(0.0, end - time.monotonic()))
                 except subprocess.TimeoutExpired:
+                    self._progress(f"{child.name} did not stop within {wait:g}s: SIGKILL")
                     child.proc.kill()
                     child.proc.wait()
+                exits[child.name] = child.proc.returncode
         self._children.clear()
         # Segments of processes that were killed (and so could not unlink their own).
         from omnirail.relay.shm_pool import sweep_segments
@@ -347,6 +351,7 @@ class Mesh:
             self._wake = None
         if self._own_run_dir:
             shutil.rmtree(self.run_dir, ignore_errors=True)
+        return exits
 
 
 def write_state(name: str, data: dict[str, object]) -> Path:

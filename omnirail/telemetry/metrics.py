@@ -16,7 +16,7 @@ from __future__ import annotations
 import math
 import threading
 from collections.abc import Callable
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
@@ -335,14 +335,22 @@ def start_metrics_server(registry: CollectorRegistry, host: str, port: int) -> s
     return address
 
 
-def stop_metrics_server(address: str) -> None:
+def stop_metrics_server(address: str, *, wait: bool = True) -> None:
     """Stops the endpoint `start_metrics_server` returned `address` for (blocks for up to
-    the server's 0.5 s poll interval)."""
+    the server's 0.5 s poll interval; `wait=False`: stops it from a daemon thread, for a
+    process about to exit, whose exit must not wait on that poll)."""
     with _servers_lock:
         found = _servers.pop(address, None)
     if found is None:
         return
     server, thread = found
+    if not wait:
+        threading.Thread(target=_stop, args=(server, thread), daemon=True).start()
+        return
+    _stop(server, thread)
+
+
+def _stop(server: Any, thread: threading.Thread) -> None:
     server.shutdown()
     server.server_close()
     thread.join(timeout=5)

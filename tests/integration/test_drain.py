@@ -1,19 +1,26 @@
 """Stopping a mesh drains it: the coordinator refuses new requests, the running ones end
-(the stages still serve them) for up to `drain_s`, then everything stops."""
+(the stages still serve them) for up to `drain_s`, then everything stops, quickly."""
 
 from __future__ import annotations
 
+import os
+import signal
+import subprocess
+import sys
 import threading
 import time
+import uuid
 from pathlib import Path
 from typing import Any
 
 import yaml
 
 from omnirail.client.sdk import Client
-from omnirail.ops.launcher import Mesh
+from omnirail.ops.launcher import Mesh, pid_alive, read_states, state_dir
 from omnirail.wire.errors import Code, OmniError
 from tests.integration.conftest import PIPELINES, shm_names
+
+OMNI_DEMO = Path(__file__).resolve().parents[2] / "examples/omni_demo/pipeline.yaml"
 
 
 def _mesh(tmp_path: Path, drain_s: float) -> Mesh:
@@ -77,3 +84,30 @@ def test_drain_s_bounds_the_wait(tmp_path: Path) -> None:
     assert isinstance(error, OmniError) and error.code == Code.UNAVAILABLE, error
     assert "shut down before the request ended" in error.message
     assert stop_s < 15.0, stop_s
+
+
+def test_down_of_the_omni_demo_is_quick_and_every_process_exits_0() -> None:
+    """`omnirail down` of the 8-stage demo: under 2 s from the command to the launcher's
+    exit, each process ending on its own with 0 (no SIGKILL; the launcher's log says)."""
+    name = f"downtest-{uuid.uuid4().hex[:8]}"
+    cli = [sys.executable, "-m", "omnirail"]
+    up = subprocess.run(
+        [*cli, "up", str(OMNI_DEMO), "--detach", "--name", name],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert up.returncode == 0, up.stderr
+    launcher = int(read_states()[name]["pid"])  # type: ignore[arg-type]
+    try:
+        t0 = time.monotonic()
+        os.kill(launcher, signal.SIGTERM)  # what `omnirail down` sends
+        while pid_alive(launcher) and time.monotonic() - t0 < 60:
+            time.sleep(0.01)
+        took = time.monotonic() - t0
+    finally:
+        subprocess.run([*cli, "down", "--name", name], capture_output=True, timeout=120)
+    log = (state_dir() / f"{name}.log").read_text()
+    assert "all 9 processes exited 0" in log, log[-3000:]
+    assert "SIGKILL" not in log, log[-3000:]
+    assert took < 2.0, took
