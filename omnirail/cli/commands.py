@@ -93,10 +93,10 @@ def cmd_up(args: argparse.Namespace) -> int:
         t0 = time.monotonic()
         exits = mesh.stop()
         bad = {who: code for who, code in exits.items() if code != 0}
+        codes = f"exit codes other than 0: {bad}" if bad else f"all {len(exits)} processes exited 0"
         # Always said (also under --quiet: a detached mesh's log keeps it).
         print(
-            f"[omnirail] stopped in {time.monotonic() - t0:.2f}s; "
-            + (f"exit codes other than 0: {bad}" if bad else f"all {len(exits)} processes exited 0"),
+            f"[omnirail] stopped in {time.monotonic() - t0:.2f}s; {codes}",
             file=sys.stderr,
             flush=True,
         )
