@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import time
 import zlib
 from dataclasses import dataclass, field
 
@@ -21,6 +22,12 @@ class Replica:
     relay_infos: tuple[bytes, ...] = ()
     # Requests the coordinator sent to this replica (as the entry) that are still live.
     assigned: int = 0
+    # When its Attach stream last brought anything (monotonic; stages report every second).
+    last_heard: float = field(default_factory=time.monotonic)
+    # The coordinator's task serving its Attach stream (cancelled when it goes silent).
+    task: asyncio.Task[None] | None = None
+    # Shutting down: gets no new work (out of `replicas` and the topology), finishes its own.
+    draining: bool = False
     # Commands accumulate here and go out in one write.
     pending: mesh_pb2.CoordinatorCommand = field(default_factory=mesh_pb2.CoordinatorCommand)
     wake: asyncio.Event = field(default_factory=asyncio.Event)
@@ -71,16 +78,24 @@ class StageRegistry:
         return False
 
     def replicas(self, stage: str) -> list[Replica]:
+        """The stage's replicas that take work (not draining), sorted by id: the order
+        the stages route by."""
+        found = self._by_stage.get(stage, {}).values()
+        return sorted((r for r in found if not r.draining), key=lambda r: r.replica_id)
+
+    def attached(self, stage: str) -> list[Replica]:
+        """All of the stage's replicas, draining ones too, sorted by id."""
         return sorted(self._by_stage.get(stage, {}).values(), key=lambda r: r.replica_id)
 
     def all(self) -> list[Replica]:
+        """Every attached replica, draining ones too (they still take aborts)."""
         return [r for reps in self._by_stage.values() for r in reps.values()]
 
     def live(self, stage: str) -> bool:
-        return bool(self._by_stage.get(stage))
+        return any(not r.draining for r in self._by_stage.get(stage, {}).values())
 
     def missing(self) -> list[str]:
-        return [name for name, reps in self._by_stage.items() if not reps]
+        return [name for name in self._by_stage if not self.live(name)]
 
     def pick(self, stage: str, request_id: str) -> Replica | None:
         replicas = self.replicas(stage)

@@ -7,6 +7,7 @@ import time
 from collections import OrderedDict
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import Any
 
 from omnirail.telemetry.metrics import CoordinatorMetrics
 from omnirail.telemetry.tracer import STATUS_OK, Span
@@ -48,6 +49,18 @@ class RequestRecord:
     # The request's root span (None when tracing is off or the trace is not sampled).
     span: Span | None = None
     chunks: int = 0
+    # The id the stages know this attempt by: the request id, then `<id>#<n>` for the
+    # n-th dispatch after a replica was lost (stages remember ended ids; '#' is not
+    # allowed in client ids, so no client id collides).
+    wire_id: str = ""
+    attempt: int = 1
+    # The entry stage's replica the current attempt went to (it counts in its `assigned`).
+    entry: Any = None
+    # What went to the entry stage, kept while the request could be re-dispatched.
+    retry_item: Any = None
+
+    def __post_init__(self) -> None:
+        self.wire_id = self.wire_id or self.request_id
 
     @property
     def finished(self) -> bool:
@@ -85,6 +98,12 @@ class RequestTable:
 
     def get(self, request_id: str) -> RequestRecord | None:
         return self.live.get(request_id) or self._finished.get(request_id)
+
+    def by_wire(self, wire_id: str) -> RequestRecord | None:
+        """The live request whose current attempt the stages know as `wire_id` (None for
+        an attempt that was re-dispatched since, or ended)."""
+        rec = self.live.get(wire_id.partition("#")[0])
+        return rec if rec is not None and rec.wire_id == wire_id else None
 
     def finish(self, record: RequestRecord, state: int, error: OmniError | None = None) -> bool:
         """Ends a live request once; returns False when it had already ended."""

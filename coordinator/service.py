@@ -16,6 +16,12 @@ import grpc
 from grpc_health.v1 import health
 
 from omnirail.config import PipelineConfig, dotted
+from omnirail.coordinator.failover import (
+    REDISPATCH_DELAY_S,
+    can_redispatch,
+    touched,
+    watch_liveness,
+)
 from omnirail.coordinator.registry import Replica, StageRegistry
 from omnirail.coordinator.requests import (
     EarlyAborts,
@@ -24,6 +30,7 @@ from omnirail.coordinator.requests import (
     RequestTable,
     State,
 )
+from omnirail.coordinator.session import serve_session, traceparent_of
 from omnirail.telemetry.logs import ids
 from omnirail.telemetry.metrics import CoordinatorMetrics
 from omnirail.telemetry.tracer import KIND_SERVER, Tracer, parse_traceparent
@@ -80,10 +87,13 @@ class Coordinator(client_pb2_grpc.OmnirailServicer, mesh_pb2_grpc.CoordinatorSer
         self._possible: dict[tuple[str, ...], frozenset[str]] = {}
         self._max_input = pipeline.max_input_mb << 20
         self._max_live = pipeline.max_live_requests
-        self._client_buffer = pipeline.client_stream_buffer
+        self.client_buffer = pipeline.client_stream_buffer
         self._max_message = pipeline.endpoints.max_message_mb << 20
         self._channels: dict[str, DeliverChannel] = {}
-        # request id -> replicas that still owe an abort ack, and who acked.
+        # Stages whose work may run again (a lost replica's requests are re-dispatched).
+        self._retry_safe = frozenset(s.name for s in pipeline.stages if s.retry_safe)
+        self._liveness: asyncio.Task[None] | None = None
+        # wire id -> replicas that still owe an abort ack, and who acked.
         self._abort_waits: dict[str, tuple[set[tuple[str, str]], list[str], asyncio.Event]] = {}
 
     # ---- client API ------------------------------------------------------------
@@ -99,7 +109,7 @@ class Coordinator(client_pb2_grpc.OmnirailServicer, mesh_pb2_grpc.CoordinatorSer
                 await rec.done.wait()
         except asyncio.CancelledError:
             # The client went away: nothing downstream should keep working on it.
-            self._end(rec, State.ABORTED, OmniError(Code.CANCELLED, "client cancelled the call"))
+            self.end(rec, State.ABORTED, OmniError(Code.CANCELLED, "client cancelled the call"))
             raise
         if rec.state == State.COMPLETED:
             await context.write(client_pb2.GenerateEvent(result=rec.result()))
@@ -114,8 +124,8 @@ class Coordinator(client_pb2_grpc.OmnirailServicer, mesh_pb2_grpc.CoordinatorSer
         def on_chunk(chunk: client_pb2.Chunk) -> None:
             chunks.append(chunk)
             wake.set()
-            if len(chunks) > self._client_buffer:
-                self._client_too_slow(rec, len(chunks))
+            if len(chunks) > self.client_buffer:
+                self.client_too_slow(rec, len(chunks))
 
         rec.on_chunk.append(on_chunk)
         rec.on_done.append(lambda _: wake.set())
@@ -133,82 +143,7 @@ class Coordinator(client_pb2_grpc.OmnirailServicer, mesh_pb2_grpc.CoordinatorSer
         request_iterator: AsyncIterator[client_pb2.SessionRequest],
         context: grpc.aio.ServicerContext,
     ) -> None:
-        events = client_pb2.SessionEvents()
-        wake = asyncio.Event()
-        mine: set[str] = set()
-        # Chunks per request waiting for the client to read the stream (since the last write).
-        unread: dict[str, int] = {}
-
-        def emit_chunk(rec: RequestRecord, chunk: client_pb2.Chunk) -> None:
-            rid = rec.request_id
-            emit(client_pb2.SessionEvent(request_id=rid, chunk=chunk))
-            unread[rid] = n = unread.get(rid, 0) + 1
-            if n > self._client_buffer:
-                self._client_too_slow(rec, n)
-
-        # The call's traceparent parents requests that carry none of their own.
-        caller_traceparent = _traceparent_of(context)
-
-        def emit(event: client_pb2.SessionEvent) -> None:
-            events.events.append(event)
-            wake.set()
-
-        def on_done(rec: RequestRecord) -> None:
-            mine.discard(rec.request_id)
-            if rec.state == State.COMPLETED:
-                emit(client_pb2.SessionEvent(request_id=rec.request_id, result=rec.result()))
-            else:
-                err = rec.error or internal("request ended without a result")
-                emit(client_pb2.SessionEvent(request_id=rec.request_id, error=err.to_proto()))
-
-        async def read() -> None:
-            while (msg := await context.read()) is not grpc.aio.EOF:
-                for request in msg.generate:
-                    if not request.request_id:
-                        emit(
-                            client_pb2.SessionEvent(
-                                error=invalid("request_id: required in a Session").to_proto()
-                            )
-                        )
-                        continue
-                    try:
-                        rec = self.start(request, None, caller_traceparent)
-                    except OmniError as exc:
-                        emit(
-                            client_pb2.SessionEvent(
-                                request_id=request.request_id, error=exc.to_proto()
-                            )
-                        )
-                        continue
-                    mine.add(rec.request_id)
-                    rec.on_done.append(on_done)
-                    if request.stream:
-                        rec.on_chunk.append(lambda chunk, r=rec: emit_chunk(r, chunk))
-                for abort in msg.abort:
-                    rec = self.requests.live.get(abort.request_id)
-                    reason = abort.reason or "aborted by client"
-                    if rec is not None:
-                        self._end(rec, State.ABORTED, OmniError(Code.CANCELLED, reason))
-                    elif self.requests.get(abort.request_id) is None:
-                        self._early_aborts.add(abort.request_id, reason)
-
-        def take() -> client_pb2.SessionEvents | None:
-            nonlocal events
-            if not events.events:
-                return None
-            batch, events = events, client_pb2.SessionEvents()
-            unread.clear()
-            return batch
-
-        try:
-            await write_until_read_ends(context, read(), wake, take)
-        finally:
-            for rid in list(mine):
-                rec = self.requests.live.get(rid)
-                if rec is not None:
-                    self._end(
-                        rec, State.ABORTED, OmniError(Code.CANCELLED, "client session closed")
-                    )
+        await serve_session(self, request_iterator, context)
 
     async def Submit(
         self, request: client_pb2.GenerateRequest, context: grpc.aio.ServicerContext
@@ -268,11 +203,11 @@ class Coordinator(client_pb2_grpc.OmnirailServicer, mesh_pb2_grpc.CoordinatorSer
                 terminal=cfg.terminal,
                 wait_for=cfg.wait_for or [],
             )
-            for rep in self.registry.replicas(cfg.name):
+            for rep in self.registry.attached(cfg.name):
                 stage.replicas.add(
                     replica_id=rep.replica_id,
                     address=rep.address,
-                    live=True,
+                    live=not rep.draining,
                     queue_depth=rep.queue_depth,
                     inflight=rep.inflight,
                     metrics_address=rep.metrics_address,
@@ -292,7 +227,7 @@ class Coordinator(client_pb2_grpc.OmnirailServicer, mesh_pb2_grpc.CoordinatorSer
         self, request: client_pb2.GenerateRequest, context: grpc.aio.ServicerContext
     ) -> RequestRecord:
         try:
-            return self.start(request, context.time_remaining(), _traceparent_of(context))
+            return self.start(request, context.time_remaining(), traceparent_of(context))
         except OmniError as exc:
             await _abort_call(context, exc)
             raise  # unreachable: abort raises
@@ -348,9 +283,6 @@ class Coordinator(client_pb2_grpc.OmnirailServicer, mesh_pb2_grpc.CoordinatorSer
         for stage in sorted(possible):
             if not self.registry.live(stage):
                 raise unavailable(f"stage {stage!r} has no live replica", stage)
-        replica = self.registry.pick(self._entry, rid)
-        assert replica is not None  # the entry is in `possible`
-
         rec = RequestRecord(rid, terminals, possible, deadline=time.time() + timeout)
         rec.state = State.RUNNING
         traceparent = request.traceparent or caller_traceparent
@@ -373,10 +305,56 @@ class Coordinator(client_pb2_grpc.OmnirailServicer, mesh_pb2_grpc.CoordinatorSer
             traceparent=traceparent,
             meta=mesh_pb2.RequestMeta(terminal_stages=terminals, deadline=rec.deadline),
         )
+        if self.pipeline.redispatch_attempts and possible <= self._retry_safe:
+            rec.retry_item = item
+        rec.on_done.append(_unassign)
+        self._dispatch(rec, item)
+        return rec
+
+    def _dispatch(self, rec: RequestRecord, item: mesh_pb2.DeliverItem) -> None:
+        """Sends the request's current attempt to a replica of the entry stage."""
+        replica = self.registry.pick(self._entry, rec.wire_id)
+        assert replica is not None  # callers checked that every possible stage is live
+        item.request_id = rec.wire_id
         self._channel(replica.address).send(item)
         replica.assigned += 1
-        rec.on_done.append(lambda _: _unassign(replica))
-        return rec
+        rec.entry = replica
+
+    def _lost(self, rec: RequestRecord, error: OmniError) -> None:
+        """A replica `rec` depends on is gone: run it again elsewhere, or fail it."""
+        if rec.retry_item is None or not can_redispatch(
+            rec, self._retry_safe, self.pipeline.redispatch_attempts
+        ):
+            self._fail(rec, error)
+            return
+        old = rec.wire_id
+        rec.attempt += 1
+        rec.wire_id = f"{rec.request_id}#{rec.attempt}"
+        _unassign(rec)
+        self.metrics.redispatched()
+        log.info(
+            "re-dispatching (attempt %d) after: %s",
+            rec.attempt,
+            error.message,
+            extra=ids(rec.request_id, rec.span.traceparent if rec.span else None),
+        )
+        if rec.span is not None:
+            rec.span.event("redispatched", {"omnirail.attempt": rec.attempt, "why": error.message})
+        # Whatever the old attempt left on other stages is cleaned up like an abort.
+        self._broadcast_abort(old, f"re-dispatched after: {error.message}")
+        asyncio.get_running_loop().call_later(
+            REDISPATCH_DELAY_S * (rec.attempt - 1), self._dispatch_again, rec, rec.wire_id, error
+        )
+
+    def _dispatch_again(self, rec: RequestRecord, wire_id: str, error: OmniError) -> None:
+        if rec.finished or rec.wire_id != wire_id:
+            return
+        for stage in sorted(rec.possible):
+            if not self.registry.live(stage):
+                message = f"{error.message}; no live replica of {stage!r} left"
+                self._fail(rec, unavailable(message, error.stage or stage))
+                return
+        self._dispatch(rec, rec.retry_item)
 
     def _resolve_terminals(self, rid: str, inputs: dict[str, Any]) -> tuple[str, ...]:
         if self._terminals_fn is None:
@@ -414,18 +392,18 @@ class Coordinator(client_pb2_grpc.OmnirailServicer, mesh_pb2_grpc.CoordinatorSer
         return channel
 
     def _on_lost(self, request_ids: list[str], why: str) -> None:
-        for rid in request_ids:
-            rec = self.requests.live.get(rid)
+        for wire_id in request_ids:
+            rec = self.requests.by_wire(wire_id)
             if rec is not None:
-                self._fail(rec, unavailable(f"could not deliver to the entry stage: {why}"))
+                self._lost(rec, unavailable(f"could not deliver to the entry stage: {why}"))
 
-    def _client_too_slow(self, rec: RequestRecord, waiting: int) -> None:
+    def client_too_slow(self, rec: RequestRecord, waiting: int) -> None:
         self._fail(
             rec,
             OmniError(
                 Code.RESOURCE_EXHAUSTED,
                 f"the client is not reading its stream: {waiting} chunks waiting "
-                f"(client_stream_buffer is {self._client_buffer})",
+                f"(client_stream_buffer is {self.client_buffer})",
             ),
         )
 
@@ -444,28 +422,38 @@ class Coordinator(client_pb2_grpc.OmnirailServicer, mesh_pb2_grpc.CoordinatorSer
 
     def _fail(self, rec: RequestRecord, error: OmniError) -> None:
         state = State.ABORTED if error.code == Code.CANCELLED else State.FAILED
-        self._end(rec, state, error)
+        self.end(rec, state, error)
 
-    def _end(self, rec: RequestRecord, state: int, error: OmniError | None) -> None:
+    def end(self, rec: RequestRecord, state: int, error: OmniError | None) -> None:
         if self.requests.finish(rec, state, error) and state != State.COMPLETED:
             # Other branches may still hold slots for it: clean up everywhere.
-            self._broadcast_abort(rec.request_id, error.message if error else "")
+            self._broadcast_abort(rec.wire_id, error.message if error else "")
+
+    def abort_soon(self, request_id: str, reason: str) -> None:
+        """Aborts a live request without waiting for the stages' acks; one not known yet
+        is remembered, in case the abort overtook its request's start."""
+        rec = self.requests.live.get(request_id)
+        if rec is not None:
+            self.end(rec, State.ABORTED, OmniError(Code.CANCELLED, reason))
+        elif self.requests.get(request_id) is None:
+            self._early_aborts.add(request_id, reason)
 
     async def abort(self, rec: RequestRecord, error: OmniError, *, wait: bool) -> list[str]:
         """Ends `rec` as aborted and waits for every replica to acknowledge cleanup."""
         if not self.requests.finish(rec, State.ABORTED, error):
             return []
-        event = self._broadcast_abort(rec.request_id, error.message)
+        event = self._broadcast_abort(rec.wire_id, error.message)
         if not wait:
             return []
         try:
             await asyncio.wait_for(event.wait(), self.pipeline.abort_ack_timeout_s)
         except TimeoutError:
             log.warning("abort of %s: not every stage acknowledged in time", rec.request_id)
-        _, acked, _ = self._abort_waits.pop(rec.request_id, (set(), [], event))
+        _, acked, _ = self._abort_waits.pop(rec.wire_id, (set(), [], event))
         return acked
 
     def _broadcast_abort(self, rid: str, reason: str) -> asyncio.Event:
+        """Tells every replica to drop what it holds of `rid` (a wire id)."""
         cmd = mesh_pb2.CoordinatorCommand(aborts=[mesh_pb2.Abort(request_id=rid, reason=reason)])
         targets = self.registry.broadcast(cmd)
         for channel in self._channels.values():
@@ -484,8 +472,10 @@ class Coordinator(client_pb2_grpc.OmnirailServicer, mesh_pb2_grpc.CoordinatorSer
     # ---- stage events ------------------------------------------------------------
 
     def _on_event(self, replica: Replica, event: mesh_pb2.StageEvent) -> None:
+        replica.last_heard = time.monotonic()
+        by_wire = self.requests.by_wire
         for chunk in event.chunks:
-            rec = self.requests.live.get(chunk.request_id)
+            rec = by_wire(chunk.request_id)
             if rec is None or not rec.on_chunk or replica.stage not in rec.terminals:
                 continue
             rec.chunks += 1
@@ -502,17 +492,21 @@ class Coordinator(client_pb2_grpc.OmnirailServicer, mesh_pb2_grpc.CoordinatorSer
             for on_chunk in rec.on_chunk:
                 on_chunk(out)
         for done in event.completions:
-            rec = self.requests.live.get(done.request_id)
+            rec = by_wire(done.request_id)
             if rec is None or replica.stage not in rec.terminals:
                 continue
             rec.outputs[replica.stage] = done.output
             if len(rec.outputs) == len(rec.terminals):
-                self._end(rec, State.COMPLETED, None)
+                self.end(rec, State.COMPLETED, None)
         for failure in event.failures:
-            rec = self.requests.live.get(failure.request_id)
+            rec = by_wire(failure.request_id)
             if rec is not None:
                 err = OmniError.from_proto(failure.error)
-                self._fail(rec, err)
+                # UNAVAILABLE: a stage could not reach the next one (its replica is gone).
+                if err.code == Code.UNAVAILABLE:
+                    self._lost(rec, err)
+                else:
+                    self._fail(rec, err)
         for ack in event.abort_acks:
             wait = self._abort_waits.get(ack.request_id)
             if wait is not None:
@@ -524,6 +518,11 @@ class Coordinator(client_pb2_grpc.OmnirailServicer, mesh_pb2_grpc.CoordinatorSer
         if event.HasField("load"):
             replica.queue_depth = event.load.queue_depth
             replica.inflight = event.load.inflight
+        if event.draining and not replica.draining:
+            # It finishes what it holds; new work goes to the others from now on.
+            replica.draining = True
+            log.info("stage %s replica %s is draining", replica.stage, replica.replica_id)
+            asyncio.get_running_loop().create_task(self._topology_changed())
 
     async def Attach(
         self,
@@ -566,6 +565,11 @@ class Coordinator(client_pb2_grpc.OmnirailServicer, mesh_pb2_grpc.CoordinatorSer
         if old is not None:
             old.push(mesh_pb2.CoordinatorCommand(shutdown=mesh_pb2.Shutdown(reason="replaced")))
         log.info("stage %s replica %s registered at %s", reg.stage, reg.replica_id, reg.address)
+        replica.task = asyncio.current_task()
+        if self._liveness is None:
+            self._liveness = asyncio.get_running_loop().create_task(
+                watch_liveness(self.registry, self.pipeline.liveness_s, self._on_silent)
+            )
         await self._topology_changed()
 
         async def read() -> None:
@@ -575,21 +579,42 @@ class Coordinator(client_pb2_grpc.OmnirailServicer, mesh_pb2_grpc.CoordinatorSer
         try:
             await write_until_read_ends(context, read(), replica.wake, replica.take)
         finally:
-            if self.registry.remove(replica):
-                log.warning("stage %s replica %s is gone", replica.stage, replica.replica_id)
-                self._replica_gone(replica)
+            if self._lose(replica, "went away"):
                 await self._topology_changed()
 
-    def _replica_gone(self, replica: Replica) -> None:
+    def _on_silent(self, replica: Replica, silent_s: float) -> None:
+        """A replica stopped answering: it is lost like a dead one, and its Attach call is
+        cancelled (should it wake up, it attaches again as a fresh replica)."""
+        why = (
+            f"stopped answering (nothing heard for {silent_s:.1f}s; "
+            f"liveness_s is {self.pipeline.liveness_s:g})"
+        )
+        if self._lose(replica, why):
+            if replica.task is not None:
+                replica.task.cancel()
+            asyncio.get_running_loop().create_task(self._topology_changed())
+
+    def _lose(self, replica: Replica, why: str) -> bool:
+        """Takes `replica` out of the mesh; the requests it touched are re-dispatched or
+        fail (coordinator/failover.py). False when it was already out."""
+        before = self.registry.replicas(replica.stage)
+        if not self.registry.remove(replica):
+            return False
+        if replica.draining:  # a planned exit, after it finished its work
+            log.info("stage %s replica %s left (drained)", replica.stage, replica.replica_id)
+        else:
+            log.warning("stage %s replica %s %s", replica.stage, replica.replica_id, why)
+            self.metrics.replica_lost(replica.stage)
         error = unavailable(
-            f"stage {replica.stage!r} replica {replica.replica_id} went away", replica.stage
+            f"stage {replica.stage!r} replica {replica.replica_id} {why}", replica.stage
         )
         for rec in list(self.requests.live.values()):
-            if replica.stage in rec.possible:
-                self._fail(rec, error)
+            if touched(replica, before, rec, self._entry):
+                self._lost(rec, error)
         channel = self._channels.pop(replica.address, None)
         if channel is not None:
             asyncio.get_running_loop().create_task(channel.close())
+        return True
 
     async def _topology_changed(self) -> None:
         self.registry.broadcast(mesh_pb2.CoordinatorCommand(topology=self.registry.topology()))
@@ -606,7 +631,7 @@ class Coordinator(client_pb2_grpc.OmnirailServicer, mesh_pb2_grpc.CoordinatorSer
             await asyncio.sleep(0.05)
         left = list(self.requests.live.values())
         for rec in left:
-            self._end(
+            self.end(
                 rec,
                 State.FAILED,
                 unavailable(f"the mesh shut down before the request ended (drain_s {grace_s:g})"),
@@ -614,19 +639,17 @@ class Coordinator(client_pb2_grpc.OmnirailServicer, mesh_pb2_grpc.CoordinatorSer
         return len(left)
 
     async def close(self) -> None:
+        if self._liveness is not None:
+            self._liveness.cancel()
         for channel in self._channels.values():
             await channel.close()
 
 
-def _unassign(replica: Replica) -> None:
-    replica.assigned -= 1
-
-
-def _traceparent_of(context: grpc.aio.ServicerContext) -> str:
-    for key, value in context.invocation_metadata() or ():
-        if key == "traceparent":
-            return value if isinstance(value, str) else value.decode()
-    return ""
+def _unassign(rec: RequestRecord) -> None:
+    """The request's attempt no longer counts against its entry replica."""
+    if rec.entry is not None:
+        rec.entry.assigned -= 1
+        rec.entry = None
 
 
 async def _abort_call(context: grpc.aio.ServicerContext, error: OmniError) -> None:

@@ -43,6 +43,7 @@ class AttachClient:
         self.connected = asyncio.Event()
         self._stopping = False
         self._load_due = False
+        self._draining = False
 
     # ---- upward events (called on the loop thread) ----------------------------
 
@@ -65,6 +66,18 @@ class AttachClient:
     def abort_ack(self, request_id: str) -> None:
         self._event.abort_acks.add(request_id=request_id)
         self._wake.set()
+
+    def drain(self) -> None:
+        """Tells the coordinator (now, and in every later event) that this replica takes
+        no new work."""
+        self._draining = True
+        self._load_due = True
+        self._wake.set()
+
+    @property
+    def idle(self) -> bool:
+        """Nothing waits to go out (completions, failures, chunks, acks)."""
+        return not _nonempty(self._event)
 
     def stop(self) -> None:
         self._stopping = True
@@ -153,6 +166,7 @@ class AttachClient:
     def _swap(self) -> mesh_pb2.StageEvent:
         event, self._event = self._event, mesh_pb2.StageEvent()
         self._load_due = False
+        event.draining = self._draining
         if self._load is not None:
             depth, inflight = self._load()
             event.load.queue_depth = depth

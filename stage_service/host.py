@@ -39,6 +39,9 @@ from omnirail.wire.errors import OmniError, invalid, unavailable
 
 log = logging.getLogger(__name__)
 
+# How long a draining process must be idle before it counts as drained.
+DRAIN_SETTLE_S = 0.3
+
 
 def factory_args(
     pipeline: PipelineConfig,
@@ -216,6 +219,35 @@ class StageHost(mesh_pb2_grpc.StageServicer):
     async def wait_attached(self, timeout: float) -> None:
         await asyncio.wait_for(
             asyncio.gather(*(a.connected.wait() for a in self._attach.values())), timeout
+        )
+
+    async def drain(self, grace_s: float) -> bool:
+        """Stops taking new work (the coordinator routes none here from its next
+        topology) and lets what this process holds finish, for up to `grace_s`. Idle means
+        no request in a stage, nothing queued, sent or unreported, for `DRAIN_SETTLE_S`
+        (items routed here before the topology changed are still on their way). True when
+        it got idle in time."""
+        for attach in self._attach.values():
+            attach.drain()
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + grace_s
+        quiet_since: float | None = None
+        while (now := loop.time()) < deadline and not self.shutdown_requested.is_set():
+            if self._busy():
+                quiet_since = None
+            elif quiet_since is None:
+                quiet_since = now
+            elif now - quiet_since >= DRAIN_SETTLE_S:
+                return True
+            await asyncio.sleep(0.02)
+        return not self._busy()
+
+    def _busy(self) -> bool:
+        return (
+            any(s.inflight or s.scheduler.queue_depth for s in self.stages.values())
+            or any(c.inflight for c in self._channels.values())
+            or bool(self._local_tasks)
+            or not all(a.idle for a in self._attach.values())
         )
 
     async def stop(self) -> None:

@@ -6,6 +6,7 @@ import asyncio
 import logging
 import os
 import signal
+from typing import Any
 
 from omnirail.config import PipelineConfig
 from omnirail.stage_service import placement
@@ -13,6 +14,8 @@ from omnirail.stage_service.placement import Placement
 from omnirail.stage_service.tp import TensorParallel
 
 log = logging.getLogger(__name__)
+
+HEARTBEAT_S = 1.0
 
 
 def configure_process(
@@ -53,6 +56,7 @@ async def serve(
     metrics_port: int | None = None,
     tp_rank: int | None = None,
     tp_init: str | None = None,
+    heartbeat: str | None = None,
 ) -> None:
     from omnirail.stage_service.host import StageHost
     from omnirail.telemetry import setup_tracing
@@ -93,13 +97,32 @@ async def serve(
         tp=tp,
     )
     loop = asyncio.get_running_loop()
+    signalled = asyncio.Event()
+
+    def on_signal() -> None:
+        if signalled.is_set():  # a second one: stop now, drained or not
+            host.shutdown_requested.set()
+        signalled.set()
+
     for sig in (signal.SIGINT, signal.SIGTERM):
-        loop.add_signal_handler(sig, host.shutdown_requested.set)
+        loop.add_signal_handler(sig, on_signal)
     address = await host.start()
     log.info("stages %s listening on %s", stage_names, address)
+    beat = loop.create_task(_beat(heartbeat)) if heartbeat else None
     try:
-        await host.shutdown_requested.wait()
+        await _first(host.shutdown_requested.wait(), signalled.wait())
+        if signalled.is_set():
+            # SIGTERM (`omnirail down`, `omnirail restart`, a container stop): finish
+            # what this process holds first; new work goes elsewhere meanwhile.
+            if not await host.drain(pipeline.drain_s):
+                log.warning(
+                    "stages %s: still busy after drain_s %gs; stopping anyway",
+                    stage_names,
+                    pipeline.drain_s,
+                )
     finally:
+        if beat is not None:
+            beat.cancel()
         await host.stop()
         if tp is not None:
             tp.close()
@@ -107,6 +130,32 @@ async def serve(
             stop_metrics_server(metrics_address, wait=False)  # the process exits next
         # Spans of requests that just ended must not be lost at shutdown.
         await asyncio.to_thread(telemetry.shutdown)
+
+
+async def _first(*waits: Any) -> None:
+    """Returns when the first of `waits` (coroutines) is done; cancels the others."""
+    tasks = [asyncio.ensure_future(w) for w in waits]
+    try:
+        await asyncio.wait(tasks, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        for task in tasks:
+            task.cancel()
+
+
+async def _beat(path: str) -> None:
+    """Touches `path` every second from the event loop: a process stopped (SIGSTOP) or
+    whose loop is wedged stops beating, and its supervisor can tell (omnirail/ops/
+    supervise.py). The file is the supervisor's; a failure to write it is logged once."""
+    warned = False
+    while True:
+        try:
+            with open(path, "a"):
+                os.utime(path)
+        except OSError as exc:
+            if not warned:
+                log.warning("cannot write the heartbeat file %s: %s", path, exc)
+                warned = True
+        await asyncio.sleep(HEARTBEAT_S)
 
 
 async def _join_tp(

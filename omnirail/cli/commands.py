@@ -40,6 +40,7 @@ def cmd_validate(args: argparse.Namespace) -> int:
 
 
 def cmd_up(args: argparse.Namespace) -> int:
+    from omnirail.ops.control import serve_pending
     from omnirail.ops.launcher import Mesh, read_states, write_state
 
     if args.detach:
@@ -79,6 +80,8 @@ def cmd_up(args: argparse.Namespace) -> int:
         )
         print(address, flush=True)
         while not stop:
+            # `omnirail restart` and other commands from the run directory.
+            serve_pending(mesh.run_dir, mesh.handle_control)
             # Stage processes restart on their own (or stay down past their budget while
             # the rest serves); the coordinator's exit ends the mesh.
             exited = mesh.poll_exited()
@@ -102,6 +105,37 @@ def cmd_up(args: argparse.Namespace) -> int:
         )
         if state is not None:
             state.unlink(missing_ok=True)
+
+
+def cmd_restart(args: argparse.Namespace) -> int:
+    """Rolls a stage's processes, one at a time, through the mesh's launcher."""
+    from omnirail.ops.control import submit
+
+    state = _one_mesh(args.name)
+    answer = submit(str(state["run_dir"]), {"restart": args.stage}, args.timeout)
+    if not answer.get("ok"):
+        print(f"error: {answer.get('message')}", file=sys.stderr)
+        return 1
+    print(answer.get("message", ""))
+    return 0
+
+
+def _one_mesh(name: str | None) -> dict[str, object]:
+    """The running mesh named `name`, or the only one; ValueError otherwise."""
+    from omnirail.ops.launcher import read_states
+
+    states = read_states()
+    if name:
+        if name not in states:
+            raise ValueError(
+                f"no running mesh named {name!r} (running: {sorted(states) or 'none'})"
+            )
+        return states[name]
+    if not states:
+        raise ValueError("no mesh is running")
+    if len(states) > 1:
+        raise ValueError(f"several meshes are running ({sorted(states)}); pass --name")
+    return next(iter(states.values()))
 
 
 def _up_detached(args: argparse.Namespace) -> int:
@@ -310,6 +344,7 @@ def cmd_stage(args: argparse.Namespace) -> int:
                 metrics_port=args.metrics_port,
                 tp_rank=args.tp_rank,
                 tp_init=args.tp_init,
+                heartbeat=args.heartbeat,
             )
         )
     _exit_now(0)
@@ -423,6 +458,17 @@ def build_parser() -> argparse.ArgumentParser:
     u.add_argument("--run-dir", default=None, help="sockets and logs (default: a new temp dir)")
     u.set_defaults(fn=cmd_up)
 
+    rs = sub.add_parser(
+        "restart",
+        help="restart a stage's processes one at a time, each drained first (omnirail up)",
+    )
+    rs.add_argument("stage")
+    rs.add_argument("--name", default=None, help="the mesh (default: the only one running)")
+    rs.add_argument(
+        "--timeout", type=float, default=900.0, help="seconds to wait for the whole roll"
+    )
+    rs.set_defaults(fn=cmd_restart)
+
     d = sub.add_parser("down", help="stop a detached mesh")
     d.add_argument("--name", default=None)
     d.add_argument("--all", action="store_true")
@@ -501,6 +547,13 @@ def build_parser() -> argparse.ArgumentParser:
     )
     s.add_argument(
         "--tp-init", default=None, help="the group's rendezvous, tcp://HOST:PORT (rank 0 binds it)"
+    )
+    s.add_argument(
+        "--heartbeat",
+        default=None,
+        metavar="FILE",
+        help="touch FILE every second while the process serves (a supervisor's liveness "
+        "check: `omnirail up` kills a process whose beat is older than liveness_s)",
     )
     _add_wake_flag(s, "it")
     s.set_defaults(fn=cmd_stage)

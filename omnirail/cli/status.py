@@ -37,7 +37,8 @@ def _exit_text(last: dict[str, Any] | None) -> str:
     if not last:
         return "-"
     ago = time.time() - float(last.get("at", time.time()))
-    return f"{last.get('process')} code {last.get('code')}, {ago:.0f}s ago"
+    hung = " (killed: not answering)" if last.get("hung") else ""
+    return f"{last.get('process')} code {last.get('code')}{hung}, {ago:.0f}s ago"
 
 
 def cmd_status(args: argparse.Namespace) -> int:

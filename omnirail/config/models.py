@@ -194,6 +194,10 @@ class StageConfig(_Model):
     # Restarts of the stage's process when it exits (stages sharing a process: the first
     # stage's applies).
     restart: RestartConfig = RestartConfig()
+    # Running a request here again gives the same result and harms nothing (no side
+    # effects): a request whose replica was lost before any of it reached the client is
+    # re-dispatched when every stage it may pass says so (coordinator/failover.py).
+    retry_safe: bool = False
     # CPUs the stage's process is pinned to (every thread), as a list or "0-3,6". Stages
     # sharing a process: the union of theirs. None: wherever the OS schedules it.
     cpus: CpuList = None
@@ -262,6 +266,11 @@ class PipelineConfig(_Model):
     # coordinator/registry.py): least_outstanding, round_robin or request_id.
     balance: Literal["least_outstanding", "round_robin", "request_id"] = "least_outstanding"
     abort_ack_timeout_s: float = Field(5.0, gt=0)
+    # A replica not heard from for this long (stages report every second) is taken for
+    # hung: treated like a dead one (coordinator/failover.py).
+    liveness_s: float = Field(5.0, ge=2.0)
+    # How many times a request may be dispatched again after losing a replica (0: never).
+    redispatch_attempts: int = Field(2, ge=0, le=10)
     # Chunks of one streaming request the coordinator holds for a client that does not read
     # them; past this the request fails with RESOURCE_EXHAUSTED instead of growing memory.
     client_stream_buffer: int = Field(4096, gt=0)

@@ -22,6 +22,7 @@ import uuid
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 from omnirail.config import PipelineConfig, load_pipeline
 from omnirail.ops.plan import StageProcess, plan_processes
@@ -38,7 +39,10 @@ PARENT_ENV = "OMNIRAIL_DIE_WITH_PARENT"
 
 
 def die_with_parent() -> None:
-    """In a launched child: exit with SIGTERM when the launcher (its parent) dies."""
+    """In a launched child: exit with SIGTERM when the launcher (its parent) dies.
+    Strictly, when the launcher's *thread* that started it ends (that is how
+    PR_SET_PDEATHSIG works): stage processes are started from long-lived threads only
+    (the main one, the supervisor's watch)."""
     parent = os.environ.pop(PARENT_ENV, None)
     if not parent:
         return
@@ -60,6 +64,8 @@ class _Child:
     name: str
     proc: subprocess.Popen[bytes]
     log: Path
+    # A file the process touches every second while its event loop runs (None: no beat).
+    heartbeat: Path | None = None
 
     def log_tail(self, lines: int) -> list[str]:
         return self.log.read_text(errors="replace").splitlines()[-lines:]
@@ -103,7 +109,9 @@ class Mesh:
         self.shm_prefix = f"omnirail-{self.run_id}"
         self._progress = progress or (lambda msg: None)
         self._children: list[_Child] = []
-        self._supervisor = Supervisor(self._spawn_stage, self._progress, self._write_status)
+        self._supervisor = Supervisor(
+            self._spawn_stage, self._progress, self._write_status, self.pipeline.liveness_s
+        )
         self._stage_flags: dict[str, list[str]] = {}
         self.address: str | None = None
 
@@ -235,7 +243,15 @@ class Mesh:
         ]
         if tp_init is not None:  # one rank of a tensor-parallel stage
             args += ["--tp-rank", str(p.tp_rank), "--tp-init", tp_init]
-        return self._spawn(name, args)
+        heartbeat = None
+        if not p.tp_rank:  # followers run no loop: rank 0 notices a broken group
+            heartbeat = self.run_dir / "heartbeats" / name
+            heartbeat.parent.mkdir(exist_ok=True)
+            heartbeat.unlink(missing_ok=True)  # a new process: no beat until it runs
+            args += ["--heartbeat", str(heartbeat)]
+        child = self._spawn(name, args)
+        child.heartbeat = heartbeat
+        return child
 
     def _hold_wake_latency(self) -> list[str]:
         """Holds the wake-latency bound here too, so that a host refusing it is reported
@@ -316,6 +332,56 @@ class Mesh:
                 if c.proc.poll() is not None and not self._supervisor.owns(c)
             ]
 
+    # ---- rolling restart ---------------------------------------------------------
+
+    def restart_stage(self, stage: str, grace: float = 5.0, timeout: float = 180.0) -> list[str]:
+        """Restarts the processes hosting `stage` one at a time (its replicas; the other
+        stages sharing those processes restart with them): each drains (no new work, its
+        own finishes, for up to `drain_s`) and exits, a new one starts at once, and the
+        next goes only when the new one serves. Returns what was done, step by step."""
+        from omnirail.client.sdk import Client
+
+        if stage not in self.pipeline.stage_names:
+            raise ValueError(
+                f"unknown stage {stage!r}; this pipeline has {self.pipeline.stage_names}"
+            )
+        units = [n for n, u in self._supervisor.units.items() if stage in u.processes[0].stages]
+        steps: list[str] = []
+        with Client(self.address or "") as client:
+            for name in units:
+                stages = self._supervisor.units[name].processes[0].stages
+                before = _live_ids(client, stages)
+                t0 = time.monotonic()
+                self._progress(f"restarting {name!r}: draining it")
+                self._supervisor.restart_unit(name, self.pipeline.drain_s + grace)
+                deadline = time.monotonic() + timeout
+                while not self._back(client, stages, before):
+                    if time.monotonic() > deadline:
+                        raise OmniError(
+                            Code.UNAVAILABLE,
+                            f"{name} did not serve again within {timeout:g}s; see its log",
+                        )
+                    time.sleep(0.05)
+                steps.append(
+                    f"{name}: drained, restarted, serving again in {time.monotonic() - t0:.1f}s"
+                )
+                self._progress(steps[-1])
+        return steps
+
+    def _back(self, client: Any, stages: tuple[str, ...], before: dict[str, set[str]]) -> bool:
+        """Every stage of `stages` has all its replicas live again, one of them new."""
+        now = _live_ids(client, stages)
+        return all(
+            len(now[s]) == self.pipeline.stage(s).replicas and now[s] - before[s] for s in stages
+        )
+
+    def handle_control(self, command: dict[str, Any]) -> dict[str, Any]:
+        """One `omnirail.ops.control` command (`{"restart": STAGE}`)."""
+        if set(command) != {"restart"} or not isinstance(command["restart"], str):
+            raise ValueError(f'expected {{"restart": STAGE}}, got {command!r}')
+        steps = self.restart_stage(command["restart"])
+        return {"ok": True, "message": "\n".join(steps)}
+
     # ---- stop ------------------------------------------------------------------
 
     def stop(self, grace: float = 5.0) -> dict[str, int]:
@@ -328,7 +394,9 @@ class Mesh:
         coordinator = [c for c in self._children if c.name == "coordinator"]
         stages = [c for c in self._children if c.name != "coordinator"]
         exits: dict[str, int] = {}
-        for batch, wait in ((coordinator, grace + self.pipeline.drain_s), (stages, grace)):
+        # Stages drain too on SIGTERM (idle by then: the coordinator drained first).
+        drain = self.pipeline.drain_s
+        for batch, wait in ((coordinator, grace + drain), (stages, grace + drain)):
             for child in batch:
                 if child.proc.poll() is None:
                     child.proc.send_signal(signal.SIGTERM)
@@ -386,3 +454,8 @@ def read_states() -> dict[str, dict[str, object]]:
             continue
         states[path.stem] = data
     return states
+
+
+def _live_ids(client: Any, stages: tuple[str, ...]) -> dict[str, set[str]]:
+    info = {st.name: st for st in client.describe().stages}
+    return {s: {r.replica_id for r in info[s].replicas if r.live} for s in stages}

@@ -10,6 +10,13 @@ stays down with a clear message, and the rest of the mesh keeps serving what doe
 need it. The restarted process registers with the coordinator like a new replica; no one
 has to do anything.
 
+A stage process that stops answering without exiting (stopped with SIGSTOP, its event
+loop wedged) stops touching its heartbeat file (`omnirail stage --heartbeat`); once the
+beat is older than the pipeline's `liveness_s` plus `KILL_AFTER_S`, the process is killed
+(SIGKILL: a stopped process takes no other signal) and restarted like one that exited.
+The extra time lets the coordinator notice the silence on its Attach stream first and
+move its requests on, saying why ("stopped answering", not "went away").
+
 `snapshot()` is what `omnirail status` shows: each process's pid, restarts and last exit.
 """
 
@@ -28,6 +35,7 @@ from omnirail.config import RestartConfig
 from omnirail.ops.plan import StageProcess
 
 POLL_S = 0.05
+KILL_AFTER_S = 2.0
 STOP_GRACE_S = 2.0
 
 
@@ -51,6 +59,8 @@ class Unit:
     last_exit: dict[str, Any] | None = None
     restart_at: float | None = None  # when a pending restart is due (monotonic)
     gave_up: bool = False
+    hung: bool = False  # its last process was killed for not answering
+    rolling: bool = False  # being restarted on purpose (`restart_unit`): not a crash
 
     @property
     def tp(self) -> bool:
@@ -66,8 +76,10 @@ class Supervisor:
         spawn: Callable[[StageProcess, str | None], Any],
         progress: Callable[[str], None],
         on_change: Callable[[], None] | None = None,
+        liveness_s: float | None = None,
     ) -> None:
         self._spawn = spawn
+        self._liveness_s = liveness_s
         self._progress = progress
         self._on_change = on_change or (lambda: None)
         self.units: dict[str, Unit] = {}
@@ -117,12 +129,52 @@ class Supervisor:
                     }
         return out
 
+    def restart_unit(self, name: str, stop_wait_s: float) -> None:
+        """Restarts a unit on purpose (`omnirail restart`): SIGTERM (the process drains:
+        new work goes elsewhere, what it holds finishes), up to `stop_wait_s` for it to
+        exit (then SIGKILL), and a new start at once (by the watch), outside the restart
+        budget. A TP group's rank 0 drains first; its followers are stopped after it."""
+        unit = self.units[name]
+        with self.lock:
+            unit.rolling = True
+        try:
+            leaders = [c for c in unit.children if not _follower(c)]
+            for batch in (leaders, [c for c in unit.children if _follower(c)]):
+                for child in batch:
+                    if child.proc.poll() is None:
+                        child.proc.send_signal(signal.SIGTERM)
+                end = time.monotonic() + stop_wait_s
+                for child in batch:
+                    try:
+                        child.proc.wait(timeout=max(0.0, end - time.monotonic()))
+                    except subprocess.TimeoutExpired:
+                        self._progress(f"{child.name} did not drain in {stop_wait_s:g}s: SIGKILL")
+                        child.proc.kill()
+                        child.proc.wait()
+            with self.lock:
+                unit.last_exit = {
+                    "process": unit.children[0].name,
+                    "code": unit.children[0].proc.returncode,
+                    "at": time.time(),
+                    "restarted": True,
+                }
+                unit.total_restarts += 1
+                unit.gave_up = False
+                # The watch thread starts it, not this (short-lived) caller's thread: a
+                # stage process dies with the thread that started it (PR_SET_PDEATHSIG,
+                # see launcher.die_with_parent).
+                unit.restart_at = time.monotonic()
+        finally:
+            with self.lock:
+                unit.rolling = False
+            self._on_change()
+
     # ---- the watch ---------------------------------------------------------------------
 
     def _run(self) -> None:
         while not self._stopping.wait(POLL_S):
             for unit in list(self.units.values()):
-                if unit.gave_up or self._stopping.is_set():
+                if unit.gave_up or unit.rolling or self._stopping.is_set():
                     continue
                 with self.lock:
                     if unit.restart_at is not None:
@@ -132,14 +184,40 @@ class Supervisor:
                             self.start_unit(unit.name, unit.processes, unit.policy)
                             self._on_change()
                         continue
+                    self._kill_silent(unit)
                     exited = [c for c in unit.children if c.proc.poll() is not None]
                     if exited:
                         self._exited(unit, exited[0])
                         self._on_change()
 
+    def _kill_silent(self, unit: Unit) -> None:
+        """SIGKILLs a running process whose heartbeat is older than `liveness_s` +
+        `KILL_AFTER_S` (one that has not beaten yet is starting up: not judged)."""
+        if self._liveness_s is None:
+            return
+        for child in unit.children:
+            beat = getattr(child, "heartbeat", None)
+            if beat is None or child.proc.poll() is not None:
+                continue
+            try:
+                silent = time.time() - beat.stat().st_mtime
+            except FileNotFoundError:
+                continue
+            if silent > self._liveness_s + KILL_AFTER_S:
+                self._progress(
+                    f"{child.name} has not answered for {silent:.1f}s (liveness_s "
+                    f"{self._liveness_s:g}): killing it"
+                )
+                unit.hung = True
+                child.proc.kill()
+                child.proc.wait()
+
     def _exited(self, unit: Unit, child: Any) -> None:
         code = child.proc.returncode
         unit.last_exit = {"process": child.name, "code": code, "at": time.time()}
+        if unit.hung:
+            unit.last_exit["hung"] = True
+            unit.hung = False
         self._stop_others(unit)
         now = time.monotonic()
         policy = unit.policy
@@ -174,3 +252,9 @@ class Supervisor:
             except subprocess.TimeoutExpired:
                 child.proc.kill()
                 child.proc.wait()
+
+
+def _follower(child: Any) -> bool:
+    """A TP rank other than 0 (its name ends `_tp<N>`, N > 0)."""
+    _, sep, rank = child.name.rpartition("_tp")
+    return bool(sep) and rank.isdigit() and int(rank) > 0

@@ -153,6 +153,19 @@ class CoordinatorMetrics:
             "Requests refused at once because max_live_requests were running (overload).",
             registry=r,
         )
+        self._redispatched = Counter(
+            "omnirail_requests_redispatched_total",
+            "Requests dispatched again after losing a replica before any output reached "
+            "the client (once per re-dispatch).",
+            registry=r,
+        )
+        self._replicas_lost = Counter(
+            "omnirail_replicas_lost_total",
+            "Stage replicas taken out of the mesh: their process went away, or they "
+            "stopped answering for liveness_s.",
+            ["stage"],
+            registry=r,
+        )
         self._ended = {
             state: (requests.labels(name), duration.labels(name))
             for state, name in _STATE_NAMES.items()
@@ -175,6 +188,12 @@ class CoordinatorMetrics:
 
     def refused(self) -> None:
         self._refused.inc()
+
+    def redispatched(self) -> None:
+        self._redispatched.inc()
+
+    def replica_lost(self, stage: str) -> None:
+        self._replicas_lost.labels(stage).inc()
 
 
 class StageMetrics:

@@ -25,7 +25,7 @@ _sym_db = _symbol_database.Default()
 from omnirail.v1 import common_pb2 as omnirail_dot_v1_dot_common__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x16omnirail/v1/mesh.proto\x12\x0bomnirail.v1\x1a\x18omnirail/v1/common.proto\"\x91\x01\n\x08Register\x12\r\n\x05stage\x18\x01 \x01(\t\x12\x12\n\nreplica_id\x18\x02 \x01(\t\x12\x0f\n\x07\x61\x64\x64ress\x18\x03 \x01(\t\x12\x0b\n\x03pid\x18\x04 \x01(\r\x12\x16\n\x0erelay_backends\x18\x05 \x03(\t\x12\x17\n\x0fmetrics_address\x18\x06 \x01(\t\x12\x13\n\x0brelay_infos\x18\x07 \x03(\x0c\"[\n\nCompletion\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12$\n\x06output\x18\x02 \x01(\x0b\x32\x14.omnirail.v1.Payload\x12\x13\n\x0btraceparent\x18\x03 \x01(\t\"@\n\x07\x46\x61ilure\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12!\n\x05\x65rror\x18\x02 \x01(\x0b\x32\x12.omnirail.v1.Error\"-\n\x04Load\x12\x13\n\x0bqueue_depth\x18\x01 \x01(\r\x12\x10\n\x08inflight\x18\x02 \x01(\r\"\x1e\n\x08\x41\x62ortAck\x12\x12\n\nrequest_id\x18\x01 \x01(\t\"i\n\x0b\x43lientChunk\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x10\n\x08\x63hunk_id\x18\x02 \x01(\x04\x12\x10\n\x08modality\x18\x03 \x01(\t\x12\"\n\x04\x64\x61ta\x18\x04 \x01(\x0b\x32\x14.omnirail.v1.Payload\"\x81\x02\n\nStageEvent\x12\'\n\x08register\x18\x01 \x01(\x0b\x32\x15.omnirail.v1.Register\x12,\n\x0b\x63ompletions\x18\x02 \x03(\x0b\x32\x17.omnirail.v1.Completion\x12&\n\x08\x66\x61ilures\x18\x03 \x03(\x0b\x32\x14.omnirail.v1.Failure\x12)\n\nabort_acks\x18\x04 \x03(\x0b\x32\x15.omnirail.v1.AbortAck\x12\x1f\n\x04load\x18\x05 \x01(\x0b\x32\x11.omnirail.v1.Load\x12(\n\x06\x63hunks\x18\x06 \x03(\x0b\x32\x18.omnirail.v1.ClientChunk\"+\n\x05\x41\x62ort\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x0e\n\x06reason\x18\x02 \x01(\t\"D\n\x08\x45ndpoint\x12\x12\n\nreplica_id\x18\x01 \x01(\t\x12\x0f\n\x07\x61\x64\x64ress\x18\x02 \x01(\t\x12\x13\n\x0brelay_infos\x18\x03 \x03(\x0c\":\n\x0eStageEndpoints\x12(\n\tendpoints\x18\x01 \x03(\x0b\x32\x15.omnirail.v1.Endpoint\"\x89\x01\n\x08Topology\x12\x31\n\x06stages\x18\x01 \x03(\x0b\x32!.omnirail.v1.Topology.StagesEntry\x1aJ\n\x0bStagesEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12*\n\x05value\x18\x02 \x01(\x0b\x32\x1b.omnirail.v1.StageEndpoints:\x02\x38\x01\"\x1a\n\x08Shutdown\x12\x0e\n\x06reason\x18\x01 \x01(\t\"\x8a\x01\n\x12\x43oordinatorCommand\x12\'\n\x08topology\x18\x01 \x01(\x0b\x32\x15.omnirail.v1.Topology\x12\"\n\x06\x61\x62orts\x18\x02 \x03(\x0b\x32\x12.omnirail.v1.Abort\x12\'\n\x08shutdown\x18\x03 \x01(\x0b\x32\x15.omnirail.v1.Shutdown\"8\n\x0bRequestMeta\x12\x17\n\x0fterminal_stages\x18\x01 \x03(\t\x12\x10\n\x08\x64\x65\x61\x64line\x18\x02 \x01(\x01\"c\n\x0cStreamSignal\x12\x10\n\x08\x63hunk_id\x18\x01 \x01(\x04\x12\x0c\n\x04\x64one\x18\x02 \x01(\x08\x12!\n\x05\x65rror\x18\x03 \x01(\x0b\x32\x12.omnirail.v1.Error\x12\x10\n\x08modality\x18\x04 \x01(\t\"\xe3\x01\n\x0b\x44\x65liverItem\x12\x0b\n\x03seq\x18\x01 \x01(\x04\x12\x12\n\nrequest_id\x18\x02 \x01(\t\x12\x12\n\nfrom_stage\x18\x03 \x01(\t\x12\x10\n\x08to_stage\x18\x04 \x01(\t\x12%\n\x07payload\x18\x05 \x01(\x0b\x32\x14.omnirail.v1.Payload\x12\x13\n\x0btraceparent\x18\x06 \x01(\t\x12&\n\x04meta\x18\x07 \x01(\x0b\x32\x18.omnirail.v1.RequestMeta\x12)\n\x06stream\x18\x08 \x01(\x0b\x32\x19.omnirail.v1.StreamSignal\"G\n\x0c\x44\x65liverBatch\x12\x0e\n\x06sender\x18\x01 \x01(\t\x12\'\n\x05items\x18\x02 \x03(\x0b\x32\x18.omnirail.v1.DeliverItem\"5\n\x03\x41\x63k\x12\x0b\n\x03seq\x18\x01 \x01(\x04\x12!\n\x05\x65rror\x18\x02 \x01(\x0b\x32\x12.omnirail.v1.Error\"*\n\x08\x41\x63kBatch\x12\x1e\n\x04\x61\x63ks\x18\x01 \x03(\x0b\x32\x10.omnirail.v1.Ack2U\n\x0b\x43oordinator\x12\x46\n\x06\x41ttach\x12\x17.omnirail.v1.StageEvent\x1a\x1f.omnirail.v1.CoordinatorCommand(\x01\x30\x01\x32H\n\x05Stage\x12?\n\x07\x44\x65liver\x12\x19.omnirail.v1.DeliverBatch\x1a\x15.omnirail.v1.AckBatch(\x01\x30\x01\x62\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x16omnirail/v1/mesh.proto\x12\x0bomnirail.v1\x1a\x18omnirail/v1/common.proto\"\x91\x01\n\x08Register\x12\r\n\x05stage\x18\x01 \x01(\t\x12\x12\n\nreplica_id\x18\x02 \x01(\t\x12\x0f\n\x07\x61\x64\x64ress\x18\x03 \x01(\t\x12\x0b\n\x03pid\x18\x04 \x01(\r\x12\x16\n\x0erelay_backends\x18\x05 \x03(\t\x12\x17\n\x0fmetrics_address\x18\x06 \x01(\t\x12\x13\n\x0brelay_infos\x18\x07 \x03(\x0c\"[\n\nCompletion\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12$\n\x06output\x18\x02 \x01(\x0b\x32\x14.omnirail.v1.Payload\x12\x13\n\x0btraceparent\x18\x03 \x01(\t\"@\n\x07\x46\x61ilure\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12!\n\x05\x65rror\x18\x02 \x01(\x0b\x32\x12.omnirail.v1.Error\"-\n\x04Load\x12\x13\n\x0bqueue_depth\x18\x01 \x01(\r\x12\x10\n\x08inflight\x18\x02 \x01(\r\"\x1e\n\x08\x41\x62ortAck\x12\x12\n\nrequest_id\x18\x01 \x01(\t\"i\n\x0b\x43lientChunk\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x10\n\x08\x63hunk_id\x18\x02 \x01(\x04\x12\x10\n\x08modality\x18\x03 \x01(\t\x12\"\n\x04\x64\x61ta\x18\x04 \x01(\x0b\x32\x14.omnirail.v1.Payload\"\x93\x02\n\nStageEvent\x12\'\n\x08register\x18\x01 \x01(\x0b\x32\x15.omnirail.v1.Register\x12,\n\x0b\x63ompletions\x18\x02 \x03(\x0b\x32\x17.omnirail.v1.Completion\x12&\n\x08\x66\x61ilures\x18\x03 \x03(\x0b\x32\x14.omnirail.v1.Failure\x12)\n\nabort_acks\x18\x04 \x03(\x0b\x32\x15.omnirail.v1.AbortAck\x12\x1f\n\x04load\x18\x05 \x01(\x0b\x32\x11.omnirail.v1.Load\x12(\n\x06\x63hunks\x18\x06 \x03(\x0b\x32\x18.omnirail.v1.ClientChunk\x12\x10\n\x08\x64raining\x18\x07 \x01(\x08\"+\n\x05\x41\x62ort\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x0e\n\x06reason\x18\x02 \x01(\t\"D\n\x08\x45ndpoint\x12\x12\n\nreplica_id\x18\x01 \x01(\t\x12\x0f\n\x07\x61\x64\x64ress\x18\x02 \x01(\t\x12\x13\n\x0brelay_infos\x18\x03 \x03(\x0c\":\n\x0eStageEndpoints\x12(\n\tendpoints\x18\x01 \x03(\x0b\x32\x15.omnirail.v1.Endpoint\"\x89\x01\n\x08Topology\x12\x31\n\x06stages\x18\x01 \x03(\x0b\x32!.omnirail.v1.Topology.StagesEntry\x1aJ\n\x0bStagesEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12*\n\x05value\x18\x02 \x01(\x0b\x32\x1b.omnirail.v1.StageEndpoints:\x02\x38\x01\"\x1a\n\x08Shutdown\x12\x0e\n\x06reason\x18\x01 \x01(\t\"\x8a\x01\n\x12\x43oordinatorCommand\x12\'\n\x08topology\x18\x01 \x01(\x0b\x32\x15.omnirail.v1.Topology\x12\"\n\x06\x61\x62orts\x18\x02 \x03(\x0b\x32\x12.omnirail.v1.Abort\x12\'\n\x08shutdown\x18\x03 \x01(\x0b\x32\x15.omnirail.v1.Shutdown\"8\n\x0bRequestMeta\x12\x17\n\x0fterminal_stages\x18\x01 \x03(\t\x12\x10\n\x08\x64\x65\x61\x64line\x18\x02 \x01(\x01\"c\n\x0cStreamSignal\x12\x10\n\x08\x63hunk_id\x18\x01 \x01(\x04\x12\x0c\n\x04\x64one\x18\x02 \x01(\x08\x12!\n\x05\x65rror\x18\x03 \x01(\x0b\x32\x12.omnirail.v1.Error\x12\x10\n\x08modality\x18\x04 \x01(\t\"\xe3\x01\n\x0b\x44\x65liverItem\x12\x0b\n\x03seq\x18\x01 \x01(\x04\x12\x12\n\nrequest_id\x18\x02 \x01(\t\x12\x12\n\nfrom_stage\x18\x03 \x01(\t\x12\x10\n\x08to_stage\x18\x04 \x01(\t\x12%\n\x07payload\x18\x05 \x01(\x0b\x32\x14.omnirail.v1.Payload\x12\x13\n\x0btraceparent\x18\x06 \x01(\t\x12&\n\x04meta\x18\x07 \x01(\x0b\x32\x18.omnirail.v1.RequestMeta\x12)\n\x06stream\x18\x08 \x01(\x0b\x32\x19.omnirail.v1.StreamSignal\"G\n\x0c\x44\x65liverBatch\x12\x0e\n\x06sender\x18\x01 \x01(\t\x12\'\n\x05items\x18\x02 \x03(\x0b\x32\x18.omnirail.v1.DeliverItem\"5\n\x03\x41\x63k\x12\x0b\n\x03seq\x18\x01 \x01(\x04\x12!\n\x05\x65rror\x18\x02 \x01(\x0b\x32\x12.omnirail.v1.Error\"*\n\x08\x41\x63kBatch\x12\x1e\n\x04\x61\x63ks\x18\x01 \x03(\x0b\x32\x10.omnirail.v1.Ack2U\n\x0b\x43oordinator\x12\x46\n\x06\x41ttach\x12\x17.omnirail.v1.StageEvent\x1a\x1f.omnirail.v1.CoordinatorCommand(\x01\x30\x01\x32H\n\x05Stage\x12?\n\x07\x44\x65liver\x12\x19.omnirail.v1.DeliverBatch\x1a\x15.omnirail.v1.AckBatch(\x01\x30\x01\x62\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -47,35 +47,35 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_CLIENTCHUNK']._serialized_start=451
   _globals['_CLIENTCHUNK']._serialized_end=556
   _globals['_STAGEEVENT']._serialized_start=559
-  _globals['_STAGEEVENT']._serialized_end=816
-  _globals['_ABORT']._serialized_start=818
-  _globals['_ABORT']._serialized_end=861
-  _globals['_ENDPOINT']._serialized_start=863
-  _globals['_ENDPOINT']._serialized_end=931
-  _globals['_STAGEENDPOINTS']._serialized_start=933
-  _globals['_STAGEENDPOINTS']._serialized_end=991
-  _globals['_TOPOLOGY']._serialized_start=994
-  _globals['_TOPOLOGY']._serialized_end=1131
-  _globals['_TOPOLOGY_STAGESENTRY']._serialized_start=1057
-  _globals['_TOPOLOGY_STAGESENTRY']._serialized_end=1131
-  _globals['_SHUTDOWN']._serialized_start=1133
-  _globals['_SHUTDOWN']._serialized_end=1159
-  _globals['_COORDINATORCOMMAND']._serialized_start=1162
-  _globals['_COORDINATORCOMMAND']._serialized_end=1300
-  _globals['_REQUESTMETA']._serialized_start=1302
-  _globals['_REQUESTMETA']._serialized_end=1358
-  _globals['_STREAMSIGNAL']._serialized_start=1360
-  _globals['_STREAMSIGNAL']._serialized_end=1459
-  _globals['_DELIVERITEM']._serialized_start=1462
-  _globals['_DELIVERITEM']._serialized_end=1689
-  _globals['_DELIVERBATCH']._serialized_start=1691
-  _globals['_DELIVERBATCH']._serialized_end=1762
-  _globals['_ACK']._serialized_start=1764
-  _globals['_ACK']._serialized_end=1817
-  _globals['_ACKBATCH']._serialized_start=1819
-  _globals['_ACKBATCH']._serialized_end=1861
-  _globals['_COORDINATOR']._serialized_start=1863
-  _globals['_COORDINATOR']._serialized_end=1948
-  _globals['_STAGE']._serialized_start=1950
-  _globals['_STAGE']._serialized_end=2022
+  _globals['_STAGEEVENT']._serialized_end=834
+  _globals['_ABORT']._serialized_start=836
+  _globals['_ABORT']._serialized_end=879
+  _globals['_ENDPOINT']._serialized_start=881
+  _globals['_ENDPOINT']._serialized_end=949
+  _globals['_STAGEENDPOINTS']._serialized_start=951
+  _globals['_STAGEENDPOINTS']._serialized_end=1009
+  _globals['_TOPOLOGY']._serialized_start=1012
+  _globals['_TOPOLOGY']._serialized_end=1149
+  _globals['_TOPOLOGY_STAGESENTRY']._serialized_start=1075
+  _globals['_TOPOLOGY_STAGESENTRY']._serialized_end=1149
+  _globals['_SHUTDOWN']._serialized_start=1151
+  _globals['_SHUTDOWN']._serialized_end=1177
+  _globals['_COORDINATORCOMMAND']._serialized_start=1180
+  _globals['_COORDINATORCOMMAND']._serialized_end=1318
+  _globals['_REQUESTMETA']._serialized_start=1320
+  _globals['_REQUESTMETA']._serialized_end=1376
+  _globals['_STREAMSIGNAL']._serialized_start=1378
+  _globals['_STREAMSIGNAL']._serialized_end=1477
+  _globals['_DELIVERITEM']._serialized_start=1480
+  _globals['_DELIVERITEM']._serialized_end=1707
+  _globals['_DELIVERBATCH']._serialized_start=1709
+  _globals['_DELIVERBATCH']._serialized_end=1780
+  _globals['_ACK']._serialized_start=1782
+  _globals['_ACK']._serialized_end=1835
+  _globals['_ACKBATCH']._serialized_start=1837
+  _globals['_ACKBATCH']._serialized_end=1879
+  _globals['_COORDINATOR']._serialized_start=1881
+  _globals['_COORDINATOR']._serialized_end=1966
+  _globals['_STAGE']._serialized_start=1968
+  _globals['_STAGE']._serialized_end=2040
 # @@protoc_insertion_point(module_scope)

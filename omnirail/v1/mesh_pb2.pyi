@@ -70,20 +70,22 @@ class ClientChunk(_message.Message):
     def __init__(self, request_id: _Optional[str] = ..., chunk_id: _Optional[int] = ..., modality: _Optional[str] = ..., data: _Optional[_Union[_common_pb2.Payload, _Mapping]] = ...) -> None: ...
 
 class StageEvent(_message.Message):
-    __slots__ = ("register", "completions", "failures", "abort_acks", "load", "chunks")
+    __slots__ = ("register", "completions", "failures", "abort_acks", "load", "chunks", "draining")
     REGISTER_FIELD_NUMBER: _ClassVar[int]
     COMPLETIONS_FIELD_NUMBER: _ClassVar[int]
     FAILURES_FIELD_NUMBER: _ClassVar[int]
     ABORT_ACKS_FIELD_NUMBER: _ClassVar[int]
     LOAD_FIELD_NUMBER: _ClassVar[int]
     CHUNKS_FIELD_NUMBER: _ClassVar[int]
+    DRAINING_FIELD_NUMBER: _ClassVar[int]
     register: Register
     completions: _containers.RepeatedCompositeFieldContainer[Completion]
     failures: _containers.RepeatedCompositeFieldContainer[Failure]
     abort_acks: _containers.RepeatedCompositeFieldContainer[AbortAck]
     load: Load
     chunks: _containers.RepeatedCompositeFieldContainer[ClientChunk]
-    def __init__(self, register: _Optional[_Union[Register, _Mapping]] = ..., completions: _Optional[_Iterable[_Union[Completion, _Mapping]]] = ..., failures: _Optional[_Iterable[_Union[Failure, _Mapping]]] = ..., abort_acks: _Optional[_Iterable[_Union[AbortAck, _Mapping]]] = ..., load: _Optional[_Union[Load, _Mapping]] = ..., chunks: _Optional[_Iterable[_Union[ClientChunk, _Mapping]]] = ...) -> None: ...
+    draining: bool
+    def __init__(self, register: _Optional[_Union[Register, _Mapping]] = ..., completions: _Optional[_Iterable[_Union[Completion, _Mapping]]] = ..., failures: _Optional[_Iterable[_Union[Failure, _Mapping]]] = ..., abort_acks: _Optional[_Iterable[_Union[AbortAck, _Mapping]]] = ..., load: _Optional[_Union[Load, _Mapping]] = ..., chunks: _Optional[_Iterable[_Union[ClientChunk, _Mapping]]] = ..., draining: _Optional[bool] = ...) -> None: ...
 
 class Abort(_message.Message):
     __slots__ = ("request_id", "reason")

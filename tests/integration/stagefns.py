@@ -25,7 +25,7 @@ def make_double() -> Any:
             raise ValueError(f"asked to fail: {opts['fail']}")
         if opts.get("sleep"):
             time.sleep(float(opts["sleep"]))
-        return {"x": payload["x"] * 2, "opts": opts}
+        return {"x": payload["x"] * 2, "opts": opts, "double_pid": os.getpid()}
 
     return fn
 
@@ -33,7 +33,10 @@ def make_double() -> Any:
 def make_summarize() -> Any:
     def fn(payload: dict[str, Any]) -> dict[str, Any]:
         x = payload["x"]
-        return {"sum": float(x.sum()), "n": int(x.numel()), "pid": os.getpid()}
+        out = {"sum": float(x.sum()), "n": int(x.numel()), "pid": os.getpid()}
+        if "double_pid" in payload:  # which replica of `double` did the work
+            out["double_pid"] = payload["double_pid"]
+        return out
 
     return fn
 

@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import subprocess
@@ -111,3 +112,63 @@ def test_down_of_the_omni_demo_is_quick_and_every_process_exits_0() -> None:
     assert "all 9 processes exited 0" in log, log[-3000:]
     assert "SIGKILL" not in log, log[-3000:]
     assert took < 2.0, took
+
+
+def test_a_rolling_restart_under_steady_load_loses_no_request() -> None:
+    """`omnirail restart double` rolls its 2 replicas one at a time while 4 clients keep
+    sending requests that sleep 0.2 s in `double`: each replica drains (no new work, its
+    own finishes), exits 0 and comes back; no request fails, though none is retry-safe."""
+    name = f"rolltest-{uuid.uuid4().hex[:8]}"
+    cli = [sys.executable, "-m", "omnirail"]
+    pipeline = PIPELINES / "rolling.yaml"
+    up = subprocess.run(
+        [*cli, "up", str(pipeline), "--detach", "--name", name],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert up.returncode == 0, up.stderr
+    address = up.stdout.strip()
+    results: list[Any] = []
+    stop = threading.Event()
+    try:
+        with Client(address, timeout=30) as client:
+
+            def load() -> None:
+                while not stop.is_set():
+                    try:
+                        out = client.generate({"n": 4, "sleep": 0.2}).output
+                        results.append(out["double_pid"])
+                    except OmniError as exc:
+                        results.append(exc)
+
+            workers = [threading.Thread(target=load) for _ in range(4)]
+            for w in workers:
+                w.start()
+            time.sleep(1.0)
+            before = {p for p in results if isinstance(p, int)}
+            restart = subprocess.run(
+                [*cli, "restart", "double", "--name", name],
+                capture_output=True,
+                text=True,
+                timeout=300,
+            )
+            time.sleep(1.0)
+            stop.set()
+            for w in workers:
+                w.join(60)
+        assert restart.returncode == 0, restart.stderr
+        assert restart.stdout.count("serving again") == 2, restart.stdout
+        errors = [r for r in results if isinstance(r, OmniError)]
+        assert errors == [], errors[:5]
+        after = {p for p in results[-8:] if isinstance(p, int)}
+        assert len(before) == 2 and after and not after & before, (before, after)
+        status = subprocess.run(
+            [*cli, "status", "--name", name, "--json"], capture_output=True, text=True
+        )
+        processes = json.loads(status.stdout)[name]["processes"]
+        for proc in ("stage-double-0", "stage-double-1"):
+            last = processes[proc]["last_exit"]
+            assert (last["code"], last["restarted"]) == (0, True), last
+    finally:
+        subprocess.run([*cli, "down", "--name", name], capture_output=True, timeout=120)

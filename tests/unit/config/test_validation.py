@@ -470,6 +470,28 @@ STRUCT_CASES: list[tuple[str, dict[str, Any], list[str]]] = [
     ("max_input_zero", {**demo(), "max_input_mb": 0}, ["pipeline.max_input_mb"]),
     ("abort_ack_zero", {**demo(), "abort_ack_timeout_s": 0}, ["pipeline.abort_ack_timeout_s"]),
     ("next_wrong_type", _mut(_set("talker", next=5)), ["stages[talker].next"]),
+    # Fault handling (coordinator/failover.py, omnirail/ops/supervise.py).
+    ("liveness_too_short", {**demo(), "liveness_s": 1}, ["pipeline.liveness_s"]),
+    ("liveness_not_number", {**demo(), "liveness_s": "soon"}, ["pipeline.liveness_s"]),
+    (
+        "redispatch_negative",
+        {**demo(), "redispatch_attempts": -1},
+        ["pipeline.redispatch_attempts"],
+    ),
+    ("redispatch_huge", {**demo(), "redispatch_attempts": 11}, ["pipeline.redispatch_attempts"]),
+    (
+        "retry_safe_not_bool",
+        _mut(_set("talker", retry_safe="maybe")),
+        ["stages[talker].retry_safe"],
+    ),
+    (
+        "restart_max_negative",
+        _mut(_set("talker", restart={"max": -1})),
+        ["stages[talker].restart.max"],
+    ),
+    ("drain_negative", {**demo(), "drain_s": -1}, ["pipeline.drain_s"]),
+    ("max_live_zero", {**demo(), "max_live_requests": 0}, ["pipeline.max_live_requests"]),
+    ("balance_unknown", {**demo(), "balance": "random"}, ["pipeline.balance"]),
     (
         "factory_args_not_mapping",
         _mut(_set("talker", factory_args=[1])),

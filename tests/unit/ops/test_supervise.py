@@ -4,17 +4,19 @@ for the stage processes."""
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
+from pathlib import Path
 
 import pytest
 
 from omnirail.config import RestartConfig
 from omnirail.ops.plan import StageProcess
-from omnirail.ops.supervise import Supervisor
+from omnirail.ops.supervise import KILL_AFTER_S, Supervisor
 
 RANKS = [StageProcess("mlp", ("mlp",), None, (), r, 2) for r in range(2)]
 ONE = [StageProcess("enc", ("enc",))]
@@ -130,5 +132,58 @@ def test_max_zero_never_restarts(spawner: Spawner) -> None:
         spawner.started[0][0].proc.kill()
         wait_for(lambda: sup.units["stage-enc"].gave_up)
         assert len(spawner.started) == 1
+    finally:
+        sup.stop()
+
+
+def test_a_process_whose_heartbeat_stops_is_killed_and_restarted(
+    spawner: Spawner, tmp_path: Path
+) -> None:
+    """A process that has not beaten yet is starting: left alone. One whose beat grew
+    older than liveness_s + KILL_AFTER_S is killed (it may be stopped: SIGKILL) and
+    restarted; its last exit says so."""
+    said: list[str] = []
+    beats: list[Path] = []
+
+    def spawn(p: StageProcess, init: str | None) -> Child:
+        child = spawner(p, init)
+        child.heartbeat = tmp_path / f"beat-{len(spawner.started)}"  # type: ignore[attr-defined]
+        beats.append(child.heartbeat)  # type: ignore[attr-defined]
+        return child
+
+    sup = Supervisor(spawn, said.append, liveness_s=0.1)
+    sup.start_unit("stage-enc", ONE, FAST)
+    sup.watch()
+    try:
+        time.sleep(KILL_AFTER_S + 0.5)
+        assert len(spawner.started) == 1  # no beat yet: starting up, not judged
+        beats[0].touch()
+        old = time.time() - (KILL_AFTER_S + 1)
+        os.utime(beats[0], (old, old))
+        wait_for(lambda: len(spawner.started) == 2)
+        status = sup.snapshot()["stage-enc"]
+        assert status["last_exit"]["code"] == -9 and status["last_exit"]["hung"] is True
+        assert any("has not answered for" in s and "killing it" in s for s in said), said
+        beats[1].touch()  # the new one beats: it stays
+        time.sleep(0.3)
+        assert len(spawner.started) == 2
+    finally:
+        sup.stop()
+
+
+def test_a_planned_restart_is_outside_the_budget(spawner: Spawner) -> None:
+    """`restart_unit` (omnirail restart): SIGTERM, a new start by the watch thread at once,
+    counted in the status but not against `restart.max`, even at max 0."""
+    sup = Supervisor(spawner, lambda _: None)
+    sup.start_unit("stage-enc", ONE, RestartConfig(max=0))
+    sup.watch()
+    try:
+        sup.restart_unit("stage-enc", stop_wait_s=10)
+        wait_for(lambda: len(spawner.started) == 2)
+        assert spawner.started[0][0].proc.returncode == -15  # SIGTERM, not killed
+        status = sup.snapshot()["stage-enc"]
+        assert status["state"] == "running" and status["restarts"] == 1
+        assert status["last_exit"]["restarted"] is True
+        assert sup.units["stage-enc"].restarts == [] and not sup.units["stage-enc"].gave_up
     finally:
         sup.stop()

@@ -45,6 +45,8 @@ LABELS = {
     "omnirail_time_to_first_chunk_seconds": set(),
     "omnirail_aborts": {"reason"},
     "omnirail_requests_refused": set(),
+    "omnirail_requests_redispatched": set(),
+    "omnirail_replicas_lost": {"stage"},
     "omnirail_stage_queue_depth": {"stage"},
     "omnirail_stage_inflight": {"stage"},
     "omnirail_stage_queue_seconds": {"stage"},
@@ -61,6 +63,8 @@ COORDINATOR_FAMILIES = {
     "omnirail_time_to_first_chunk_seconds",
     "omnirail_aborts",
     "omnirail_requests_refused",
+    "omnirail_requests_redispatched",
+    "omnirail_replicas_lost",
 }
 
 
@@ -70,6 +74,7 @@ def _filled() -> tuple[CoordinatorMetrics, StageMetrics]:
     coord.request_ended(State.COMPLETED, None, 0.25)
     coord.request_ended(State.ABORTED, OmniError(Code.CANCELLED, "gone"), 0.5)
     coord.first_chunk(0.01)
+    coord.replica_lost("a")
     stage = StageMetrics()
     rec = stage.stage("a", queue_depth=lambda: 3, inflight=lambda: 4)
     rec.computed(1_000, 2_000, 5_000)
@@ -151,6 +156,11 @@ def test_coordinator_counts_states_and_aborts() -> None:
     m.refused()
     m.refused()
     assert value("omnirail_requests_refused_total") == 2
+    m.redispatched()
+    m.replica_lost("thinker")
+    m.replica_lost("thinker")
+    assert value("omnirail_requests_redispatched_total") == 1
+    assert value("omnirail_replicas_lost_total", {"stage": "thinker"}) == 2
 
 
 _REASONS = ("client", "deadline", "unavailable", "stage_error")
