@@ -172,15 +172,19 @@ class EarlyAborts:
 
 
 class Overloaded(OmniError):
-    """`max_live_requests` are running: a new request is refused at once, with a hint of
-    when to try again (long enough for a few requests of a typical pipeline to end, short
-    against their deadlines); the client API sends it as trailing metadata."""
+    """Refused for overload, with a hint of when to try again (long enough for a few
+    requests of a typical pipeline to end, short against their deadlines); the client
+    API sends it as trailing metadata. Raised at once when `max_live_requests` are
+    running (`live_limit`), and made from a stage's RESOURCE_EXHAUSTED (a full queue)."""
 
     retry_after_ms = 200
 
-    def __init__(self, limit: int) -> None:
-        super().__init__(
-            Code.RESOURCE_EXHAUSTED,
+    def __init__(self, message: str, stage: str = "") -> None:
+        super().__init__(Code.RESOURCE_EXHAUSTED, message, stage)
+
+    @classmethod
+    def live_limit(cls, limit: int) -> Overloaded:
+        return cls(
             f"overloaded: {limit} requests are running (max_live_requests); "
-            f"retry after {self.retry_after_ms} ms",
+            f"retry after {cls.retry_after_ms} ms"
         )

@@ -53,7 +53,7 @@ log = logging.getLogger(__name__)
 # Relay infos ride in every topology broadcast: bounded so one bad stage cannot bloat them.
 MAX_RELAY_INFOS = 8
 MAX_RELAY_INFO_BYTES = 1 << 20
-# Trailing metadata carrying an overloaded coordinator's retry hint (`Overloaded`).
+# Trailing metadata carrying an overloaded mesh's retry hint (`Overloaded`).
 RETRY_AFTER_KEY = "retry-after-ms"
 _REQUEST_ID = re.compile(r"^[A-Za-z0-9._:@-]{1,128}$")
 
@@ -253,7 +253,7 @@ class Coordinator(client_pb2_grpc.OmnirailServicer, mesh_pb2_grpc.CoordinatorSer
             raise OmniError(Code.CANCELLED, f"aborted before it started: {aborted}")
         if len(self.requests.live) >= self._max_live:
             self.metrics.refused()
-            raise Overloaded(self._max_live)
+            raise Overloaded.live_limit(self._max_live)
         if not request.HasField("inputs"):
             raise invalid("inputs: required")
         size = request.inputs.ByteSize()
@@ -505,6 +505,8 @@ class Coordinator(client_pb2_grpc.OmnirailServicer, mesh_pb2_grpc.CoordinatorSer
                 # UNAVAILABLE: a stage could not reach the next one (its replica is gone).
                 if err.code == Code.UNAVAILABLE:
                     self._lost(rec, err)
+                elif err.code == Code.RESOURCE_EXHAUSTED:  # a stage's queue is full
+                    self._fail(rec, Overloaded(err.message, err.stage))
                 else:
                     self._fail(rec, err)
         for ack in event.abort_acks:

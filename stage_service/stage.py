@@ -80,6 +80,7 @@ class Stage:
         self._device = None if device == "cpu" else device
         self.cfg = pipeline.stage(name)
         self.scheduler = scheduler
+        self._max_queue = self.cfg.max_queue
         self._edges = edges
         self._relays = relays
         self._router = router
@@ -217,7 +218,21 @@ class Stage:
         return req
 
     def _submit(self, rid: str, req: RequestState, data: Any) -> None:
-        """Hands the request to the scheduler, then whatever stream input waited for it."""
+        """Hands the request to the scheduler, then whatever stream input waited for it;
+        refuses it at once (RESOURCE_EXHAUSTED) when `max_queue` requests already wait
+        there: queueing it would only make it miss its deadline."""
+        depth = self.scheduler.queue_depth
+        if depth >= self._max_queue:
+            self._fail(
+                rid,
+                OmniError(
+                    Code.RESOURCE_EXHAUSTED,
+                    f"stage {self.name!r} is overloaded: {depth} requests wait in its queue "
+                    f"(stages[{self.name}].max_queue is {self._max_queue}); retry later",
+                    self.name,
+                ),
+            )
+            return
         req.submitted = True
         inbox = self.scheduler.inbox
         msg = IncomingMessage(rid, "new_request", data, traceparent=req.traceparent)

@@ -198,6 +198,10 @@ class StageConfig(_Model):
     # effects): a request whose replica was lost before any of it reached the client is
     # re-dispatched when every stage it may pass says so (coordinator/failover.py).
     retry_safe: bool = False
+    # A new request that finds this many messages waiting in the stage's inbox (requests
+    # not yet taken, and stream chunks, which stream credits bound) is refused at once
+    # with RESOURCE_EXHAUSTED and a retry hint instead of queueing to miss its deadline.
+    max_queue: int = Field(1024, gt=0)
     # CPUs the stage's process is pinned to (every thread), as a list or "0-3,6". Stages
     # sharing a process: the union of theirs. None: wherever the OS schedules it.
     cpus: CpuList = None

@@ -79,3 +79,61 @@ def test_a_refusal_carries_a_retry_hint_in_its_metadata(mesh: Mesh) -> None:
     error = asyncio.run(main())
     assert error.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
     assert dict(error.trailing_metadata())["retry-after-ms"] == "200"
+
+
+def test_a_full_stage_queue_refuses_at_once_and_what_it_took_keeps_its_latency(
+    tmp_path: Path,
+) -> None:
+    """`double` (one compute thread, 0.2 s a request) takes at most 2 waiting requests
+    (max_queue): of 20 sent at once, the excess is refused by the stage with
+    RESOURCE_EXHAUSTED and a retry hint within a moment, and what it took completes in
+    about its own queue's time, not the 4 s all 20 would take."""
+    cfg = yaml.safe_load((PIPELINES / "linear.yaml").read_text())
+    cfg["stages"][1]["max_queue"] = 2
+    path = tmp_path / "pipeline.yaml"
+    path.write_text(yaml.safe_dump(cfg))
+
+    async def one(client: AsyncClient, i: int) -> tuple[str, float]:
+        t0 = time.monotonic()
+        try:
+            out = await client.generate({"n": 4, "sleep": 0.2}, request_id=f"q-{i}")
+            assert out.output["sum"] == 12.0
+            return "ok", time.monotonic() - t0
+        except OmniError as exc:
+            assert exc.code == Code.RESOURCE_EXHAUSTED and exc.stage == "double", exc
+            assert "max_queue is 2" in exc.message
+            return "refused", time.monotonic() - t0
+
+    async def hint(address: str) -> str:
+        async with grpc.aio.insecure_channel(address) as channel:
+            stub = client_pb2_grpc.OmnirailStub(channel)
+            calls = [
+                stub.Generate(build_request({"n": 4, "sleep": 0.3}, f"h-{i}", 30.0, ""))
+                for i in range(8)
+            ]
+            found = ""
+            for call in calls:
+                try:
+                    async for _ in call:
+                        pass
+                except grpc.RpcError as exc:
+                    if exc.code() == grpc.StatusCode.RESOURCE_EXHAUSTED:
+                        found = dict(exc.trailing_metadata())["retry-after-ms"]
+            return found
+
+    with Mesh(path) as mesh:
+
+        async def main() -> list[tuple[str, float]]:
+            async with AsyncClient(mesh.address or "", timeout=60) as client:
+                return await asyncio.gather(*(one(client, i) for i in range(20)))
+
+        outcomes = asyncio.run(main())
+        retry_after = asyncio.run(hint(mesh.address or ""))
+    ok = sorted(t for what, t in outcomes if what == "ok")
+    refused = sorted(t for what, t in outcomes if what == "refused")
+    assert len(ok) >= 3 and len(refused) >= 10, (ok, refused)
+    assert refused[len(refused) // 2] < 1.0, refused
+    # Taken: the one computing and the 2 queued behind it (and any that came as they
+    # left), nothing like the 20 x 0.2 s an unbounded queue would make the last wait.
+    assert ok[len(ok) // 2] < 2.0, ok
+    assert retry_after == "200"

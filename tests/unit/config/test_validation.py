@@ -490,6 +490,7 @@ STRUCT_CASES: list[tuple[str, dict[str, Any], list[str]]] = [
         ["stages[talker].restart.max"],
     ),
     ("drain_negative", {**demo(), "drain_s": -1}, ["pipeline.drain_s"]),
+    ("max_queue_zero", _mut(_set("talker", max_queue=0)), ["stages[talker].max_queue"]),
     ("max_live_zero", {**demo(), "max_live_requests": 0}, ["pipeline.max_live_requests"]),
     ("balance_unknown", {**demo(), "balance": "random"}, ["pipeline.balance"]),
     (
