@@ -45,6 +45,22 @@ def sink(stage_ms: float = 0.0) -> Callable[[Any], Any]:
     return fn
 
 
+def replica_work(stage_ms: float = 10.0, slow_factor: float = 1.0) -> Callable[[Any], Any]:
+    """`omnirail bench pipeline --replicas N`: sleeps `stage_ms` per request (GIL
+    released, like a kernel), `slow_factor` times longer in replica 0 (a slower card, a
+    noisy neighbour); answers which replica served."""
+    import os
+
+    replica = int(os.environ.get("OMNIRAIL_REPLICA", "0"))
+    delay = stage_ms * (slow_factor if replica == 0 else 1.0) / 1000.0
+
+    def fn(inputs: dict[str, Any]) -> dict[str, Any]:
+        time.sleep(delay)
+        return {"i": inputs.get("i", 0), "replica": replica}
+
+    return fn
+
+
 # ---- `omnirail bench streaming` -------------------------------------------------------
 
 

@@ -114,6 +114,18 @@ def _run(args: argparse.Namespace) -> dict[str, Any]:
             runs=args.runs,
             progress=progress(args.json),
         )
+    elif args.replicas > 1:
+        from omnirail.bench.balance_bench import run_balance_bench
+
+        report = run_balance_bench(
+            replicas=args.replicas,
+            slow_factor=args.slow_factor,
+            stage_ms=args.stage_ms or 10.0,
+            requests=600 if args.requests is None else args.requests,
+            concurrency=_one_level(args, 16),
+            rounds=max(args.rounds, 3),
+            progress=progress(args.json),
+        )
     else:
         from omnirail.bench.pipeline_bench import run_pipeline_bench
 
@@ -232,6 +244,20 @@ def add_bench_parser(sub: Any) -> None:
         default="cpu",
         help="relay: where the sent tensors live (cpu, cuda, cuda:N); with a GPU, ratio is "
         "against a same-run copy on it",
+    )
+    b.add_argument(
+        "--replicas",
+        type=int,
+        default=1,
+        help="pipeline: one stage with this many replicas, replica 0 --slow-factor times "
+        "slower, under each balance policy (least_outstanding against request_id hashing), "
+        "interleaved; --stage-ms defaults to 10 here",
+    )
+    b.add_argument(
+        "--slow-factor",
+        type=float,
+        default=5.0,
+        help="pipeline --replicas: how much slower replica 0 computes",
     )
     b.add_argument(
         "--fused",

@@ -38,6 +38,10 @@ _PR_SET_PDEATHSIG = 1
 PARENT_ENV = "OMNIRAIL_DIE_WITH_PARENT"
 
 
+# Set in a replicated stage process: its replica index within its process group.
+REPLICA_ENV = "OMNIRAIL_REPLICA"
+
+
 def die_with_parent() -> None:
     """In a launched child: exit with SIGTERM when the launcher (its parent) dies.
     Strictly, when the launcher's *thread* that started it ends (that is how
@@ -129,7 +133,7 @@ class Mesh:
             return f"unix://{self.run_dir / (name + '.sock')}"
         return f"{self.host}:0"
 
-    def _spawn(self, name: str, args: list[str]) -> _Child:
+    def _spawn(self, name: str, args: list[str], env: Mapping[str, str] | None = None) -> _Child:
         log = self.run_dir / "logs" / f"{name}.log"
         log.parent.mkdir(exist_ok=True)
         with open(log, "ab") as out:
@@ -138,7 +142,7 @@ class Mesh:
                 stdout=out,
                 stderr=subprocess.STDOUT,
                 stdin=subprocess.DEVNULL,
-                env=self._child_env(),
+                env={**self._child_env(), **(env or {})},
             )
         child = _Child(name, proc, log)
         self._children.append(child)
@@ -249,7 +253,9 @@ class Mesh:
             heartbeat.parent.mkdir(exist_ok=True)
             heartbeat.unlink(missing_ok=True)  # a new process: no beat until it runs
             args += ["--heartbeat", str(heartbeat)]
-        child = self._spawn(name, args)
+        # Which replica of its group it is (0, 1, ...), for stage code and logs that care.
+        env = {REPLICA_ENV: str(p.replica)} if p.replica is not None else {}
+        child = self._spawn(name, args, env)
         child.heartbeat = heartbeat
         return child
 
