@@ -54,6 +54,7 @@ class SyncSession:
         self._streams: dict[str, queue.SimpleQueue[client_pb2.SessionEvent | OmniError]] = {}
         self._lock = threading.Lock()
         self.broken = False
+        self._closing = False
         self._call = stub.Session(self._requests())
         self._reader = threading.Thread(target=self._read, name="omnirail-session", daemon=True)
         self._reader.start()
@@ -98,10 +99,12 @@ class SyncSession:
             self.broken = True
             waiting, self._futures = self._futures, {}
             streams, self._streams = self._streams, {}
+        # Closed here (`close`): what waits ends as cancelled, like the async client's.
+        ended = OmniError(Code.CANCELLED, "the client was closed") if self._closing else None
         for future in waiting.values():
-            future.set_exception(_broken(error))
+            future.set_exception(ended or _broken(error))
         for stream in streams.values():
-            stream.put(_broken(error))
+            stream.put(ended or _broken(error))
 
     def send(
         self, request: client_pb2.GenerateRequest
@@ -144,6 +147,7 @@ class SyncSession:
         call = self._call
         if call is None:
             return
+        self._closing = True
         self._outgoing.put(None)
         call.cancel()
         self._reader.join(timeout=5)

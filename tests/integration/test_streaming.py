@@ -290,13 +290,13 @@ def test_closing_the_async_client_ends_the_streams_being_read(streaming_mesh: Me
                 async for event in client.stream({"n": 500, "step_ms": 10}, request_id=f"cl-{i}"):
                     if isinstance(event, Chunk) and event.chunk_id == 0:
                         firsts += 1
-                        if firsts == 3:
+                        if firsts == 4:
                             started.set()
             except OmniError as exc:
                 return exc
             return None
 
-        readers = [asyncio.create_task(read(i)) for i in range(3)]
+        readers = [asyncio.create_task(read(i)) for i in range(4)]
         await asyncio.wait_for(started.wait(), 60)
         t0 = time.monotonic()
         await client.close()
@@ -305,8 +305,45 @@ def test_closing_the_async_client_ends_the_streams_being_read(streaming_mesh: Me
         return ended
 
     ended = asyncio.run(main())
+    assert len(ended) == 4
     assert all(isinstance(e, OmniError) and e.code == Code.CANCELLED for e in ended), ended
     # The mesh aborts what the closed session had running; a new client is served.
     with Client(streaming_mesh.address or "", timeout=60) as client:
         chunks, _ = collect_stream(client.stream({"n": 9}))
     assert len(chunks) == len(_windows(9, 4, 2))
+
+
+def test_closing_the_blocking_client_ends_the_streams_being_read(streaming_mesh: Mesh) -> None:
+    """`Client.close()` from one thread while 4 others read streams: all 4 end at once
+    with CANCELLED, and the mesh aborts their requests."""
+    client = Client(streaming_mesh.address or "", timeout=120)
+    started = threading.Barrier(5)
+    ended: list[BaseException | None] = []
+
+    def read(i: int) -> None:
+        first = True
+        try:
+            for event in client.stream({"n": 500, "step_ms": 10}, request_id=f"scl-{i}"):
+                if first and isinstance(event, Chunk):
+                    first = False
+                    started.wait(60)
+        except OmniError as exc:
+            ended.append(exc)
+            return
+        ended.append(None)
+
+    readers = [threading.Thread(target=read, args=(i,)) for i in range(4)]
+    for t in readers:
+        t.start()
+    started.wait(60)
+    t0 = time.monotonic()
+    client.close()
+    for t in readers:
+        t.join(10)
+    assert time.monotonic() - t0 < 5 and len(ended) == 4, ended
+    assert all(isinstance(e, OmniError) and e.code == Code.CANCELLED for e in ended), ended
+    with Client(streaming_mesh.address or "", timeout=30) as fresh:
+        deadline = time.monotonic() + 10
+        while {fresh.status(f"scl-{i}").state for i in range(4)} != {"aborted"}:
+            assert time.monotonic() < deadline
+            time.sleep(0.05)
