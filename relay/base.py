@@ -133,6 +133,11 @@ class Relay(abc.ABC):
     def cleanup(self, request_id: str) -> None:
         """Releases every unacked handle of `request_id` (abort path)."""
 
+    def held(self) -> int:
+        """Payloads this side holds for receivers (put, not yet released): 0 once every
+        request through it ended. Backends that track none report 0."""
+        return 0
+
     @abc.abstractmethod
     def close(self) -> None:
         """Frees the pool and every OS resource; idempotent."""

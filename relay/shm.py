@@ -411,6 +411,9 @@ class ShmRelay(Relay):
             self._pool.free(handle._extent)
         self._credits.give_back(handle._edge, handle.nbytes)
 
+    def held(self) -> int:
+        return len(self._live) + len(self._forwards)
+
     def cleanup(self, request_id: str) -> None:
         """Releases every unacked handle of `request_id` (abort path)."""
         # A scan of what is live (at most the edges' credit slots) on the rare abort path

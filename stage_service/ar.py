@@ -146,6 +146,10 @@ class ARScheduler(ThreadScheduler):
         # Requests admitted (init_fn started) and not yet removed: end_fn is owed them.
         self._admitted: set[str] = set()
 
+    @property
+    def held_requests(self) -> int:
+        return len(self._live)
+
     def abort(self, request_id: str) -> None:
         super().abort(request_id)
         self._abort_queue.append(request_id)

@@ -30,7 +30,7 @@ from omnirail.stage_service.relays import open_relays, plan_relays, relay_host
 from omnirail.stage_service.scheduler import Scheduler, SimpleScheduler
 from omnirail.stage_service.stage import Stage
 from omnirail.stage_service.tp import TensorParallel
-from omnirail.telemetry.metrics import StageMetrics
+from omnirail.telemetry.metrics import StageMetrics, watch_relay
 from omnirail.telemetry.tracer import Tracer
 from omnirail.transport.deliver import DeliverChannel
 from omnirail.transport.grpc_server import SERVING, bind, create_server, write_until_read_ends
@@ -168,6 +168,8 @@ class StageHost(mesh_pb2_grpc.StageServicer):
                 relay_host(advertise),
             )
         )
+        for backend, relay in self._relays.items():
+            watch_relay(self._metrics, backend, relay.held)
         relay_infos = [info for relay in self._relays.values() if (info := relay.local_info())]
         await server.start()
         for name in self.stage_names:

@@ -32,6 +32,7 @@ class StageObserver:
         queue_depth: Callable[[], int],
         inflight: Callable[[], int],
         fan_in: bool,
+        held: Callable[[], int] | None = None,
     ) -> None:
         self._name = name
         self._fan_in = fan_in  # the stage waits for several producers: link them all
@@ -40,7 +41,7 @@ class StageObserver:
         # Whether requests get spans at all; checked before `open_span`.
         self.tracing = self._tracer.enabled
         self._metrics = (metrics or StageMetrics()).stage(
-            name, queue_depth=queue_depth, inflight=inflight
+            name, queue_depth=queue_depth, inflight=inflight, held=held
         )
 
     def open_span(

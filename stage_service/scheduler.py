@@ -263,6 +263,13 @@ class Scheduler(abc.ABC):
     def queue_depth(self) -> int:
         return self.inbox.qsize()
 
+    @property
+    def held_requests(self) -> int:
+        """Requests whose state this scheduler keeps (KV caches, stream windows): none for
+        one that computes each request in one call. Read from another thread, at scrapes:
+        a moment's count, for audits after the mesh is idle."""
+        return 0
+
 
 class ThreadScheduler(Scheduler):
     """A scheduler whose compute runs on one thread: `_run` until it takes `None`."""

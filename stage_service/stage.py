@@ -97,6 +97,7 @@ class Stage:
             queue_depth=lambda: scheduler.queue_depth,
             inflight=lambda: self.inflight,
             fan_in=bool(self._fan_in.wait_for),
+            held=lambda: scheduler.held_requests,
         )
         self._stream_sources = frozenset(pipeline.stream_sources_of(name))
         self._takes_payload = pipeline.takes_payload(name)

@@ -88,6 +88,10 @@ class StreamingScheduler(ThreadScheduler):
 
     # ---- hooks (override in subclasses) ---------------------------------------------
 
+    @property
+    def held_requests(self) -> int:
+        return len(self._states)
+
     def new_request(self, state: StreamState) -> None:
         """Called once per request before its first chunk (e.g. to allocate a cache)."""
         if self._start_fn is not None:

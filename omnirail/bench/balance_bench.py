@@ -34,6 +34,7 @@ def balance_yaml(policy: str, replicas: int, stage_ms: float, slow_factor: float
                 "factory_args": {"stage_ms": stage_ms, "slow_factor": slow_factor},
                 "replicas": replicas,
                 "torch_threads": 1,
+                "retry_safe": True,  # no side effects: a lost replica's requests run again
                 "terminal": True,
             }
         ],

@@ -39,6 +39,7 @@ def pipeline_yaml(
             "factory": factory,
             "factory_args": args,
             "torch_threads": 1,
+            "retry_safe": True,  # no side effects: a lost replica's requests run again
         }
         if i == stages - 1:
             spec["terminal"] = True

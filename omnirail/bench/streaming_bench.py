@@ -38,6 +38,7 @@ def streaming_yaml(chunks: int, interval_ms: float) -> dict[str, Any]:
             "factory_args": args,
             "terminal": True,
             "torch_threads": 1,
+            "retry_safe": True,  # no side effects: a lost replica's requests run again
         }
         if i + 1 < len(_STAGES):
             spec["stream_to"] = [_STAGES[i + 1]]

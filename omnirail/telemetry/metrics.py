@@ -214,6 +214,18 @@ class StageMetrics:
             ["stage"],
             registry=r,
         )
+        self.held = Gauge(
+            "omnirail_stage_held_requests",
+            "Requests whose state the stage's scheduler keeps (KV caches, stream windows).",
+            ["stage"],
+            registry=r,
+        )
+        self.relay_held = Gauge(
+            "omnirail_relay_held",
+            "Payloads a relay backend of this process holds for receivers (put, not yet released).",
+            ["backend"],
+            registry=r,
+        )
         self.queue_seconds = Histogram(
             "omnirail_stage_queue_seconds",
             "From handing a request to the scheduler to the scheduler taking it.",
@@ -255,13 +267,21 @@ class StageMetrics:
         *,
         queue_depth: Callable[[], int] | None = None,
         inflight: Callable[[], int] | None = None,
+        held: Callable[[], int] | None = None,
     ) -> StageRecorder:
         """Binds the stage's series; the callables are read at each scrape."""
+        if held is not None:
+            self.held.labels(name).set_function(_scrape_safe(held))
         if queue_depth is not None:
             self.queue_depth.labels(name).set_function(_scrape_safe(queue_depth))
         if inflight is not None:
             self.inflight.labels(name).set_function(_scrape_safe(inflight))
         return StageRecorder(self, name)
+
+
+def watch_relay(metrics: StageMetrics, backend: str, held: Callable[[], int]) -> None:
+    """`held()` is read at each scrape for `omnirail_relay_held{backend}`."""
+    metrics.relay_held.labels(backend).set_function(_scrape_safe(held))
 
 
 class StageRecorder:

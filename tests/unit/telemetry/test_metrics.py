@@ -24,6 +24,7 @@ from omnirail.telemetry.metrics import (
     metrics_endpoint,
     start_metrics_server,
     stop_metrics_server,
+    watch_relay,
 )
 from omnirail.v1 import common_pb2
 from omnirail.wire.errors import Code, OmniError
@@ -49,6 +50,8 @@ LABELS = {
     "omnirail_replicas_lost": {"stage"},
     "omnirail_stage_queue_depth": {"stage"},
     "omnirail_stage_inflight": {"stage"},
+    "omnirail_stage_held_requests": {"stage"},
+    "omnirail_relay_held": {"backend"},
     "omnirail_stage_queue_seconds": {"stage"},
     "omnirail_stage_compute_seconds": {"stage"},
     "omnirail_stage_requests": {"stage", "outcome"},
@@ -76,7 +79,8 @@ def _filled() -> tuple[CoordinatorMetrics, StageMetrics]:
     coord.first_chunk(0.01)
     coord.replica_lost("a")
     stage = StageMetrics()
-    rec = stage.stage("a", queue_depth=lambda: 3, inflight=lambda: 4)
+    rec = stage.stage("a", queue_depth=lambda: 3, inflight=lambda: 4, held=lambda: 1)
+    watch_relay(stage, "shm", lambda: 0)
     rec.computed(1_000, 2_000, 5_000)
     rec.ended("completed")
     rec.relay_put("shm", "b", 1 << 20, 0.001)
