@@ -243,17 +243,20 @@ class ShmPool:
         self._marks_segment.close()
 
 
-def sweep_segments(prefix: str) -> int:
-    """Unlinks /dev/shm files named `prefix-*` (leftovers of killed processes)."""
+def sweep_segments(prefix: str, pid: int | None = None) -> int:
+    """Unlinks /dev/shm files named `prefix-*` (leftovers of killed processes); with
+    `pid`, only that process's (`prefix-PID.*`: a stage process that died while the rest
+    of the mesh runs on). A receiver that still maps one keeps its bytes."""
     if not prefix or not NAME_RE.match(prefix):
         raise ValueError(f"bad shm name prefix {prefix!r}")
+    start = prefix + "-" if pid is None else f"{prefix}-{int(pid)}."
     removed = 0
     try:
         names = os.listdir(SHM_DIR)
     except FileNotFoundError:
         return 0
     for name in names:
-        if name.startswith(prefix + "-"):
+        if name.startswith(start):
             try:
                 os.unlink(os.path.join(SHM_DIR, name))
                 removed += 1

@@ -114,7 +114,11 @@ class Mesh:
         self._progress = progress or (lambda msg: None)
         self._children: list[_Child] = []
         self._supervisor = Supervisor(
-            self._spawn_stage, self._progress, self._write_status, self.pipeline.liveness_s
+            self._spawn_stage,
+            self._progress,
+            self._write_status,
+            self.pipeline.liveness_s,
+            on_exit=self._exited,
         )
         self._stage_flags: dict[str, list[str]] = {}
         self.address: str | None = None
@@ -337,6 +341,13 @@ class Mesh:
                 for c in self._children
                 if c.proc.poll() is not None and not self._supervisor.owns(c)
             ]
+
+    def _exited(self, child: _Child) -> None:
+        """A stage process ended while the mesh runs: the shared memory it made goes
+        (one that was killed could not unlink its own)."""
+        from omnirail.relay.shm_pool import sweep_segments
+
+        sweep_segments(self.shm_prefix, child.proc.pid)
 
     # ---- rolling restart ---------------------------------------------------------
 

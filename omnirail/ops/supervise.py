@@ -77,9 +77,12 @@ class Supervisor:
         progress: Callable[[str], None],
         on_change: Callable[[], None] | None = None,
         liveness_s: float | None = None,
+        on_exit: Callable[[Any], None] | None = None,
     ) -> None:
         self._spawn = spawn
         self._liveness_s = liveness_s
+        # Called with each stage process that exited while the mesh runs (cleanup).
+        self._on_exit = on_exit or (lambda child: None)
         self._progress = progress
         self._on_change = on_change or (lambda: None)
         self.units: dict[str, Unit] = {}
@@ -160,6 +163,8 @@ class Supervisor:
                 }
                 unit.total_restarts += 1
                 unit.gave_up = False
+                for child in unit.children:
+                    self._on_exit(child)
                 # The watch thread starts it, not this (short-lived) caller's thread: a
                 # stage process dies with the thread that started it (PR_SET_PDEATHSIG,
                 # see launcher.die_with_parent).
@@ -213,6 +218,9 @@ class Supervisor:
                 child.proc.wait()
 
     def _exited(self, unit: Unit, child: Any) -> None:
+        for c in unit.children:
+            if c.proc.poll() is not None:
+                self._on_exit(c)
         code = child.proc.returncode
         unit.last_exit = {"process": child.name, "code": code, "at": time.time()}
         if unit.hung:

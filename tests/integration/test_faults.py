@@ -130,6 +130,9 @@ def test_killed_stage_fails_inflight_requests_and_is_restarted() -> None:
     mesh = start_mesh("linear")
     try:
         with Client(mesh.address or "", timeout=60) as client:
+            client.generate({"n": 100000})  # relayed: `double` makes shared memory
+            made = f"{mesh.shm_prefix}-{mesh.processes()['stage-double']}."
+            assert any(n.startswith(made) for n in shm_names(mesh.shm_prefix))
             pid, _ = _kill_mid_request(mesh, client)
             # The launcher starts it again; it registers and serves with no one asking.
             deadline = time.monotonic() + 90
@@ -142,6 +145,11 @@ def test_killed_stage_fails_inflight_requests_and_is_restarted() -> None:
                     assert time.monotonic() < deadline, mesh.log_tails()
                     time.sleep(0.2)
             assert out["sum"] == 12.0 and out["pid"] != pid
+            # What the killed process had made in shared memory is gone with it.
+            theirs = [
+                n for n in shm_names(mesh.shm_prefix) if n.startswith(f"{mesh.shm_prefix}-{pid}.")
+            ]
+            assert theirs == []
         status = mesh.status()["stage-double"]
         assert (status["state"], status["restarts"]) == ("running", 1)
         assert status["last_exit"]["code"] == -signal.SIGKILL
