@@ -15,7 +15,8 @@ A touched request is re-dispatched (the whole request again, from the entry, und
 wire id) when nothing of it reached the client yet (no stream chunk, no terminal's
 result), every stage it may pass is `retry_safe`, it has re-dispatches left
 (`redispatch_attempts`) and time before its deadline; else it fails with UNAVAILABLE
-naming the stage and replica.
+naming the stage and replica. A re-dispatch that finds a stage with no live replica at
+all waits for one to come back (the launcher restarts it) for up to `REDISPATCH_WAIT_S`.
 """
 
 from __future__ import annotations
@@ -34,6 +35,9 @@ log = logging.getLogger(__name__)
 # What a re-dispatch waits before it goes out, per attempt: long enough for the topology
 # without the lost replica to reach the stages, short against any deadline.
 REDISPATCH_DELAY_S = 0.1
+# How long a re-dispatch waits for a stage with no live replica to get one back (its
+# process restarting) before the request fails; never past the request's deadline.
+REDISPATCH_WAIT_S = 10.0
 
 
 def touched(replica: Replica, before: list[Replica], rec: RequestRecord, entry: str) -> bool:

@@ -58,6 +58,10 @@ class RequestRecord:
     entry: Any = None
     # What went to the entry stage, kept while the request could be re-dispatched.
     retry_item: Any = None
+    # Its outputs stay after it ended, for Wait and GetRequest (requests from Submit);
+    # others' went to their caller, and the table of ended requests keeps only their
+    # state (10,000 results of streamed audio would be gigabytes).
+    keep_result: bool = False
 
     def __post_init__(self) -> None:
         self.wire_id = self.wire_id or self.request_id
@@ -77,7 +81,7 @@ class RequestRecord:
         status = client_pb2.RequestStatus(
             request_id=self.request_id, state=self.state, elapsed_s=end - self.started
         )
-        if self.state == State.COMPLETED:
+        if self.state == State.COMPLETED and self.keep_result:
             status.result.CopyFrom(self.result())
         if self.error is not None:
             status.error.CopyFrom(self.error.to_proto())
@@ -135,6 +139,9 @@ class RequestTable:
             callback(record)
         record.on_done.clear()
         record.on_chunk.clear()
+        record.retry_item = None
+        if not record.keep_result:
+            record.outputs = {}
         return True
 
     def counts(self) -> dict[str, int]:

@@ -4,20 +4,25 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import math
-import re
 import time
 import uuid
-from collections import deque
 from collections.abc import AsyncIterator
-from typing import Any
 
 import grpc
 from grpc_health.v1 import health
 
 from omnirail.config import PipelineConfig, dotted
+from omnirail.coordinator.admission import (
+    REQUEST_ID,
+    check_request_id,
+    parse_inputs,
+    register_error,
+    resolve_terminals,
+    timeout_of,
+)
 from omnirail.coordinator.failover import (
     REDISPATCH_DELAY_S,
+    REDISPATCH_WAIT_S,
     can_redispatch,
     touched,
     watch_liveness,
@@ -30,7 +35,7 @@ from omnirail.coordinator.requests import (
     RequestTable,
     State,
 )
-from omnirail.coordinator.session import serve_session, traceparent_of
+from omnirail.coordinator.session import serve_session, stream_chunks, traceparent_of
 from omnirail.telemetry.logs import ids
 from omnirail.telemetry.metrics import CoordinatorMetrics
 from omnirail.telemetry.tracer import KIND_SERVER, Tracer, parse_traceparent
@@ -45,17 +50,12 @@ from omnirail.wire.errors import (
     invalid,
     unavailable,
 )
-from omnirail.wire.payload import PayloadError, decode_inline
 from omnirail.wire.services import PIPELINE_SERVICE
 
 log = logging.getLogger(__name__)
 
-# Relay infos ride in every topology broadcast: bounded so one bad stage cannot bloat them.
-MAX_RELAY_INFOS = 8
-MAX_RELAY_INFO_BYTES = 1 << 20
 # Trailing metadata carrying an overloaded mesh's retry hint (`Overloaded`).
 RETRY_AFTER_KEY = "retry-after-ms"
-_REQUEST_ID = re.compile(r"^[A-Za-z0-9._:@-]{1,128}$")
 
 
 class Coordinator(client_pb2_grpc.OmnirailServicer, mesh_pb2_grpc.CoordinatorServicer):
@@ -102,41 +102,23 @@ class Coordinator(client_pb2_grpc.OmnirailServicer, mesh_pb2_grpc.CoordinatorSer
         self, request: client_pb2.GenerateRequest, context: grpc.aio.ServicerContext
     ) -> None:
         rec = await self._start_or_abort(request, context)
+        rec.keep_result = True  # until it is written below
         try:
             if request.stream:
-                await self._stream_chunks(rec, context)
+                await stream_chunks(self, rec, context)
             else:
                 await rec.done.wait()
         except asyncio.CancelledError:
             # The client went away: nothing downstream should keep working on it.
             self.end(rec, State.ABORTED, OmniError(Code.CANCELLED, "client cancelled the call"))
             raise
-        if rec.state == State.COMPLETED:
-            await context.write(client_pb2.GenerateEvent(result=rec.result()))
+        finally:
+            result = rec.result() if rec.state == State.COMPLETED else None
+            rec.outputs, rec.keep_result = {}, False
+        if result is not None:
+            await context.write(client_pb2.GenerateEvent(result=result))
             return
         await _abort_call(context, rec.error or internal("request ended without a result"))
-
-    async def _stream_chunks(self, rec: RequestRecord, context: grpc.aio.ServicerContext) -> None:
-        """Writes the request's chunks as they come, until it ends."""
-        chunks: deque[client_pb2.Chunk] = deque()
-        wake = asyncio.Event()
-
-        def on_chunk(chunk: client_pb2.Chunk) -> None:
-            chunks.append(chunk)
-            wake.set()
-            if len(chunks) > self.client_buffer:
-                self.client_too_slow(rec, len(chunks))
-
-        rec.on_chunk.append(on_chunk)
-        rec.on_done.append(lambda _: wake.set())
-        while True:
-            # A failed request's chunks are moot: its error goes out next.
-            while chunks and (not rec.finished or rec.state == State.COMPLETED):
-                await context.write(client_pb2.GenerateEvent(chunk=chunks.popleft()))
-            if rec.finished:
-                return
-            wake.clear()
-            await wake.wait()
 
     async def Session(
         self,
@@ -149,6 +131,7 @@ class Coordinator(client_pb2_grpc.OmnirailServicer, mesh_pb2_grpc.CoordinatorSer
         self, request: client_pb2.GenerateRequest, context: grpc.aio.ServicerContext
     ) -> client_pb2.SubmitResponse:
         rec = await self._start_or_abort(request, context)
+        rec.keep_result = True  # for Wait and GetRequest
         return client_pb2.SubmitResponse(request_id=rec.request_id)
 
     async def Wait(
@@ -167,7 +150,7 @@ class Coordinator(client_pb2_grpc.OmnirailServicer, mesh_pb2_grpc.CoordinatorSer
         self, request: client_pb2.AbortRequest, context: grpc.aio.ServicerContext
     ) -> client_pb2.AbortResponse:
         reason = request.reason or "aborted by client"
-        if self.requests.get(request.request_id) is None and _REQUEST_ID.match(request.request_id):
+        if self.requests.get(request.request_id) is None and REQUEST_ID.match(request.request_id):
             # Perhaps it overtook its request's start: that start is cancelled if it comes.
             self._early_aborts.add(request.request_id, reason)
             await _abort_call(
@@ -242,8 +225,7 @@ class Coordinator(client_pb2_grpc.OmnirailServicer, mesh_pb2_grpc.CoordinatorSer
     ) -> RequestRecord:
         """Validates a request and delivers it to the entry stage; raises OmniError."""
         rid = request.request_id or uuid.uuid4().hex
-        if not _REQUEST_ID.match(rid):
-            raise invalid("request_id must be 1-128 characters of [A-Za-z0-9._:@-]")
+        check_request_id(rid)
         if self.draining:
             raise unavailable("the mesh is shutting down: it takes no new requests")
         if rid in self.requests.live:
@@ -254,31 +236,9 @@ class Coordinator(client_pb2_grpc.OmnirailServicer, mesh_pb2_grpc.CoordinatorSer
         if len(self.requests.live) >= self._max_live:
             self.metrics.refused()
             raise Overloaded.live_limit(self._max_live)
-        if not request.HasField("inputs"):
-            raise invalid("inputs: required")
-        size = request.inputs.ByteSize()
-        if size > self._max_input:
-            raise OmniError(
-                Code.RESOURCE_EXHAUSTED,
-                f"inputs: {size} bytes exceed the pipeline's limit of {self._max_input} bytes "
-                "(max_input_mb)",
-            )
-        if request.inputs.HasField("relay"):
-            raise invalid("inputs: relay descriptors are not accepted from clients; send inline")
-        try:
-            inputs = decode_inline(request.inputs, copy=False)
-        except PayloadError as exc:
-            raise invalid(f"inputs: {exc}") from None
-        if not isinstance(inputs, dict) or not all(isinstance(k, str) for k in inputs):
-            raise invalid(
-                f"inputs: expected a mapping of names to values, got {type(inputs).__name__}"
-            )
-        timeout = request.timeout_s or self.pipeline.default_timeout_s
-        if not math.isfinite(timeout) or timeout < 0:
-            raise invalid(f"timeout_s: must be a finite number >= 0, got {request.timeout_s}")
-        if time_remaining is not None:
-            timeout = min(timeout, time_remaining)
-        terminals = self._resolve_terminals(rid, inputs)
+        inputs = parse_inputs(request, self._max_input)
+        timeout = timeout_of(request, self.pipeline.default_timeout_s, time_remaining)
+        terminals = resolve_terminals(self._terminals_fn, self._terminals, rid, inputs)
         possible = self._possible_for(terminals)
         for stage in sorted(possible):
             if not self.registry.live(stage):
@@ -343,36 +303,32 @@ class Coordinator(client_pb2_grpc.OmnirailServicer, mesh_pb2_grpc.CoordinatorSer
         # Whatever the old attempt left on other stages is cleaned up like an abort.
         self._broadcast_abort(old, f"re-dispatched after: {error.message}")
         asyncio.get_running_loop().call_later(
-            REDISPATCH_DELAY_S * (rec.attempt - 1), self._dispatch_again, rec, rec.wire_id, error
+            REDISPATCH_DELAY_S * (rec.attempt - 1),
+            self._dispatch_again,
+            rec,
+            rec.wire_id,
+            error,
+            time.monotonic() + REDISPATCH_WAIT_S,
         )
 
-    def _dispatch_again(self, rec: RequestRecord, wire_id: str, error: OmniError) -> None:
+    def _dispatch_again(
+        self, rec: RequestRecord, wire_id: str, error: OmniError, give_up: float
+    ) -> None:
+        """Sends the new attempt once every stage it may pass has a live replica; waits
+        for one (the launcher restarts what died) until `give_up` or its deadline."""
         if rec.finished or rec.wire_id != wire_id:
             return
-        for stage in sorted(rec.possible):
-            if not self.registry.live(stage):
-                message = f"{error.message}; no live replica of {stage!r} left"
-                self._fail(rec, unavailable(message, error.stage or stage))
+        missing = [s for s in sorted(rec.possible) if not self.registry.live(s)]
+        if missing:
+            if time.monotonic() < give_up and time.time() + REDISPATCH_DELAY_S < rec.deadline:
+                asyncio.get_running_loop().call_later(
+                    REDISPATCH_DELAY_S, self._dispatch_again, rec, wire_id, error, give_up
+                )
                 return
+            message = f"{error.message}; no live replica of {missing[0]!r} came back"
+            self._fail(rec, unavailable(message, error.stage or missing[0]))
+            return
         self._dispatch(rec, rec.retry_item)
-
-    def _resolve_terminals(self, rid: str, inputs: dict[str, Any]) -> tuple[str, ...]:
-        if self._terminals_fn is None:
-            return self._terminals
-        try:
-            chosen = self._terminals_fn(rid, inputs)
-        except Exception as exc:
-            raise internal(f"terminal_stages_fn raised {type(exc).__name__}: {exc}") from None
-        if chosen is None:
-            return self._terminals
-        names = [chosen] if isinstance(chosen, str) else list(chosen)
-        bad = [n for n in names if n not in self._terminals]
-        if not names or bad:
-            raise internal(
-                f"terminal_stages_fn returned {names!r}; expected a non-empty subset of "
-                f"the terminal stages {list(self._terminals)}"
-            )
-        return tuple(n for n in self._terminals if n in names)
 
     def _possible_for(self, terminals: tuple[str, ...]) -> frozenset[str]:
         found = self._possible.get(terminals)
@@ -532,29 +488,11 @@ class Coordinator(client_pb2_grpc.OmnirailServicer, mesh_pb2_grpc.CoordinatorSer
         context: grpc.aio.ServicerContext,
     ) -> None:
         first = await anext(aiter(request_iterator), None)
-        if first is None or not first.HasField("register"):
-            await _abort_call(context, invalid("the first Attach message must be a Register"))
+        problem = register_error(first, self.pipeline.stage_names)
+        if problem is not None:
+            await _abort_call(context, problem)
         assert first is not None
         reg = first.register
-        if not self.registry.knows(reg.stage):
-            await _abort_call(
-                context,
-                invalid(
-                    f"unknown stage {reg.stage!r}; this pipeline has {self.pipeline.stage_names}"
-                ),
-            )
-        if not reg.address or not reg.replica_id:
-            await _abort_call(context, invalid("register: address and replica_id are required"))
-        if len(reg.relay_infos) > MAX_RELAY_INFOS or any(
-            len(info) > MAX_RELAY_INFO_BYTES for info in reg.relay_infos
-        ):
-            await _abort_call(
-                context,
-                invalid(
-                    f"register: at most {MAX_RELAY_INFOS} relay infos of at most "
-                    f"{MAX_RELAY_INFO_BYTES} bytes each"
-                ),
-            )
         replica = Replica(
             reg.stage,
             reg.replica_id,

@@ -1,13 +1,15 @@
-"""The client API's Session stream: many requests (and their aborts) over one call.
+"""The client API's streams: a streaming Generate's chunks, and the Session stream.
 
-The client writes batches of Generate and Abort messages; the coordinator answers with
-batches of chunks, results and errors, each tagged with its request id. Requests started
-on a session end with it: closing the stream aborts those still live.
+A Session carries many requests (and their aborts) over one call: the client writes
+batches of Generate and Abort messages; the coordinator answers with batches of chunks,
+results and errors, each tagged with its request id. Requests started on a session end
+with it: closing the stream aborts those still live.
 """
 
 from __future__ import annotations
 
 import asyncio
+from collections import deque
 from collections.abc import AsyncIterator
 from typing import TYPE_CHECKING
 
@@ -94,6 +96,31 @@ async def serve_session(
                 coordinator.end(
                     rec, State.ABORTED, OmniError(Code.CANCELLED, "client session closed")
                 )
+
+
+async def stream_chunks(
+    coordinator: Coordinator, rec: RequestRecord, context: grpc.aio.ServicerContext
+) -> None:
+    """A streaming Generate: writes the request's chunks as they come, until it ends."""
+    chunks: deque[client_pb2.Chunk] = deque()
+    wake = asyncio.Event()
+
+    def on_chunk(chunk: client_pb2.Chunk) -> None:
+        chunks.append(chunk)
+        wake.set()
+        if len(chunks) > coordinator.client_buffer:
+            coordinator.client_too_slow(rec, len(chunks))
+
+    rec.on_chunk.append(on_chunk)
+    rec.on_done.append(lambda _: wake.set())
+    while True:
+        # A failed request's chunks are moot: its error goes out next.
+        while chunks and (not rec.finished or rec.state == State.COMPLETED):
+            await context.write(client_pb2.GenerateEvent(chunk=chunks.popleft()))
+        if rec.finished:
+            return
+        wake.clear()
+        await wake.wait()
 
 
 def traceparent_of(context: grpc.aio.ServicerContext) -> str:

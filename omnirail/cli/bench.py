@@ -114,6 +114,21 @@ def _run(args: argparse.Namespace) -> dict[str, Any]:
             runs=args.runs,
             progress=progress(args.json),
         )
+    elif args.what == "chaos":
+        from omnirail.bench.chaos_bench import run_chaos_bench
+
+        report = run_chaos_bench(
+            shape=args.shape,
+            requests=10_000 if args.requests is None else args.requests,
+            concurrency=_one_level(args, 32),
+            abort_fraction=args.abort_fraction,
+            deadline_fraction=args.deadline_fraction,
+            bad_fraction=args.bad_fraction,
+            kill_every_s=args.kill_every,
+            replicas=max(args.replicas, 2),
+            seed=args.seed,
+            progress=progress(args.json),
+        )
     elif args.replicas > 1:
         from omnirail.bench.balance_bench import run_balance_bench
 
@@ -148,7 +163,9 @@ def _run(args: argparse.Namespace) -> dict[str, Any]:
 def add_bench_parser(sub: Any) -> None:
     """Adds `bench` to the CLI's subcommands (`sub`, from add_subparsers)."""
     b = sub.add_parser("bench", help="benchmarks (JSON output)")
-    b.add_argument("what", choices=["pipeline", "relay", "streaming", "demo", "host", "omni"])
+    b.add_argument(
+        "what", choices=["pipeline", "relay", "streaming", "demo", "host", "omni", "chaos"]
+    )
     b.add_argument("--json", action="store_true", help="one line of JSON, no progress")
     b.add_argument("--backend", default="shm")
     b.add_argument("--sizes", default=None, help="relay: comma-separated byte sizes")
@@ -259,6 +276,28 @@ def add_bench_parser(sub: Any) -> None:
         default=5.0,
         help="pipeline --replicas: how much slower replica 0 computes",
     )
+    chaos = b.add_argument_group("chaos")
+    chaos.add_argument(
+        "--shape",
+        choices=["quickstart", "streaming", "omni"],
+        default="quickstart",
+        help="chaos: which example pipeline (every stage with --replicas, at least 2)",
+    )
+    chaos.add_argument("--abort-fraction", type=float, default=0.3, help="chaos: aborted")
+    chaos.add_argument(
+        "--deadline-fraction", type=float, default=0.1, help="chaos: with a 5-40 ms deadline"
+    )
+    chaos.add_argument(
+        "--bad-fraction", type=float, default=0.05, help="chaos: malformed or oversized input"
+    )
+    chaos.add_argument(
+        "--kill-every",
+        type=float,
+        default=3.0,
+        metavar="S",
+        help="chaos: SIGKILL a random stage process every S seconds (0: none)",
+    )
+    chaos.add_argument("--seed", type=int, default=0, help="chaos: the mix and the victims")
     b.add_argument(
         "--fused",
         action="store_true",

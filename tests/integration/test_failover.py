@@ -12,12 +12,15 @@ import threading
 import time
 import urllib.request
 import zlib
+from pathlib import Path
 from typing import Any
+
+import yaml
 
 from omnirail.client.sdk import Chunk, Client
 from omnirail.ops.launcher import Mesh
 from omnirail.wire.errors import Code, OmniError
-from tests.integration.conftest import shm_names, start_mesh
+from tests.integration.conftest import PIPELINES, shm_names, start_mesh
 
 
 def _replicas(mesh: Mesh, client: Client, stage: str) -> list[tuple[str, int]]:
@@ -128,8 +131,15 @@ def test_a_lost_replica_fails_what_already_streamed_and_spares_the_rest() -> Non
     assert shm_names(mesh.shm_prefix) == []
 
 
-def test_a_hung_stage_is_noticed_its_requests_end_and_it_is_restarted() -> None:
-    mesh = start_mesh("failover")
+def test_a_hung_stage_is_noticed_its_requests_end_and_it_is_restarted(tmp_path: Path) -> None:
+    # `summarize` not retry-safe: its requests end when it is found hung (a retry-safe
+    # one would wait for the restarted process and succeed).
+    cfg = yaml.safe_load((PIPELINES / "failover.yaml").read_text())
+    cfg["stages"][2]["retry_safe"] = False
+    path = tmp_path / "pipeline.yaml"
+    path.write_text(yaml.safe_dump(cfg))
+    mesh = Mesh(path)
+    mesh.start(timeout=240)
     try:
         with Client(mesh.address or "") as client:  # no timeout of its own
             # No deadline from the client: the pipeline's default (6 s) ends it.

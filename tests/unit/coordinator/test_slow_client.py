@@ -10,6 +10,7 @@ from grpc_health.v1 import health
 from omnirail.config import PipelineConfig
 from omnirail.coordinator.requests import RequestRecord, State
 from omnirail.coordinator.service import Coordinator
+from omnirail.coordinator.session import stream_chunks
 from omnirail.v1 import client_pb2
 from omnirail.wire.errors import Code
 
@@ -44,7 +45,7 @@ async def test_generate_stream_fails_a_request_whose_client_stops_reading() -> N
     rec.state = State.RUNNING
     coordinator.requests.add(rec)
     context = StalledContext()
-    writer = asyncio.get_running_loop().create_task(coordinator._stream_chunks(rec, context))
+    writer = asyncio.get_running_loop().create_task(stream_chunks(coordinator, rec, context))
     await asyncio.sleep(0)  # the writer subscribes to the request's chunks
     for i in range(20):
         for on_chunk in list(rec.on_chunk):
