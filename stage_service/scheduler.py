@@ -32,11 +32,13 @@ class IncomingMessage:
     `new_request`: `data` is the request's input payload (None for a stage fed only by
     streams). `stream_chunk`: `data` is one chunk from stage `source`, numbered `chunk_id`
     per (request, edge) from 0. `stream_done`: every stream into this stage for the
-    request has ended (sent once, after the request's last chunk).
+    request has ended (sent once, after the request's last chunk). `abort`: a scheduler
+    that keeps per-request state puts this in its own inbox from `abort()`, so an idle
+    compute thread wakes and drops it (others never see one).
     """
 
     request_id: str
-    type: Literal["new_request", "stream_chunk", "stream_done"]
+    type: Literal["new_request", "stream_chunk", "stream_done", "abort"]
     data: Any
     source: str = ""
     chunk_id: int = -1

@@ -128,6 +128,9 @@ class StreamingScheduler(ThreadScheduler):
     def abort(self, request_id: str) -> None:
         super().abort(request_id)
         self._abort_queue.append(request_id)
+        # Wakes the compute thread should it be idle: the request's state goes now, not
+        # with the next request (an idle stage must hold nothing of ended requests).
+        self.inbox.put(IncomingMessage(request_id, "abort", None))
 
     # ---- compute thread -------------------------------------------------------------
 

@@ -48,6 +48,13 @@ SHAPES: dict[str, tuple[str, dict[str, Any], bool]] = {
 # A request with no terminal status this long after its deadline is counted as hung.
 HUNG_AFTER_S = 5.0
 MAX_INPUT_MB = 1
+# What each stage process must hold no more of once the mesh is idle.
+HELD_METRICS = {
+    "inflight": "omnirail_stage_inflight",
+    "queued": "omnirail_stage_queue_depth",
+    "scheduler_state": "omnirail_stage_held_requests",
+    "relay_held": "omnirail_relay_held",
+}
 
 
 @dataclass
@@ -191,15 +198,17 @@ def _settle(mesh: Any, replicas: int, timeout: float = 120.0) -> dict[str, Any]:
                 held["coordinator_running"] = _scrape(info.metrics_address).get(
                     "omnirail_requests_running", 0.0
                 )
+                where: dict[str, float] = Counter()
                 for stage in info.stages:
                     for rep in stage.replicas:
                         m = _scrape(rep.metrics_address)
-                        held["inflight"] += m.get("omnirail_stage_inflight", 0.0)
-                        held["queued"] += m.get("omnirail_stage_queue_depth", 0.0)
-                        held["scheduler_state"] += m.get("omnirail_stage_held_requests", 0.0)
-                        held["relay_held"] += m.get("omnirail_relay_held", 0.0)
+                        for key, metric in HELD_METRICS.items():
+                            held[key] += m.get(metric, 0.0)
+                            where[f"{stage.name}/{rep.replica_id} {key}"] += m.get(metric, 0.0)
             if (full and not any(held.values())) or time.monotonic() > deadline:
                 held["all_replicas_live"] = full
+                if full:
+                    held["where"] = {k: v for k, v in where.items() if v}
                 return held
             time.sleep(0.25)
 
@@ -373,7 +382,7 @@ def _report(
         and not late
         and not orphans
         and held.get("all_replicas_live", False)
-        and not any(v for k, v in held.items() if k != "all_replicas_live")
+        and not any(v for k, v in held.items() if k not in ("all_replicas_live", "where"))
     )
     return report
 
