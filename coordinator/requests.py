@@ -88,19 +88,49 @@ class RequestRecord:
         return status
 
 
+_ENDED_EVENT = asyncio.Event()
+_ENDED_EVENT.set()
+
+
+@dataclass(slots=True)
+class Ended:
+    """What the table keeps of a request that ended: enough for GetRequest, Wait and
+    Abort, a few hundred bytes (its outputs only when it came from Submit)."""
+
+    request_id: str
+    state: int
+    error: OmniError | None
+    started: float
+    ended: float
+    outputs: dict[str, common_pb2.Payload]
+    keep_result: bool
+
+    finished = True
+
+    @property
+    def done(self) -> asyncio.Event:
+        return _ENDED_EVENT
+
+    def result(self) -> client_pb2.Result:
+        return RequestRecord.result(self)  # type: ignore[arg-type]
+
+    def status(self) -> client_pb2.RequestStatus:
+        return RequestRecord.status(self)  # type: ignore[arg-type]
+
+
 class RequestTable:
     def __init__(
         self, keep_finished: int = 10_000, metrics: CoordinatorMetrics | None = None
     ) -> None:
         self.live: dict[str, RequestRecord] = {}
-        self._finished: OrderedDict[str, RequestRecord] = OrderedDict()
+        self._finished: OrderedDict[str, Ended] = OrderedDict()
         self._keep = keep_finished
         self._metrics = metrics
 
     def add(self, record: RequestRecord) -> None:
         self.live[record.request_id] = record
 
-    def get(self, request_id: str) -> RequestRecord | None:
+    def get(self, request_id: str) -> RequestRecord | Ended | None:
         return self.live.get(request_id) or self._finished.get(request_id)
 
     def by_wire(self, wire_id: str) -> RequestRecord | None:
@@ -121,7 +151,15 @@ class RequestTable:
         if record.timer is not None:
             record.timer.cancel()
         self.live.pop(record.request_id, None)
-        self._finished[record.request_id] = record
+        self._finished[record.request_id] = Ended(
+            record.request_id,
+            state,
+            error,
+            record.started,
+            record.ended,
+            record.outputs if record.keep_result else {},
+            record.keep_result,
+        )
         while len(self._finished) > self._keep:
             self._finished.popitem(last=False)
         record.done.set()
@@ -140,8 +178,7 @@ class RequestTable:
         record.on_done.clear()
         record.on_chunk.clear()
         record.retry_item = None
-        if not record.keep_result:
-            record.outputs = {}
+        record.outputs = {}  # its caller took them in `on_done`; Submit's are in Ended
         return True
 
     def counts(self) -> dict[str, int]:

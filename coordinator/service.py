@@ -30,6 +30,7 @@ from omnirail.coordinator.failover import (
 from omnirail.coordinator.registry import Replica, StageRegistry
 from omnirail.coordinator.requests import (
     EarlyAborts,
+    Ended,
     Overloaded,
     RequestRecord,
     RequestTable,
@@ -102,7 +103,10 @@ class Coordinator(client_pb2_grpc.OmnirailServicer, mesh_pb2_grpc.CoordinatorSer
         self, request: client_pb2.GenerateRequest, context: grpc.aio.ServicerContext
     ) -> None:
         rec = await self._start_or_abort(request, context)
-        rec.keep_result = True  # until it is written below
+        results: list[client_pb2.Result] = []  # taken as it ends (then its outputs go)
+        rec.on_done.append(
+            lambda r: results.append(r.result()) if r.state == State.COMPLETED else None
+        )
         try:
             if request.stream:
                 await stream_chunks(self, rec, context)
@@ -112,11 +116,8 @@ class Coordinator(client_pb2_grpc.OmnirailServicer, mesh_pb2_grpc.CoordinatorSer
             # The client went away: nothing downstream should keep working on it.
             self.end(rec, State.ABORTED, OmniError(Code.CANCELLED, "client cancelled the call"))
             raise
-        finally:
-            result = rec.result() if rec.state == State.COMPLETED else None
-            rec.outputs, rec.keep_result = {}, False
-        if result is not None:
-            await context.write(client_pb2.GenerateEvent(result=result))
+        if results:
+            await context.write(client_pb2.GenerateEvent(result=results[0]))
             return
         await _abort_call(context, rec.error or internal("request ended without a result"))
 
@@ -139,7 +140,8 @@ class Coordinator(client_pb2_grpc.OmnirailServicer, mesh_pb2_grpc.CoordinatorSer
     ) -> client_pb2.RequestStatus:
         rec = await self._lookup(request.request_id, context)
         await rec.done.wait()
-        return rec.status()
+        # What the table kept as it ended (a live record's outputs go with its end).
+        return (self.requests.get(request.request_id) or rec).status()
 
     async def GetRequest(
         self, request: client_pb2.RequestRef, context: grpc.aio.ServicerContext
@@ -197,7 +199,9 @@ class Coordinator(client_pb2_grpc.OmnirailServicer, mesh_pb2_grpc.CoordinatorSer
                 )
         return info
 
-    async def _lookup(self, request_id: str, context: grpc.aio.ServicerContext) -> RequestRecord:
+    async def _lookup(
+        self, request_id: str, context: grpc.aio.ServicerContext
+    ) -> RequestRecord | Ended:
         rec = self.requests.get(request_id)
         if rec is None:
             await _abort_call(
