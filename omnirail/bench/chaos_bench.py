@@ -4,7 +4,9 @@ A mesh of one of the example pipelines (quickstart, streaming, omni demo), every
 with 2 replicas, is driven through the async SDK at `concurrency` with a mix of normal
 requests, client aborts (after 0-50 ms), short deadlines (5-40 ms), malformed and
 oversized inputs, while a replica process is SIGKILLed every `kill_every_s` (the
-launcher restarts it). A warm-up with the same mix, without kills, comes first. Then:
+launcher restarts it; replica 0 of each stage is spared, so every stage keeps serving and
+the memory of one process per stage can be compared across the run). A warm-up with the
+same mix, without kills, comes first. Then:
 
 - every request ended with a terminal status, and within its deadline plus 1 s;
 - deadline errors reached the client within how long of the deadline (p50/p99/max);
@@ -161,6 +163,14 @@ async def _drive(
     return outcomes
 
 
+def _spared(process: str) -> bool | None:
+    """Replica 0 of each stage is never killed: every stage keeps serving through the
+    soak, and its memory can be compared with after the warm-up. None: the coordinator."""
+    if process == "coordinator":
+        return None
+    return not process.rsplit("-", 1)[-1].isdigit() or process.endswith("-0")
+
+
 def _rss_kib(pid: int) -> int | None:
     try:
         for line in Path(f"/proc/{pid}/status").read_text().splitlines():
@@ -267,8 +277,8 @@ def run_chaos_bench(
                 try:
                     await asyncio.wait_for(stop.wait(), kill_every_s)
                 except TimeoutError:
-                    stages = sorted(n for n in mesh.processes() if n != "coordinator")
-                    victim = rng.choice(stages)
+                    victims = sorted(n for n in mesh.processes() if _spared(n) is False)
+                    victim = rng.choice(victims)
                     pid = mesh.processes()[victim]
                     try:
                         os.kill(pid, signal.SIGKILL)
