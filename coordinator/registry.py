@@ -5,9 +5,12 @@ from __future__ import annotations
 import asyncio
 import time
 import zlib
+from collections.abc import Iterable
 from dataclasses import dataclass, field
+from typing import Any
 
-from omnirail.v1 import mesh_pb2
+from omnirail.config import PipelineConfig
+from omnirail.v1 import client_pb2, mesh_pb2
 
 
 @dataclass(eq=False)
@@ -28,6 +31,8 @@ class Replica:
     task: asyncio.Task[None] | None = None
     # Shutting down: gets no new work (out of `replicas` and the topology), finishes its own.
     draining: bool = False
+    # Told it may go: no live request needs it any more.
+    released: bool = False
     # Commands accumulate here and go out in one write.
     pending: mesh_pb2.CoordinatorCommand = field(default_factory=mesh_pb2.CoordinatorCommand)
     wake: asyncio.Event = field(default_factory=asyncio.Event)
@@ -112,17 +117,67 @@ class StageRegistry:
         return min(ring, key=lambda r: r.assigned)  # first of the least loaded
 
     def topology(self) -> mesh_pb2.Topology:
+        """Where the stages send: each stage's replicas that take work; a stage whose
+        replicas all drain keeps them (requests already running still pass it)."""
         topo = mesh_pb2.Topology()
         for name in self._by_stage:
             eps = topo.stages[name]
-            for rep in self.replicas(name):
+            for rep in self.replicas(name) or self.attached(name):
                 eps.endpoints.add(
                     replica_id=rep.replica_id, address=rep.address, relay_infos=rep.relay_infos
                 )
         return topo
+
+    def release_drained(self, live: Iterable[Any]) -> bool:
+        """Tells each draining replica that nothing running needs it any more: its stage
+        has replicas that take work, or none of the `live` requests may still pass it
+        (all of a stage's replicas drain at once when a compose project stops). True
+        while some draining replica still waits."""
+        waiting = False
+        pending = [r for r in self.all() if r.draining and not r.released]
+        if pending:
+            stages_needed = {s for rec in live for s in rec.possible}
+        for rep in pending:
+            if not self.live(rep.stage) and rep.stage in stages_needed:
+                waiting = True
+                continue
+            rep.released = True
+            rep.push(mesh_pb2.CoordinatorCommand(released=True))
+        return waiting
 
     def broadcast(self, command: mesh_pb2.CoordinatorCommand) -> list[Replica]:
         targets = self.all()
         for rep in targets:
             rep.push(command)
         return targets
+
+
+def describe(
+    pipeline: PipelineConfig, registry: StageRegistry, metrics_address: str
+) -> client_pb2.PipelineInfo:
+    """What DescribePipeline answers: the pipeline's stages and every attached replica
+    (a draining one is not `live`: it takes no new work)."""
+    info = client_pb2.PipelineInfo(
+        name=pipeline.name or "",
+        entry_stage=pipeline.resolved_entry_stage,
+        terminal_stages=list(pipeline.terminal_stages),
+        ready=not registry.missing(),
+        metrics_address=metrics_address,
+    )
+    for cfg in pipeline.stages:
+        stage = info.stages.add(
+            name=cfg.name,
+            next=cfg.next_stages,
+            terminal=cfg.terminal,
+            wait_for=cfg.wait_for or [],
+        )
+        for rep in registry.attached(cfg.name):
+            stage.replicas.add(
+                replica_id=rep.replica_id,
+                address=rep.address,
+                live=not rep.draining,
+                queue_depth=rep.queue_depth,
+                inflight=rep.inflight,
+                metrics_address=rep.metrics_address,
+            )
+    return info

@@ -27,7 +27,7 @@ from omnirail.coordinator.failover import (
     touched,
     watch_liveness,
 )
-from omnirail.coordinator.registry import Replica, StageRegistry
+from omnirail.coordinator.registry import Replica, StageRegistry, describe
 from omnirail.coordinator.requests import (
     EarlyAborts,
     Ended,
@@ -94,6 +94,8 @@ class Coordinator(client_pb2_grpc.OmnirailServicer, mesh_pb2_grpc.CoordinatorSer
         # Stages whose work may run again (a lost replica's requests are re-dispatched).
         self._retry_safe = frozenset(s.name for s in pipeline.stages if s.retry_safe)
         self._liveness: asyncio.Task[None] | None = None
+        # Some draining replica waits to be released (checked as requests end).
+        self._unreleased = False
         # wire id -> replicas that still owe an abort ack, and who acked.
         self._abort_waits: dict[str, tuple[set[tuple[str, str]], list[str], asyncio.Event]] = {}
 
@@ -174,30 +176,7 @@ class Coordinator(client_pb2_grpc.OmnirailServicer, mesh_pb2_grpc.CoordinatorSer
     async def DescribePipeline(
         self, request: client_pb2.DescribePipelineRequest, context: grpc.aio.ServicerContext
     ) -> client_pb2.PipelineInfo:
-        info = client_pb2.PipelineInfo(
-            name=self.pipeline.name or "",
-            entry_stage=self._entry,
-            terminal_stages=list(self._terminals),
-            ready=not self.registry.missing(),
-            metrics_address=self.metrics_address,
-        )
-        for cfg in self.pipeline.stages:
-            stage = info.stages.add(
-                name=cfg.name,
-                next=cfg.next_stages,
-                terminal=cfg.terminal,
-                wait_for=cfg.wait_for or [],
-            )
-            for rep in self.registry.attached(cfg.name):
-                stage.replicas.add(
-                    replica_id=rep.replica_id,
-                    address=rep.address,
-                    live=not rep.draining,
-                    queue_depth=rep.queue_depth,
-                    inflight=rep.inflight,
-                    metrics_address=rep.metrics_address,
-                )
-        return info
+        return describe(self.pipeline, self.registry, self.metrics_address)
 
     async def _lookup(
         self, request_id: str, context: grpc.aio.ServicerContext
@@ -388,6 +367,8 @@ class Coordinator(client_pb2_grpc.OmnirailServicer, mesh_pb2_grpc.CoordinatorSer
         if self.requests.finish(rec, state, error) and state != State.COMPLETED:
             # Other branches may still hold slots for it: clean up everywhere.
             self._broadcast_abort(rec.wire_id, error.message if error else "")
+        if self._unreleased:
+            self._unreleased = self.registry.release_drained(self.requests.live.values())
 
     def abort_soon(self, request_id: str, reason: str) -> None:
         """Aborts a live request without waiting for the stages' acks; one not known yet
@@ -403,6 +384,8 @@ class Coordinator(client_pb2_grpc.OmnirailServicer, mesh_pb2_grpc.CoordinatorSer
         if not self.requests.finish(rec, State.ABORTED, error):
             return []
         event = self._broadcast_abort(rec.wire_id, error.message)
+        if self._unreleased:
+            self._unreleased = self.registry.release_drained(self.requests.live.values())
         if not wait:
             return []
         try:
@@ -485,6 +468,7 @@ class Coordinator(client_pb2_grpc.OmnirailServicer, mesh_pb2_grpc.CoordinatorSer
             replica.draining = True
             log.info("stage %s replica %s is draining", replica.stage, replica.replica_id)
             asyncio.get_running_loop().create_task(self._topology_changed())
+            self._unreleased = self.registry.release_drained(self.requests.live.values())
 
     async def Attach(
         self,

@@ -141,6 +141,8 @@ class StageHost(mesh_pb2_grpc.StageServicer):
         self._local_tasks: set[asyncio.Task[None]] = set()
         self._server: grpc.aio.Server | None = None
         self.shutdown_requested = asyncio.Event()
+        # Stages here the coordinator released while they drain (nothing needs them).
+        self._released: set[str] = set()
 
     # ---- lifecycle -----------------------------------------------------------
 
@@ -225,17 +227,19 @@ class StageHost(mesh_pb2_grpc.StageServicer):
 
     async def drain(self, grace_s: float) -> bool:
         """Stops taking new work (the coordinator routes none here from its next
-        topology) and lets what this process holds finish, for up to `grace_s`. Idle means
-        no request in a stage, nothing queued, sent or unreported, for `DRAIN_SETTLE_S`
-        (items routed here before the topology changed are still on their way). True when
-        it got idle in time."""
+        topology) and lets what this process holds finish, for up to `grace_s`. Done when
+        the coordinator has released it (no live request may still need it: with every
+        replica of a stage draining, as when a compose project stops, requests running
+        elsewhere still pass it) and it has been idle, no request in a stage, nothing
+        queued, sent or unreported, for `DRAIN_SETTLE_S` (items routed here before the
+        topology changed are still on their way). True when that came in time."""
         for attach in self._attach.values():
             attach.drain()
         loop = asyncio.get_running_loop()
         deadline = loop.time() + grace_s
         quiet_since: float | None = None
         while (now := loop.time()) < deadline and not self.shutdown_requested.is_set():
-            if self._busy():
+            if self._busy() or self._needed():
                 quiet_since = None
             elif quiet_since is None:
                 quiet_since = now
@@ -243,6 +247,14 @@ class StageHost(mesh_pb2_grpc.StageServicer):
                 return True
             await asyncio.sleep(0.02)
         return not self._busy()
+
+    def _needed(self) -> bool:
+        """The coordinator may still send work here: a stage of this process is not
+        released yet (see `Coordinator._release_drained`) and its Attach stream is up
+        (a coordinator that is gone sends nothing)."""
+        return any(
+            a.connected.is_set() and name not in self._released for name, a in self._attach.items()
+        )
 
     def _busy(self) -> bool:
         return (
@@ -369,6 +381,8 @@ class StageHost(mesh_pb2_grpc.StageServicer):
             for channel in self._channels.values():
                 channel.forget_request(abort.request_id)
             self._attach[stage_name].abort_ack(abort.request_id)
+        if cmd.released:
+            self._released.add(stage_name)
         if cmd.HasField("shutdown"):
             log.info("stage %s: shutdown requested (%s)", stage_name, cmd.shutdown.reason)
             self.shutdown_requested.set()

@@ -12,6 +12,7 @@ without torch.
 
 from __future__ import annotations
 
+import math
 import os
 import shlex
 from dataclasses import dataclass, field, replace
@@ -114,6 +115,11 @@ def generate(
     if clash:
         raise ComposeError(f"{clash.pop()}: would be overwritten by a generated side file")
     doc = _compose_doc(services, ipc_groups(cfg, services), mounts, paths, options)
+    # A stopped service drains first (up to drain_s): SIGKILL must not cut that short.
+    grace = f"{math.ceil(cfg.drain_s) + 5}s"
+    for name, service in doc["services"].items():
+        if name == "coordinator" or name in {s.name for s in services}:
+            service["stop_grace_period"] = grace
     header = _header(source, output, options, base)
     text = header + yaml.safe_dump(doc, sort_keys=False, default_flow_style=False, width=100)
     return ComposeBundle(doc, text, output, side_files)

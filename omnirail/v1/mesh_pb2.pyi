@@ -131,14 +131,16 @@ class Shutdown(_message.Message):
     def __init__(self, reason: _Optional[str] = ...) -> None: ...
 
 class CoordinatorCommand(_message.Message):
-    __slots__ = ("topology", "aborts", "shutdown")
+    __slots__ = ("topology", "aborts", "shutdown", "released")
     TOPOLOGY_FIELD_NUMBER: _ClassVar[int]
     ABORTS_FIELD_NUMBER: _ClassVar[int]
     SHUTDOWN_FIELD_NUMBER: _ClassVar[int]
+    RELEASED_FIELD_NUMBER: _ClassVar[int]
     topology: Topology
     aborts: _containers.RepeatedCompositeFieldContainer[Abort]
     shutdown: Shutdown
-    def __init__(self, topology: _Optional[_Union[Topology, _Mapping]] = ..., aborts: _Optional[_Iterable[_Union[Abort, _Mapping]]] = ..., shutdown: _Optional[_Union[Shutdown, _Mapping]] = ...) -> None: ...
+    released: bool
+    def __init__(self, topology: _Optional[_Union[Topology, _Mapping]] = ..., aborts: _Optional[_Iterable[_Union[Abort, _Mapping]]] = ..., shutdown: _Optional[_Union[Shutdown, _Mapping]] = ..., released: _Optional[bool] = ...) -> None: ...
 
 class RequestMeta(_message.Message):
     __slots__ = ("terminal_stages", "deadline")

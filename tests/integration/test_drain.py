@@ -172,3 +172,46 @@ def test_a_rolling_restart_under_steady_load_loses_no_request() -> None:
             assert (last["code"], last["restarted"]) == (0, True), last
     finally:
         subprocess.run([*cli, "down", "--name", name], capture_output=True, timeout=120)
+
+
+def test_stages_stopped_all_at_once_finish_what_runs(tmp_path: Path) -> None:
+    """As when a compose project stops: every stage process gets SIGTERM at once, the
+    coordinator later. A request sleeping in `double` still passes `summarize`, which
+    drains too: the coordinator releases a draining stage only once no running request
+    may need it. New requests meanwhile are refused; every stage exits 0."""
+    cfg = yaml.safe_load((PIPELINES / "linear.yaml").read_text())
+    cfg["drain_s"] = 20
+    for stage in cfg["stages"]:
+        stage["restart"] = {"max": 0}  # stopped on purpose: not restarted
+    path = tmp_path / "pipeline.yaml"
+    path.write_text(yaml.safe_dump(cfg))
+    mesh = Mesh(path)
+    mesh.start(timeout=240)
+    try:
+        seen: dict[str, Any] = {}
+        with Client(mesh.address or "", timeout=60) as client:
+            worker = threading.Thread(
+                target=lambda: seen.update(out=client.generate({"n": 4, "sleep": 2.0}).output)
+            )
+            worker.start()
+            time.sleep(0.7)  # sleeping in `double`
+            stages = {n: pid for n, pid in mesh.processes().items() if n != "coordinator"}
+            for pid in stages.values():
+                os.kill(pid, signal.SIGTERM)
+            time.sleep(0.3)
+            try:
+                client.generate({"n": 1}, timeout=10)
+                raise AssertionError("a new request was taken while every stage drained")
+            except OmniError as exc:
+                assert exc.code == Code.UNAVAILABLE, exc
+            worker.join(30)
+        assert seen["out"]["sum"] == 12.0, seen
+        deadline = time.monotonic() + 30
+        while {s["state"] for s in mesh.status().values()} != {"stopped"}:
+            assert time.monotonic() < deadline, mesh.status()
+            time.sleep(0.05)
+        assert {n: s["last_exit"]["code"] for n, s in mesh.status().items()} == {
+            n: 0 for n in stages
+        }
+    finally:
+        mesh.stop()

@@ -55,6 +55,11 @@ def test_quickstart_services_commands_env_and_ports(tmp_path: Path) -> None:
         *("--metrics-host", "0.0.0.0", "--metrics-port", "9464"),
     ]
     assert all("build" not in s for n, s in svc.items() if n != "coordinator")
+    # Stopped services drain for up to drain_s (10 s) before the runtime's SIGKILL.
+    assert {n: s.get("stop_grace_period") for n, s in svc.items()} == {
+        **{n: "15s" for n in ["coordinator", *stages]},
+        **{n: None for n in FIXED[1:]},
+    }
     mount = {
         "type": "bind",
         "source": os.path.relpath(QUICKSTART.parent, tmp_path),
