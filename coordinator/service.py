@@ -347,6 +347,7 @@ class Coordinator(client_pb2_grpc.OmnirailServicer, mesh_pb2_grpc.CoordinatorSer
         )
 
     def _expire(self, rec: RequestRecord, timeout: float) -> None:
+        self.metrics.deadline_overrun(time.time() - rec.deadline)
         tp = rec.span.traceparent if rec.span is not None else None
         log.info("request exceeded its %gs deadline", timeout, extra=ids(rec.request_id, tp))
         # Naming the terminal stages without a result points at where the request stalled.

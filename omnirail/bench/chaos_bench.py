@@ -9,7 +9,8 @@ the memory of one process per stage can be compared across the run). A warm-up w
 same mix, without kills, comes first. Then:
 
 - every request ended with a terminal status, and within its deadline plus 1 s;
-- deadline errors reached the client within how long of the deadline (p50/p99/max);
+- deadline errors reached the client within how long of the deadline (p50/p99/max), and
+  how late the coordinator's deadline timers fired (`omnirail_deadline_overrun_seconds`);
 - once the mesh is idle: no request in any stage, nothing queued, no scheduler state
   (KV caches, stream windows), no relay payload held, nothing live in the coordinator,
   no shared-memory segment of a process that is gone;
@@ -50,6 +51,7 @@ SHAPES: dict[str, tuple[str, dict[str, Any], bool]] = {
 # A request with no terminal status this long after its deadline is counted as hung.
 HUNG_AFTER_S = 5.0
 MAX_INPUT_MB = 1
+OVERRUN = "omnirail_deadline_overrun_seconds"
 # What each stage process must hold no more of once the mesh is idle.
 HELD_METRICS = {
     "inflight": "omnirail_stage_inflight",
@@ -192,6 +194,29 @@ def _scrape(address: str) -> dict[str, float]:
     return dict(out)
 
 
+def _buckets(address: str, name: str) -> dict[float, float]:
+    """A histogram's cumulative bucket counts (upper bound -> count) from /metrics."""
+    text = urllib.request.urlopen(f"http://{address}/metrics", timeout=10).read().decode()
+    out: dict[float, float] = {}
+    for line in text.splitlines():
+        if line.startswith(name + "_bucket{"):
+            le = line.split('le="', 1)[1].split('"', 1)[0]
+            out[float(le)] = float(line.rsplit(" ", 1)[-1])
+    return out
+
+
+def _bucket_quantiles(before: dict[float, float], after: dict[float, float]) -> dict[str, Any]:
+    """p50/p99 of what a histogram gained between two scrapes, as bucket upper bounds."""
+    gained = sorted((le, after[le] - before.get(le, 0.0)) for le in after)
+    total = gained[-1][1] if gained else 0.0
+    out: dict[str, Any] = {"count": int(total)}
+    for label, q in (("p50_at_most_ms", 0.5), ("p99_at_most_ms", 0.99)):
+        if total:
+            le = next(le for le, n in gained if n >= q * total)
+            out[label] = None if le == float("inf") else round(le * 1000, 3)
+    return out
+
+
 def _settle(mesh: Any, replicas: int, timeout: float = 120.0) -> dict[str, Any]:
     """Waits until every stage has all its replicas and nothing runs or is held; returns
     what is still held (all zero when clean) after `timeout` at the latest."""
@@ -267,6 +292,11 @@ def run_chaos_bench(
         aio.run(_drive(mesh.address, shape, 0, warmup, concurrency, fractions, seed))
         _settle(mesh, replicas)
         rss_before = {name: _rss_kib(pid) for name, pid in mesh.processes().items()}
+        from omnirail.client.sdk import Client
+
+        with Client(mesh.address) as client:
+            coordinator_metrics = client.describe().metrics_address
+        overrun_before = _buckets(coordinator_metrics, OVERRUN)
         pids_before = dict(mesh.processes())
         kills: list[str] = []
         stop = asyncio.Event()
@@ -303,12 +333,13 @@ def run_chaos_bench(
         soak_s = time.monotonic() - t0
         say("settling, then auditing")
         held = _settle(mesh, replicas)
+        overrun = _bucket_quantiles(overrun_before, _buckets(coordinator_metrics, OVERRUN))
         time.sleep(0.5)  # a killed process's segments go as the launcher sees its exit
         pids_now = mesh.processes()
         orphans = _orphan_segments(mesh.shm_prefix, set(pids_now.values()))
         survivors = {n for n, pid in pids_before.items() if pids_now.get(n) == pid}
         rss_after = {n: _rss_kib(pids_now[n]) for n in survivors}
-    return _report(
+    report = _report(
         shape,
         requests,
         concurrency,
@@ -323,6 +354,10 @@ def run_chaos_bench(
         rss_before,
         rss_after,
     )
+    # How late the coordinator's deadline timers fired (its loop's load), apart from the
+    # client's round trip, which the client-side figure includes.
+    report["coordinator_deadline_overrun"] = overrun
+    return report
 
 
 def _report(

@@ -141,6 +141,13 @@ class CoordinatorMetrics:
             registry=r,
             buckets=LATENCY_BUCKETS,
         )
+        self._deadline_overrun = Histogram(
+            "omnirail_deadline_overrun_seconds",
+            "How late the coordinator ended a request that ran past its deadline (its "
+            "timer's delay: the event loop's load).",
+            registry=r,
+            buckets=LATENCY_BUCKETS,
+        )
         aborts = Counter(
             "omnirail_aborts_total",
             "Requests the coordinator aborted across the mesh (every request that ended "
@@ -188,6 +195,9 @@ class CoordinatorMetrics:
 
     def refused(self) -> None:
         self._refused.inc()
+
+    def deadline_overrun(self, seconds: float) -> None:
+        self._deadline_overrun.observe(max(0.0, seconds))
 
     def redispatched(self) -> None:
         self._redispatched.inc()

@@ -48,6 +48,7 @@ LABELS = {
     "omnirail_requests_refused": set(),
     "omnirail_requests_redispatched": set(),
     "omnirail_replicas_lost": {"stage"},
+    "omnirail_deadline_overrun_seconds": set(),
     "omnirail_stage_queue_depth": {"stage"},
     "omnirail_stage_inflight": {"stage"},
     "omnirail_stage_held_requests": {"stage"},
@@ -68,6 +69,7 @@ COORDINATOR_FAMILIES = {
     "omnirail_requests_refused",
     "omnirail_requests_redispatched",
     "omnirail_replicas_lost",
+    "omnirail_deadline_overrun_seconds",
 }
 
 
@@ -78,6 +80,7 @@ def _filled() -> tuple[CoordinatorMetrics, StageMetrics]:
     coord.request_ended(State.ABORTED, OmniError(Code.CANCELLED, "gone"), 0.5)
     coord.first_chunk(0.01)
     coord.replica_lost("a")
+    coord.deadline_overrun(0.003)
     stage = StageMetrics()
     rec = stage.stage("a", queue_depth=lambda: 3, inflight=lambda: 4, held=lambda: 1)
     watch_relay(stage, "shm", lambda: 0)
