@@ -15,6 +15,7 @@ import logging
 import os
 import uuid
 import zlib
+from collections import OrderedDict
 from collections.abc import AsyncIterator
 from typing import Any
 
@@ -41,6 +42,8 @@ log = logging.getLogger(__name__)
 
 # How long a draining process must be idle before it counts as drained.
 DRAIN_SETTLE_S = 0.3
+# Streams whose replica this process remembers (the oldest are forgotten first).
+MAX_STICKY_STREAMS = 8192
 
 
 def factory_args(
@@ -143,6 +146,8 @@ class StageHost(mesh_pb2_grpc.StageServicer):
         self.shutdown_requested = asyncio.Event()
         # Stages here the coordinator released while they drain (nothing needs them).
         self._released: set[str] = set()
+        # (request, target stage) -> the replica address its stream goes to (`_route`).
+        self._streams_to: OrderedDict[tuple[str, str], str] = OrderedDict()
 
     # ---- lifecycle -----------------------------------------------------------
 
@@ -302,7 +307,7 @@ class StageHost(mesh_pb2_grpc.StageServicer):
                 [item.request_id], f"no live replica of stage {item.to_stage!r}", item.to_stage
             )
             return
-        address = endpoints[zlib.crc32(item.request_id.encode()) % len(endpoints)]
+        address = self._route(item, endpoints)
         channel = self._channels.get(address)
         if channel is None:
             channel = DeliverChannel(
@@ -315,6 +320,28 @@ class StageHost(mesh_pb2_grpc.StageServicer):
             )
             self._channels[address] = channel
         channel.send(item, handle)
+
+    def _route(self, item: mesh_pb2.DeliverItem, endpoints: list[str]) -> str:
+        """The replica of `item.to_stage` for this item: `crc32(request id) % n`, what
+        every producer computes (a fan-in's producers agree without asking). A stream
+        stays where its first chunk went while that replica is in the topology: when a
+        replica joins, n changes, and a stream moved mid-way would reach a replica that
+        never saw its start."""
+        if not item.HasField("stream"):
+            return endpoints[zlib.crc32(item.request_id.encode()) % len(endpoints)]
+        key = (item.request_id, item.to_stage)
+        address = self._streams_to.get(key)
+        if address is None or address not in endpoints:
+            address = endpoints[zlib.crc32(item.request_id.encode()) % len(endpoints)]
+        signal = item.stream
+        if signal.done or signal.HasField("error"):  # the stream's last item
+            self._streams_to.pop(key, None)
+            return address
+        self._streams_to[key] = address
+        self._streams_to.move_to_end(key)
+        if len(self._streams_to) > MAX_STICKY_STREAMS:
+            self._streams_to.popitem(last=False)
+        return address
 
     def _deliver_here(
         self,
@@ -375,6 +402,8 @@ class StageHost(mesh_pb2_grpc.StageServicer):
             for relay in self._relays.values():
                 relay.set_peers(infos)
         for abort in cmd.aborts:
+            for target in self._topology:
+                self._streams_to.pop((abort.request_id, target), None)
             self.stages[stage_name].abort(abort.request_id, abort.reason)
             for relay in self._relays.values():
                 relay.cleanup(abort.request_id)
