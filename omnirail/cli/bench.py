@@ -114,6 +114,16 @@ def _run(args: argparse.Namespace) -> dict[str, Any]:
             runs=args.runs,
             progress=progress(args.json),
         )
+    elif args.what == "overload":
+        from omnirail.bench.overload_bench import run_overload_bench
+
+        report = run_overload_bench(
+            factor=args.factor,
+            live=args.live,
+            stage_ms=args.stage_ms or 5.0,
+            waves=args.rounds if args.rounds >= 3 else 10,
+            progress=progress(args.json),
+        )
     elif args.what == "chaos":
         from omnirail.bench.chaos_bench import run_chaos_bench
 
@@ -164,7 +174,8 @@ def add_bench_parser(sub: Any) -> None:
     """Adds `bench` to the CLI's subcommands (`sub`, from add_subparsers)."""
     b = sub.add_parser("bench", help="benchmarks (JSON output)")
     b.add_argument(
-        "what", choices=["pipeline", "relay", "streaming", "demo", "host", "omni", "chaos"]
+        "what",
+        choices=["pipeline", "relay", "streaming", "demo", "host", "omni", "chaos", "overload"],
     )
     b.add_argument("--json", action="store_true", help="one line of JSON, no progress")
     b.add_argument("--backend", default="shm")
@@ -298,6 +309,12 @@ def add_bench_parser(sub: Any) -> None:
         help="chaos: SIGKILL a random stage process every S seconds (0: none)",
     )
     chaos.add_argument("--seed", type=int, default=0, help="chaos: the mix and the victims")
+    chaos.add_argument(
+        "--factor", type=int, default=10, help="overload: waves of FACTOR x --live at once"
+    )
+    chaos.add_argument(
+        "--live", type=int, default=64, help="overload: the mesh's max_live_requests"
+    )
     b.add_argument(
         "--fused",
         action="store_true",

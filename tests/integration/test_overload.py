@@ -5,6 +5,9 @@ what it admitted completes."""
 from __future__ import annotations
 
 import asyncio
+import json
+import subprocess
+import sys
 import time
 from pathlib import Path
 
@@ -137,3 +140,39 @@ def test_a_full_stage_queue_refuses_at_once_and_what_it_took_keeps_its_latency(
     # left), nothing like the 20 x 0.2 s an unbounded queue would make the last wait.
     assert ok[len(ok) // 2] < 2.0, ok
     assert retry_after == "200"
+
+
+def test_bench_overload_reports_refusals_latency_and_flat_memory() -> None:
+    proc = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "omnirail",
+            "bench",
+            "overload",
+            "--live",
+            "8",
+            "--factor",
+            "10",
+            "--rounds",
+            "3",
+            "--json",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    report = json.loads(proc.stdout)
+    assert report["waves"] == 3 and report["max_live_requests"] == 8
+    # Each wave: at least the limit admitted, the excess refused (none lost either way).
+    for wave in report["per_wave"]:
+        assert wave.get("OK", 0) >= 8 and sum(wave.values()) == 80, wave
+        assert set(wave) <= {"OK", "RESOURCE_EXHAUSTED"}, wave
+    assert report["refused_ms"]["count"] > 0 and report["at_limit_ms"]["count"] == 24
+    assert set(report["rss_growth_pct_after_wave_2"]) == {
+        "coordinator",
+        "stage-s0",
+        "stage-s1",
+        "stage-s2",
+    }
