@@ -11,9 +11,9 @@ is re-run or failed like the others, never left waiting. A stage hosted next to 
 sender takes local items whatever the hash says; its process hosts the sender too, so the
 sender's own loss covers it.
 
-A touched request is re-dispatched (the whole request again, from the entry, under a new
-wire id) when nothing of it reached the client yet (no stream chunk, no terminal's
-result), every stage it may pass is `retry_safe`, it has re-dispatches left
+A touched request is re-dispatched (the whole request again, from the entry, under a
+new wire id, `<id>#<random>`) when nothing of it reached the client yet (no stream chunk,
+no terminal's result), every stage it may pass is `retry_safe`, it has re-dispatches left
 (`redispatch_attempts`) and time before its deadline; else it fails with UNAVAILABLE
 naming the stage and replica. A re-dispatch that finds a stage with no live replica at
 all waits for one to come back (the launcher restarts it) for up to `REDISPATCH_WAIT_S`.

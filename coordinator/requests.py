@@ -49,9 +49,9 @@ class RequestRecord:
     # The request's root span (None when tracing is off or the trace is not sampled).
     span: Span | None = None
     chunks: int = 0
-    # The id the stages know this attempt by: the request id, then `<id>#<n>` for the
-    # n-th dispatch after a replica was lost (stages remember ended ids; '#' is not
-    # allowed in client ids, so no client id collides).
+    # The id the stages know this attempt by: the request id, or `<id>#<random>` for a
+    # dispatch after a replica was lost or for an id an ended request had (stages
+    # remember ended ids; '#' is not allowed in client ids, so no client id collides).
     wire_id: str = ""
     attempt: int = 1
     # The entry stage's replica the current attempt went to (it counts in its `assigned`).

@@ -227,6 +227,10 @@ class Coordinator(client_pb2_grpc.OmnirailServicer, mesh_pb2_grpc.CoordinatorSer
             if not self.registry.live(stage):
                 raise unavailable(f"stage {stage!r} has no live replica", stage)
         rec = RequestRecord(rid, terminals, possible, deadline=time.time() + timeout)
+        if self.requests.get(rid) is not None:
+            # The id of a request that ended: the stages remember ended ids (to drop
+            # their late items), so this one travels under a wire id of its own.
+            rec.wire_id = f"{rid}#{uuid.uuid4().hex[:8]}"
         rec.state = State.RUNNING
         traceparent = request.traceparent or caller_traceparent
         if self._tracer.enabled:
@@ -272,7 +276,7 @@ class Coordinator(client_pb2_grpc.OmnirailServicer, mesh_pb2_grpc.CoordinatorSer
             return
         old = rec.wire_id
         rec.attempt += 1
-        rec.wire_id = f"{rec.request_id}#{rec.attempt}"
+        rec.wire_id = f"{rec.request_id}#{uuid.uuid4().hex[:8]}"  # new everywhere
         _unassign(rec)
         self.metrics.redispatched()
         log.info(

@@ -118,6 +118,17 @@ def test_abort_unknown_request_is_not_found(client: Client) -> None:
     assert info.value.code == Code.NOT_FOUND
 
 
+def test_the_id_of_a_request_that_ended_can_be_used_again(client: Client) -> None:
+    """Stages remember ended ids (to drop late items): a new request under the id of one
+    that failed, was aborted or completed still runs (it used to wait for its deadline)."""
+    rid = f"again-{uuid.uuid4().hex[:8]}"
+    with pytest.raises(OmniError) as info:
+        client.generate({"n": 4, "fail": "once"}, request_id=rid, timeout=10)
+    assert info.value.code != Code.DEADLINE_EXCEEDED
+    assert client.generate({"n": 4}, request_id=rid, timeout=10).output["sum"] == 12.0
+    assert client.generate({"n": 2}, request_id=rid, timeout=10).output["sum"] == 2.0
+
+
 def test_an_abort_that_overtakes_its_start_cancels_the_start(client: Client) -> None:
     """The abort comes first (another call): the request's start is refused with
     CANCELLED instead of running to its end; the id is free again afterwards."""
