@@ -41,6 +41,8 @@ from typing import Any
 
 import yaml
 
+from omnirail.bench import rss_kib
+
 EXAMPLES = Path(__file__).resolve().parents[2] / "examples"
 SHAPES: dict[str, tuple[str, dict[str, Any], bool]] = {
     # name: (example directory, inputs, stream)
@@ -173,36 +175,25 @@ def _spared(process: str) -> bool | None:
     return not process.rsplit("-", 1)[-1].isdigit() or process.endswith("-0")
 
 
-def _rss_kib(pid: int) -> int | None:
-    try:
-        for line in Path(f"/proc/{pid}/status").read_text().splitlines():
-            if line.startswith("VmRSS:"):
-                return int(line.split()[1])
-    except OSError:
-        return None
-    return None
+def _samples(address: str) -> list[Any]:
+    """Every sample a /metrics endpoint serves (parsed by prometheus_client)."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    text = urllib.request.urlopen(f"http://{address}/metrics", timeout=10).read().decode()
+    return [s for family in text_string_to_metric_families(text) for s in family.samples]
 
 
 def _scrape(address: str) -> dict[str, float]:
-    """name{labels} -> value from a /metrics endpoint, summed over labels."""
-    text = urllib.request.urlopen(f"http://{address}/metrics", timeout=10).read().decode()
-    out: dict[str, float] = Counter()
-    for line in text.splitlines():
-        if line and not line.startswith("#"):
-            name = line.split("{", 1)[0].split(" ", 1)[0]
-            out[name] += float(line.rsplit(" ", 1)[-1])
+    """Sample name -> value, summed over labels."""
+    out: Counter[str] = Counter()
+    for sample in _samples(address):
+        out[sample.name] += sample.value
     return dict(out)
 
 
 def _buckets(address: str, name: str) -> dict[float, float]:
-    """A histogram's cumulative bucket counts (upper bound -> count) from /metrics."""
-    text = urllib.request.urlopen(f"http://{address}/metrics", timeout=10).read().decode()
-    out: dict[float, float] = {}
-    for line in text.splitlines():
-        if line.startswith(name + "_bucket{"):
-            le = line.split('le="', 1)[1].split('"', 1)[0]
-            out[float(le)] = float(line.rsplit(" ", 1)[-1])
-    return out
+    """A histogram's cumulative bucket counts (upper bound -> count)."""
+    return {float(s.labels["le"]): s.value for s in _samples(address) if s.name == name + "_bucket"}
 
 
 def _bucket_quantiles(before: dict[float, float], after: dict[float, float]) -> dict[str, Any]:
@@ -227,8 +218,7 @@ def _settle(mesh: Any, replicas: int, timeout: float = 120.0) -> dict[str, Any]:
         while True:
             info = client.describe()
             full = all(sum(r.live for r in s.replicas) == replicas for s in info.stages)
-            held = {"coordinator_running": 0.0, "inflight": 0.0, "queued": 0.0}
-            held |= {"scheduler_state": 0.0, "relay_held": 0.0}
+            held: dict[str, Any] = dict.fromkeys(["coordinator_running", *HELD_METRICS], 0.0)
             if full:
                 held["coordinator_running"] = _scrape(info.metrics_address).get(
                     "omnirail_requests_running", 0.0
@@ -291,7 +281,7 @@ def run_chaos_bench(
 
         aio.run(_drive(mesh.address, shape, 0, warmup, concurrency, fractions, seed))
         _settle(mesh, replicas)
-        rss_before = {name: _rss_kib(pid) for name, pid in mesh.processes().items()}
+        rss_before = {name: rss_kib(pid) for name, pid in mesh.processes().items()}
         from omnirail.client.sdk import Client
 
         with Client(mesh.address) as client:
@@ -338,7 +328,7 @@ def run_chaos_bench(
         pids_now = mesh.processes()
         orphans = _orphan_segments(mesh.shm_prefix, set(pids_now.values()))
         survivors = {n for n, pid in pids_before.items() if pids_now.get(n) == pid}
-        rss_after = {n: _rss_kib(pids_now[n]) for n in survivors}
+        rss_after = {n: rss_kib(pids_now[n]) for n in survivors}
     report = _report(
         shape,
         requests,

@@ -18,8 +18,7 @@ from collections import Counter
 from collections.abc import Callable
 from typing import Any
 
-from omnirail.bench import pipeline_file
-from omnirail.bench.chaos_bench import _rss_kib
+from omnirail.bench import pipeline_file, rss_kib
 from omnirail.bench.pipeline_bench import pipeline_yaml
 from omnirail.tuning import aio
 
@@ -69,8 +68,8 @@ def run_overload_bench(
         for w in range(waves):
             results.append(aio.run(_wave(mesh.address, factor * live, w * factor * live)))
             if w == 1:
-                rss_base = {n: _rss_kib(pid) for n, pid in mesh.processes().items()}
-        rss_end = {n: _rss_kib(pid) for n, pid in mesh.processes().items()}
+                rss_base = {n: rss_kib(pid) for n, pid in mesh.processes().items()}
+        rss_end = {n: rss_kib(pid) for n, pid in mesh.processes().items()}
     per_wave = [dict(Counter(code for code, _ in wave)) for wave in results]
     admitted = sorted(ms for wave in results for code, ms in wave if code == "OK")
     refused = sorted(ms for wave in results for code, ms in wave if code == "RESOURCE_EXHAUSTED")
