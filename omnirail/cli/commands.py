@@ -107,37 +107,6 @@ def cmd_up(args: argparse.Namespace) -> int:
             state.unlink(missing_ok=True)
 
 
-def cmd_restart(args: argparse.Namespace) -> int:
-    """Rolls a stage's processes, one at a time, through the mesh's launcher."""
-    from omnirail.ops.control import submit
-
-    state = _one_mesh(args.name)
-    answer = submit(str(state["run_dir"]), {"restart": args.stage}, args.timeout)
-    if not answer.get("ok"):
-        print(f"error: {answer.get('message')}", file=sys.stderr)
-        return 1
-    print(answer.get("message", ""))
-    return 0
-
-
-def _one_mesh(name: str | None) -> dict[str, object]:
-    """The running mesh named `name`, or the only one; ValueError otherwise."""
-    from omnirail.ops.launcher import read_states
-
-    states = read_states()
-    if name:
-        if name not in states:
-            raise ValueError(
-                f"no running mesh named {name!r} (running: {sorted(states) or 'none'})"
-            )
-        return states[name]
-    if not states:
-        raise ValueError("no mesh is running")
-    if len(states) > 1:
-        raise ValueError(f"several meshes are running ({sorted(states)}); pass --name")
-    return next(iter(states.values()))
-
-
 def _up_detached(args: argparse.Namespace) -> int:
     from omnirail.ops.launcher import read_states, state_dir
 
@@ -189,14 +158,10 @@ def _up_detached(args: argparse.Namespace) -> int:
 
 
 def cmd_down(args: argparse.Namespace) -> int:
-    from omnirail.ops.launcher import pid_alive, read_states
+    from omnirail.ops.launcher import pid_alive, running_meshes
 
-    states = read_states()
+    states = running_meshes(args.name)
     if args.name:
-        if args.name not in states:
-            raise ValueError(
-                f"no running mesh named {args.name!r} (running: {sorted(states) or 'none'})"
-            )
         names = [args.name]
     elif len(states) == 1 or (args.all and states):
         names = sorted(states)
@@ -366,19 +331,13 @@ def _exit_now(code: int) -> None:
 
 
 def cmd_trace(args: argparse.Namespace) -> int:
-    from omnirail.ops.launcher import read_states
+    from omnirail.ops.launcher import running_meshes
     from omnirail.telemetry.waterfall import run_trace
 
     if args.run_dir:
         dirs = [str(Path(d) / "spans") if (Path(d) / "spans").is_dir() else d for d in args.run_dir]
     else:
-        states = read_states()
-        if args.name:
-            if args.name not in states:
-                raise ValueError(
-                    f"no running mesh named {args.name!r} (running: {sorted(states) or 'none'})"
-                )
-            states = {args.name: states[args.name]}
+        states = running_meshes(args.name)
         dirs = [
             str(Path(str(st["run_dir"])) / "spans") for st in states.values() if "run_dir" in st
         ]
@@ -457,17 +416,6 @@ def build_parser() -> argparse.ArgumentParser:
     u.add_argument("--name", default=None, help="mesh name (default: the pipeline's name)")
     u.add_argument("--run-dir", default=None, help="sockets and logs (default: a new temp dir)")
     u.set_defaults(fn=cmd_up)
-
-    rs = sub.add_parser(
-        "restart",
-        help="restart a stage's processes one at a time, each drained first (omnirail up)",
-    )
-    rs.add_argument("stage")
-    rs.add_argument("--name", default=None, help="the mesh (default: the only one running)")
-    rs.add_argument(
-        "--timeout", type=float, default=900.0, help="seconds to wait for the whole roll"
-    )
-    rs.set_defaults(fn=cmd_restart)
 
     d = sub.add_parser("down", help="stop a detached mesh")
     d.add_argument("--name", default=None)
@@ -559,10 +507,12 @@ def build_parser() -> argparse.ArgumentParser:
     s.set_defaults(fn=cmd_stage)
 
     from omnirail.cli.compose import add_compose_parser
+    from omnirail.cli.restart import add_restart_parser
     from omnirail.cli.status import add_status_parser
 
     add_compose_parser(sub)
     add_status_parser(sub)
+    add_restart_parser(sub)
 
     t = sub.add_parser("trace", help="print a request's span waterfall from a local mesh")
     t.add_argument("request_id")

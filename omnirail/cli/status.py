@@ -13,15 +13,9 @@ def mesh_status(name: str | None = None) -> dict[str, dict[str, Any]]:
     """Per running mesh (or the one named): its address and each stage process's pid,
     state (running, restarting, stopped), restarts and last exit, as its launcher wrote
     them (`Mesh.status_file`)."""
-    from omnirail.ops.launcher import read_states
+    from omnirail.ops.launcher import running_meshes
 
-    states = read_states()
-    if name is not None:
-        if name not in states:
-            raise ValueError(
-                f"no running mesh named {name!r} (running: {sorted(states) or 'none'})"
-            )
-        states = {name: states[name]}
+    states = running_meshes(name)
     out: dict[str, dict[str, Any]] = {}
     for mesh, state in sorted(states.items()):
         path = Path(str(state.get("run_dir", ""))) / "processes.json"

@@ -476,3 +476,14 @@ def read_states() -> dict[str, dict[str, object]]:
 def _live_ids(client: Any, stages: tuple[str, ...]) -> dict[str, set[str]]:
     info = {st.name: st for st in client.describe().stages}
     return {s: {r.replica_id for r in info[s].replicas if r.live} for s in stages}
+
+
+def running_meshes(name: str | None = None) -> dict[str, dict[str, object]]:
+    """The running meshes by name (`read_states`), or only the one named; a ValueError
+    that lists the running ones when there is no such mesh."""
+    states = read_states()
+    if name is None:
+        return states
+    if name not in states:
+        raise ValueError(f"no running mesh named {name!r} (running: {sorted(states) or 'none'})")
+    return {name: states[name]}
