@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import os
+import subprocess
+import sys
 import time
 from collections.abc import Iterable, Iterator
 from pathlib import Path
@@ -12,8 +14,39 @@ import pytest
 
 from omnirail.client.sdk import Chunk, Client, GenerateResult
 from omnirail.ops.launcher import Mesh
+from omnirail.wire.errors import Code, OmniError
 
+REPO = Path(__file__).resolve().parents[2]
 PIPELINES = Path(__file__).parent / "pipelines"
+MESH_TIMEOUT = 240  # commands that start a mesh
+
+
+def omnirail(*args: str, timeout: float = MESH_TIMEOUT) -> subprocess.CompletedProcess[str]:
+    """The `omnirail` command line, run from the repository (as a user would)."""
+    return subprocess.run(
+        [sys.executable, "-m", "omnirail", *args],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        stdin=subprocess.DEVNULL,
+    )
+
+
+def explain(proc: subprocess.CompletedProcess[str]) -> str:
+    return f"exit {proc.returncode}\nstdout:\n{proc.stdout}\nstderr:\n{proc.stderr}"
+
+
+def generate_when_back(client: Client, mesh: Mesh, deadline: float) -> dict[str, Any]:
+    """`{"n": 4}` through a mesh whose stage is restarting: retried while it answers
+    UNAVAILABLE (not registered again yet), until `deadline` (monotonic)."""
+    while True:
+        try:
+            return client.generate({"n": 4}, timeout=10).output
+        except OmniError as exc:
+            assert exc.code == Code.UNAVAILABLE, exc
+            assert time.monotonic() < deadline, mesh.log_tails()
+            time.sleep(0.2)
 
 
 def shm_names(prefix: str) -> list[str]:

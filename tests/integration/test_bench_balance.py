@@ -5,37 +5,19 @@ report says so (figures, shares, the ratio) in one interleaved run."""
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
 
 import pytest
 
+from tests.integration.conftest import explain, omnirail
+
 
 def test_least_outstanding_sends_the_slow_replica_less_work() -> None:
-    proc = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "omnirail",
-            "bench",
-            "pipeline",
-            "--replicas",
-            "2",
-            "--slow-factor",
-            "5",
-            "--requests",
-            "80",
-            "--concurrency",
-            "8",
-            "--cpu-wake-latency-us",
-            "off",
-            "--json",
-        ],
-        capture_output=True,
-        text=True,
+    proc = omnirail(
+        *("bench", "pipeline", "--replicas", "2", "--slow-factor", "5"),
+        *("--requests", "80", "--concurrency", "8", "--cpu-wake-latency-us", "off", "--json"),
         timeout=600,
     )
-    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert proc.returncode == 0, explain(proc)
     report = json.loads(proc.stdout)
     assert (report["replicas"], report["rounds"], report["stage_ms"]) == (2, 3, 10.0)
     shares = report["slow_replica_share"]
@@ -51,20 +33,5 @@ def test_least_outstanding_sends_the_slow_replica_less_work() -> None:
 
 
 def test_replicas_need_a_reason_to_differ() -> None:
-    bad = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "omnirail",
-            "bench",
-            "pipeline",
-            "--replicas",
-            "2",
-            "--slow-factor",
-            "0.5",
-        ],
-        capture_output=True,
-        text=True,
-        timeout=120,
-    )
+    bad = omnirail("bench", "pipeline", "--replicas", "2", "--slow-factor", "0.5", timeout=120)
     assert bad.returncode != 0 and "--slow-factor must be at least 1" in bad.stderr

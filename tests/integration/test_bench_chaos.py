@@ -5,36 +5,20 @@ ended (within its deadline plus 1 s) and nothing left behind."""
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
 
 import pytest
+
+from tests.integration.conftest import explain, omnirail
 
 
 @pytest.mark.parametrize(("shape", "requests"), [("quickstart", 800), ("streaming", 300)])
 def test_a_small_chaos_soak_is_clean(shape: str, requests: int) -> None:
-    proc = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "omnirail",
-            "bench",
-            "chaos",
-            "--shape",
-            shape,
-            "--requests",
-            str(requests),
-            "--concurrency",
-            "16",
-            "--kill-every",
-            "1.5",
-            "--json",
-        ],
-        capture_output=True,
-        text=True,
+    proc = omnirail(
+        *("bench", "chaos", "--shape", shape, "--requests", str(requests)),
+        *("--concurrency", "16", "--kill-every", "1.5", "--json"),
         timeout=900,
     )
-    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert proc.returncode == 0, explain(proc)
     report = json.loads(proc.stdout)
     assert report["without_terminal_status"] == 0, report
     assert report["ended_after_deadline_plus_1s"] == 0, report
@@ -52,20 +36,7 @@ def test_a_small_chaos_soak_is_clean(shape: str, requests: int) -> None:
 
 
 def test_bad_fractions_are_refused() -> None:
-    proc = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "omnirail",
-            "bench",
-            "chaos",
-            "--abort-fraction",
-            "0.9",
-            "--deadline-fraction",
-            "0.2",
-        ],
-        capture_output=True,
-        text=True,
-        timeout=120,
+    proc = omnirail(
+        "bench", "chaos", "--abort-fraction", "0.9", "--deadline-fraction", "0.2", timeout=120
     )
-    assert proc.returncode != 0 and "sum <= 1" in proc.stderr, proc.stderr
+    assert proc.returncode != 0 and "sum <= 1" in proc.stderr, explain(proc)

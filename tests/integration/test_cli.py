@@ -23,28 +23,12 @@ from omnirail.client.sdk import Client
 from omnirail.ops.launcher import pid_alive, read_states, state_dir
 from omnirail.relay.shm_pool import sweep_segments
 from omnirail.tuning import cpu_latency
+from tests.integration.conftest import MESH_TIMEOUT, REPO, explain, omnirail
 
-REPO = Path(__file__).resolve().parents[2]
 QUICKSTART = "examples/quickstart/pipeline.yaml"
 QUICKSTART_INPUT = "examples/quickstart/input.json"
 STAGES = ["preprocess", "text_encoder", "image_encoder", "fuse"]
-MESH_TIMEOUT = 240  # commands that start a mesh
 QUICK_TIMEOUT = 120  # commands that do not
-
-
-def omnirail(*args: str, timeout: float = MESH_TIMEOUT) -> subprocess.CompletedProcess[str]:
-    return subprocess.run(
-        [sys.executable, "-m", "omnirail", *args],
-        cwd=REPO,
-        capture_output=True,
-        text=True,
-        timeout=timeout,
-        stdin=subprocess.DEVNULL,
-    )
-
-
-def explain(proc: subprocess.CompletedProcess[str]) -> str:
-    return f"exit {proc.returncode}\nstdout:\n{proc.stdout}\nstderr:\n{proc.stderr}"
 
 
 def omnirail_shm() -> set[str]:

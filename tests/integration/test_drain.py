@@ -6,8 +6,6 @@ from __future__ import annotations
 import json
 import os
 import signal
-import subprocess
-import sys
 import threading
 import time
 import uuid
@@ -19,7 +17,7 @@ import yaml
 from omnirail.client.sdk import Client
 from omnirail.ops.launcher import Mesh, pid_alive, read_states, state_dir
 from omnirail.wire.errors import Code, OmniError
-from tests.integration.conftest import PIPELINES, shm_names
+from tests.integration.conftest import PIPELINES, explain, omnirail, shm_names
 
 OMNI_DEMO = Path(__file__).resolve().parents[2] / "examples/omni_demo/pipeline.yaml"
 
@@ -91,14 +89,8 @@ def test_down_of_the_omni_demo_is_quick_and_every_process_exits_0() -> None:
     """`omnirail down` of the 8-stage demo: under 2 s from the command to the launcher's
     exit, each process ending on its own with 0 (no SIGKILL; the launcher's log says)."""
     name = f"downtest-{uuid.uuid4().hex[:8]}"
-    cli = [sys.executable, "-m", "omnirail"]
-    up = subprocess.run(
-        [*cli, "up", str(OMNI_DEMO), "--detach", "--name", name],
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
-    assert up.returncode == 0, up.stderr
+    up = omnirail("up", str(OMNI_DEMO), "--detach", "--name", name, timeout=300)
+    assert up.returncode == 0, explain(up)
     launcher = int(read_states()[name]["pid"])  # type: ignore[arg-type]
     try:
         t0 = time.monotonic()
@@ -107,7 +99,7 @@ def test_down_of_the_omni_demo_is_quick_and_every_process_exits_0() -> None:
             time.sleep(0.01)
         took = time.monotonic() - t0
     finally:
-        subprocess.run([*cli, "down", "--name", name], capture_output=True, timeout=120)
+        omnirail("down", "--name", name, timeout=120)
     log = (state_dir() / f"{name}.log").read_text()
     assert "all 9 processes exited 0" in log, log[-3000:]
     assert "SIGKILL" not in log, log[-3000:]
@@ -119,15 +111,8 @@ def test_a_rolling_restart_under_steady_load_loses_no_request() -> None:
     sending requests that sleep 0.2 s in `double`: each replica drains (no new work, its
     own finishes), exits 0 and comes back; no request fails, though none is retry-safe."""
     name = f"rolltest-{uuid.uuid4().hex[:8]}"
-    cli = [sys.executable, "-m", "omnirail"]
-    pipeline = PIPELINES / "rolling.yaml"
-    up = subprocess.run(
-        [*cli, "up", str(pipeline), "--detach", "--name", name],
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
-    assert up.returncode == 0, up.stderr
+    up = omnirail("up", str(PIPELINES / "rolling.yaml"), "--detach", "--name", name, timeout=300)
+    assert up.returncode == 0, explain(up)
     address = up.stdout.strip()
     results: list[Any] = []
     stop = threading.Event()
@@ -145,14 +130,12 @@ def test_a_rolling_restart_under_steady_load_loses_no_request() -> None:
             workers = [threading.Thread(target=load) for _ in range(4)]
             for w in workers:
                 w.start()
-            time.sleep(1.0)
-            before = {p for p in results if isinstance(p, int)}
-            restart = subprocess.run(
-                [*cli, "restart", "double", "--name", name],
-                capture_output=True,
-                text=True,
-                timeout=300,
-            )
+            # Until both replicas have served (on a busy host, 1 s may not be enough).
+            deadline = time.monotonic() + 60
+            while len(before := {p for p in results if isinstance(p, int)}) < 2:
+                assert time.monotonic() < deadline, results[-8:]
+                time.sleep(0.1)
+            restart = omnirail("restart", "double", "--name", name, timeout=300)
             time.sleep(1.0)
             stop.set()
             for w in workers:
@@ -163,15 +146,13 @@ def test_a_rolling_restart_under_steady_load_loses_no_request() -> None:
         assert errors == [], errors[:5]
         after = {p for p in results[-8:] if isinstance(p, int)}
         assert len(before) == 2 and after and not after & before, (before, after)
-        status = subprocess.run(
-            [*cli, "status", "--name", name, "--json"], capture_output=True, text=True
-        )
+        status = omnirail("status", "--name", name, "--json", timeout=120)
         processes = json.loads(status.stdout)[name]["processes"]
         for proc in ("stage-double-0", "stage-double-1"):
             last = processes[proc]["last_exit"]
             assert (last["code"], last["restarted"]) == (0, True), last
     finally:
-        subprocess.run([*cli, "down", "--name", name], capture_output=True, timeout=120)
+        omnirail("down", "--name", name, timeout=120)
 
 
 def test_stages_stopped_all_at_once_finish_what_runs(tmp_path: Path) -> None:

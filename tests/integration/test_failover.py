@@ -20,7 +20,7 @@ import yaml
 from omnirail.client.sdk import Chunk, Client
 from omnirail.ops.launcher import Mesh
 from omnirail.wire.errors import Code, OmniError
-from tests.integration.conftest import PIPELINES, shm_names, start_mesh
+from tests.integration.conftest import PIPELINES, generate_when_back, shm_names, start_mesh
 
 
 def _replicas(mesh: Mesh, client: Client, stage: str) -> list[tuple[str, int]]:
@@ -176,14 +176,7 @@ def test_a_hung_stage_is_noticed_its_requests_end_and_it_is_restarted(tmp_path: 
                 time.sleep(0.1)
             assert status["last_exit"]["code"] == -signal.SIGKILL
             assert status["last_exit"]["hung"] is True
-            while True:
-                try:
-                    out = client.generate({"n": 4}, timeout=10).output
-                    break
-                except OmniError as exc:
-                    assert exc.code == Code.UNAVAILABLE, exc
-                    assert time.monotonic() < deadline, mesh.log_tails()
-                    time.sleep(0.2)
+            out = generate_when_back(client, mesh, deadline)
             assert out["sum"] == 12.0 and out["pid"] != pid
     finally:
         mesh.stop()

@@ -20,7 +20,7 @@ from omnirail.ops.launcher import Mesh
 from omnirail.v1 import common_pb2, mesh_pb2, mesh_pb2_grpc
 from omnirail.wire.errors import Code, OmniError
 from omnirail.wire.payload import encode_inline
-from tests.integration.conftest import PIPELINES, shm_names, start_mesh
+from tests.integration.conftest import PIPELINES, generate_when_back, shm_names, start_mesh
 
 
 def _stage_address(client: Client, stage: str) -> str:
@@ -135,15 +135,7 @@ def test_killed_stage_fails_inflight_requests_and_is_restarted() -> None:
             assert any(n.startswith(made) for n in shm_names(mesh.shm_prefix))
             pid, _ = _kill_mid_request(mesh, client)
             # The launcher starts it again; it registers and serves with no one asking.
-            deadline = time.monotonic() + 90
-            while True:
-                try:
-                    out = client.generate({"n": 4}, timeout=10).output
-                    break
-                except OmniError as exc:
-                    assert exc.code == Code.UNAVAILABLE, exc
-                    assert time.monotonic() < deadline, mesh.log_tails()
-                    time.sleep(0.2)
+            out = generate_when_back(client, mesh, time.monotonic() + 90)
             assert out["sum"] == 12.0 and out["pid"] != pid
             # What the killed process had made in shared memory is gone with it.
             theirs = [

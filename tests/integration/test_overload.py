@@ -6,8 +6,6 @@ from __future__ import annotations
 
 import asyncio
 import json
-import subprocess
-import sys
 import time
 from pathlib import Path
 
@@ -19,7 +17,7 @@ from omnirail.client.sdk import AsyncClient, build_request
 from omnirail.ops.launcher import Mesh
 from omnirail.v1 import client_pb2_grpc
 from omnirail.wire.errors import Code, OmniError
-from tests.integration.conftest import PIPELINES
+from tests.integration.conftest import PIPELINES, explain, omnirail
 
 LIVE = 8
 
@@ -143,26 +141,11 @@ def test_a_full_stage_queue_refuses_at_once_and_what_it_took_keeps_its_latency(
 
 
 def test_bench_overload_reports_refusals_latency_and_flat_memory() -> None:
-    proc = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "omnirail",
-            "bench",
-            "overload",
-            "--live",
-            "8",
-            "--factor",
-            "10",
-            "--rounds",
-            "3",
-            "--json",
-        ],
-        capture_output=True,
-        text=True,
+    proc = omnirail(
+        *("bench", "overload", "--live", "8", "--factor", "10", "--rounds", "3", "--json"),
         timeout=600,
     )
-    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert proc.returncode == 0, explain(proc)
     report = json.loads(proc.stdout)
     assert report["waves"] == 3 and report["max_live_requests"] == 8
     # Each wave: at least the limit admitted, the excess refused (none lost either way).
