@@ -16,6 +16,7 @@ from omnirail.telemetry.metrics import (
     stop_metrics_server,
 )
 from omnirail.transport.grpc_server import NOT_SERVING, SERVING, bind, create_server
+from omnirail.transport.security import mesh_security
 from omnirail.v1 import client_pb2_grpc, mesh_pb2, mesh_pb2_grpc
 from omnirail.wire.services import PIPELINE_SERVICE
 
@@ -30,13 +31,15 @@ async def serve(
     metrics_host: str | None = None,
     metrics_port: int | None = None,
 ) -> None:
+    security = mesh_security(pipeline)
     server, health = create_server(
         [PIPELINE_SERVICE, mesh_pb2.DESCRIPTOR.services_by_name["Coordinator"].full_name],
         max_message_bytes=pipeline.endpoints.max_message_mb << 20,
+        security=security,
     )
     telemetry = setup_tracing("omnirail-coordinator")
     metrics = CoordinatorMetrics()
-    coordinator = Coordinator(pipeline, health, telemetry.tracer, metrics)
+    coordinator = Coordinator(pipeline, health, telemetry.tracer, metrics, security)
     endpoint = metrics_endpoint(pipeline.metrics, stage=False, host=metrics_host, port=metrics_port)
     if endpoint is not None:
         # Before the ready file: DescribePipeline reports it from the first call on.
@@ -44,7 +47,7 @@ async def serve(
         log.info("coordinator metrics at http://%s/metrics", coordinator.metrics_address)
     client_pb2_grpc.add_OmnirailServicer_to_server(coordinator, server)
     mesh_pb2_grpc.add_CoordinatorServicer_to_server(coordinator, server)
-    address = bind(server, listen)
+    address = bind(server, listen, security.server_credentials(internal=False))
     await server.start()
     await health.set("", SERVING)
     await health.set(PIPELINE_SERVICE, NOT_SERVING)

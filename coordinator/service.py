@@ -42,6 +42,7 @@ from omnirail.telemetry.metrics import CoordinatorMetrics
 from omnirail.telemetry.tracer import KIND_SERVER, Tracer, parse_traceparent
 from omnirail.transport.deliver import DeliverChannel
 from omnirail.transport.grpc_server import NOT_SERVING, SERVING, write_until_read_ends
+from omnirail.transport.security import MeshSecurity, mesh_security
 from omnirail.v1 import client_pb2, client_pb2_grpc, mesh_pb2, mesh_pb2_grpc
 from omnirail.wire.errors import (
     STAGE_METADATA_KEY,
@@ -66,8 +67,11 @@ class Coordinator(client_pb2_grpc.OmnirailServicer, mesh_pb2_grpc.CoordinatorSer
         health_servicer: health.aio.HealthServicer,
         tracer: Tracer | None = None,
         metrics: CoordinatorMetrics | None = None,
+        security: MeshSecurity | None = None,
     ) -> None:
         self.pipeline = pipeline
+        # TLS and the mesh secret for the coordinator's own channels to entry stages.
+        self.security = security or mesh_security(pipeline)
         self._tracer = tracer or Tracer()
         self._health = health_servicer
         self.registry = StageRegistry(pipeline.stage_names, pipeline.balance)
@@ -329,7 +333,11 @@ class Coordinator(client_pb2_grpc.OmnirailServicer, mesh_pb2_grpc.CoordinatorSer
         channel = self._channels.get(address)
         if channel is None:
             channel = DeliverChannel(
-                address, "coordinator", self._on_lost, max_message_bytes=self._max_message
+                address,
+                "coordinator",
+                self._on_lost,
+                max_message_bytes=self._max_message,
+                security=self.security,
             )
             self._channels[address] = channel
         return channel

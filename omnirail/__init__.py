@@ -8,11 +8,19 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Any
 
 __version__ = "0.1.0"
-__all__ = ["AsyncClient", "Chunk", "Client", "GenerateResult", "OmniError", "__version__"]
+__all__ = [
+    "AsyncClient",
+    "Chunk",
+    "Client",
+    "GenerateResult",
+    "InputError",
+    "OmniError",
+    "__version__",
+]
 
 if TYPE_CHECKING:
     from omnirail.client.sdk import AsyncClient, Chunk, Client, GenerateResult
-    from omnirail.wire.errors import OmniError
+    from omnirail.wire.errors import InputError, OmniError
 
 
 def __getattr__(name: str) -> Any:
@@ -21,8 +29,8 @@ def __getattr__(name: str) -> Any:
         from omnirail.client import sdk as client
 
         return getattr(client, name)
-    if name == "OmniError":
-        from omnirail.wire.errors import OmniError
+    if name in ("InputError", "OmniError"):
+        from omnirail.wire import errors
 
-        return OmniError
+        return getattr(errors, name)
     raise AttributeError(name)

@@ -14,6 +14,7 @@ from collections.abc import Callable
 import grpc
 
 from omnirail.transport.deliver import channel_options
+from omnirail.transport.security import MeshSecurity, secure_channel
 from omnirail.v1 import common_pb2, mesh_pb2, mesh_pb2_grpc
 from omnirail.wire.errors import OmniError
 
@@ -32,8 +33,10 @@ class AttachClient:
         *,
         max_message_bytes: int = 64 << 20,
         load: Callable[[], tuple[int, int]] | None = None,
+        security: MeshSecurity | None = None,
     ) -> None:
         self._address = coordinator
+        self._security = security
         self._register = register
         self._on_command = on_command
         self._max_message_bytes = max_message_bytes
@@ -95,7 +98,11 @@ class AttachClient:
             except asyncio.CancelledError:
                 raise
             except grpc.aio.AioRpcError as exc:
-                if self.connected.is_set():
+                if exc.code() == grpc.StatusCode.UNAUTHENTICATED:
+                    # Not a member (no or a wrong mesh secret): say so each try, slowly.
+                    log.error("coordinator %s refused this stage: %s", self._address, exc.details())
+                    delay = 1.0
+                elif self.connected.is_set():
                     log.warning("attach to %s lost: %s", self._address, exc.code().name)
             except Exception:
                 log.exception("attach to %s failed", self._address)
@@ -106,10 +113,15 @@ class AttachClient:
             delay = min(delay * 2, 1.0)
 
     async def _attach_once(self) -> None:
-        async with grpc.aio.insecure_channel(
-            self._address, options=channel_options(self._max_message_bytes)
-        ) as channel:
-            call = mesh_pb2_grpc.CoordinatorStub(channel).Attach(wait_for_ready=True)
+        options = channel_options(self._max_message_bytes)
+        credentials, metadata = None, ()
+        if self._security is not None:
+            options += self._security.channel_options()
+            credentials = self._security.channel_credentials()
+            metadata = self._security.mesh_metadata()
+        async with secure_channel(self._address, credentials, options, aio=True) as channel:
+            stub = mesh_pb2_grpc.CoordinatorStub(channel)
+            call = stub.Attach(wait_for_ready=True, metadata=metadata)
             await call.write(mesh_pb2.StageEvent(register=self._register))
             first = await call.read()
             if first is grpc.aio.EOF:

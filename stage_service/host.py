@@ -35,6 +35,7 @@ from omnirail.telemetry.metrics import StageMetrics, watch_relay
 from omnirail.telemetry.tracer import Tracer
 from omnirail.transport.deliver import DeliverChannel
 from omnirail.transport.grpc_server import SERVING, bind, create_server, write_until_read_ends
+from omnirail.transport.security import MeshSecurity, mesh_security
 from omnirail.v1 import mesh_pb2, mesh_pb2_grpc
 from omnirail.wire.errors import OmniError, invalid, unavailable
 
@@ -114,8 +115,11 @@ class StageHost(mesh_pb2_grpc.StageServicer):
         metrics_address: str = "",
         placement: Placement | None = None,
         tp: TensorParallel | None = None,
+        security: MeshSecurity | None = None,
     ) -> None:
         self.pipeline = pipeline
+        # TLS and membership for this host's server and every channel it opens.
+        self.security = security or mesh_security(pipeline)
         self.placement = placement or Placement()
         # Rank 0 of a tensor-parallel stage's group (None for other stages).
         self.tp = tp
@@ -162,9 +166,10 @@ class StageHost(mesh_pb2_grpc.StageServicer):
         server, health = create_server(
             [mesh_pb2.DESCRIPTOR.services_by_name["Stage"].full_name],
             max_message_bytes=self._max_message,
+            security=self.security,
         )
         mesh_pb2_grpc.add_StageServicer_to_server(self, server)
-        address = bind(server, self._listen)
+        address = bind(server, self._listen, self.security.server_credentials(internal=True))
         self._server = server
         advertise = self._advertise or address
         # Before serving: a backend that cannot start fails start-up, naming its edges.
@@ -194,6 +199,7 @@ class StageHost(mesh_pb2_grpc.StageServicer):
                 lambda cmd, n=name: self._on_command(n, cmd),
                 max_message_bytes=self._max_message,
                 load=lambda n=name: (self.stages[n].scheduler.queue_depth, self.stages[n].inflight),
+                security=self.security,
             )
             stage = Stage(
                 name,
@@ -317,6 +323,7 @@ class StageHost(mesh_pb2_grpc.StageServicer):
                     rids, why, self._address_stage.get(a, "")
                 ),
                 max_message_bytes=self._max_message,
+                security=self.security,
             )
             self._channels[address] = channel
         channel.send(item, handle)

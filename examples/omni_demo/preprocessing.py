@@ -18,6 +18,8 @@ from typing import Any
 import numpy as np
 import torch
 
+from omnirail import InputError
+
 from .text import tokenize
 
 SAMPLE_RATE = 16000
@@ -40,15 +42,19 @@ def create_preprocessing(
 
     def preprocess(inputs: Any) -> dict[str, Any]:
         if not isinstance(inputs, dict):
-            raise ValueError(f"inputs: expected an object, got {type(inputs).__name__}")
-        unknown = sorted(set(inputs) - _KNOWN)
+            raise InputError(f"inputs: expected an object, got {type(inputs).__name__}")
+        unknown = sorted(map(str, set(inputs) - _KNOWN))
         if unknown:
-            raise ValueError(f"inputs: unknown fields {unknown}; expected some of {sorted(_KNOWN)}")
+            names = [str(name)[:40] for name in unknown[:5]]
+            more = f" and {len(unknown) - 5} more" if len(unknown) > 5 else ""
+            raise InputError(
+                f"inputs: unknown fields {names}{more}; expected some of {sorted(_KNOWN)}"
+            )
         text = inputs.get("text")
         if not isinstance(text, str) or not text.strip():
-            raise ValueError("inputs.text: required, a non-empty string")
+            raise InputError("inputs.text: required, a non-empty string")
         if len(text) > MAX_TEXT:
-            raise ValueError(f"inputs.text: at most {MAX_TEXT} characters, got {len(text)}")
+            raise InputError(f"inputs.text: at most {MAX_TEXT} characters, got {len(text)}")
         out: dict[str, Any] = {
             "text": text,
             "tokens": torch.tensor(tokenize(text), dtype=torch.int64),
@@ -70,18 +76,18 @@ def create_preprocessing(
 def _options(inputs: dict[str, Any], default_tokens: int) -> dict[str, Any]:
     n = inputs.get("max_new_tokens", default_tokens)
     if isinstance(n, bool) or not isinstance(n, int) or not 1 <= n <= MAX_NEW_TOKENS:
-        raise ValueError(f"inputs.max_new_tokens: an integer within 1..{MAX_NEW_TOKENS}")
+        raise InputError(f"inputs.max_new_tokens: an integer within 1..{MAX_NEW_TOKENS}")
     speak = inputs.get("speak", True)
     if not isinstance(speak, bool):
-        raise ValueError("inputs.speak: true or false")
+        raise InputError("inputs.speak: true or false")
     seed = inputs.get("seed", 0)
     if isinstance(seed, bool) or not isinstance(seed, int) or not 0 <= seed < 2**63:
-        raise ValueError("inputs.seed: a non-negative integer")
+        raise InputError("inputs.seed: a non-negative integer")
     temperature = inputs.get("temperature", 0.8)
     if isinstance(temperature, bool) or not isinstance(temperature, (int, float)):
-        raise ValueError("inputs.temperature: a number")
+        raise InputError("inputs.temperature: a number")
     if not 0.0 <= float(temperature) <= 5.0:
-        raise ValueError("inputs.temperature: within 0..5 (0: greedy)")
+        raise InputError("inputs.temperature: within 0..5 (0: greedy)")
     return {"max_new_tokens": n, "speak": speak, "seed": seed, "temperature": float(temperature)}
 
 
@@ -89,7 +95,7 @@ def _image(value: Any, size: int) -> torch.Tensor:
     """3 x size x size float32 in [0, 1]."""
     if isinstance(value, str):
         if value != "synthetic":
-            raise ValueError('inputs.image: an array, or the string "synthetic"')
+            raise InputError('inputs.image: an array, or the string "synthetic"')
         ramp = torch.linspace(0.0, 1.0, size)
         return torch.stack(
             [
@@ -100,16 +106,16 @@ def _image(value: Any, size: int) -> torch.Tensor:
         )
     arr = _array(value, "inputs.image")
     if arr.ndim != 3 or 3 not in (arr.shape[0], arr.shape[-1]):
-        raise ValueError(f"inputs.image: expected HxWx3 or 3xHxW, got shape {list(arr.shape)}")
+        raise InputError(f"inputs.image: expected HxWx3 or 3xHxW, got shape {list(arr.shape)}")
     if max(arr.shape) > 4096:
-        raise ValueError(f"inputs.image: at most 4096 pixels a side, got {list(arr.shape)}")
+        raise InputError(f"inputs.image: at most 4096 pixels a side, got {list(arr.shape)}")
     img = torch.from_numpy(np.ascontiguousarray(arr)).float()
     if arr.shape[0] != 3:
         img = img.permute(2, 0, 1)
     if arr.dtype == np.uint8:
         img = img / 255.0
     if not bool(torch.isfinite(img).all()):
-        raise ValueError("inputs.image: holds NaN or infinite values")
+        raise InputError("inputs.image: holds NaN or infinite values")
     img = torch.nn.functional.interpolate(img[None], size=(size, size), mode="bilinear")
     return img[0].clamp(0.0, 1.0)
 
@@ -118,19 +124,19 @@ def _audio(value: Any) -> torch.Tensor:
     """Mono float32 PCM at 16 kHz in [-1, 1]."""
     if isinstance(value, str):
         if value != "synthetic":
-            raise ValueError('inputs.audio: an array, or the string "synthetic"')
+            raise InputError('inputs.audio: an array, or the string "synthetic"')
         t = torch.arange(SAMPLE_RATE, dtype=torch.float32) / SAMPLE_RATE  # one second
         return 0.5 * torch.sin(2 * math.pi * (220.0 + 220.0 * t) * t)
     arr = _array(value, "inputs.audio")
     if arr.ndim != 1:
-        raise ValueError(f"inputs.audio: expected mono samples (1-D), got shape {list(arr.shape)}")
+        raise InputError(f"inputs.audio: expected mono samples (1-D), got shape {list(arr.shape)}")
     if not 0 < arr.shape[0] <= _MAX_AUDIO_S * SAMPLE_RATE:
-        raise ValueError(f"inputs.audio: 1 sample to {_MAX_AUDIO_S} s at {SAMPLE_RATE} Hz")
+        raise InputError(f"inputs.audio: 1 sample to {_MAX_AUDIO_S} s at {SAMPLE_RATE} Hz")
     pcm = torch.from_numpy(np.ascontiguousarray(arr)).float()
     if arr.dtype == np.int16:
         pcm = pcm / 32768.0
     if not bool(torch.isfinite(pcm).all()):
-        raise ValueError("inputs.audio: holds NaN or infinite values")
+        raise InputError("inputs.audio: holds NaN or infinite values")
     return pcm.clamp(-1.0, 1.0)
 
 
@@ -138,9 +144,9 @@ def _array(value: Any, field: str) -> np.ndarray:
     if isinstance(value, torch.Tensor):
         value = value.detach().cpu().numpy()
     if not isinstance(value, np.ndarray):
-        raise ValueError(f"{field}: expected an array, got {type(value).__name__}")
+        raise InputError(f"{field}: expected an array, got {type(value).__name__}")
     if value.dtype.kind not in "uif":
-        raise ValueError(f"{field}: expected numbers, got dtype {value.dtype}")
+        raise InputError(f"{field}: expected numbers, got dtype {value.dtype}")
     return value
 
 

@@ -11,6 +11,8 @@ from typing import Any
 
 import torch
 
+from omnirail import InputError
+
 DIM = 64
 
 
@@ -18,20 +20,45 @@ def _seeded(seed: int) -> torch.Generator:
     return torch.Generator().manual_seed(seed)
 
 
+_KNOWN = ("text", "image_size")
+MAX_TEXT = 4096
+
+
 def create_preprocess(image_size: int = 128) -> Callable[[dict[str, Any]], dict[str, Any]]:
-    def preprocess(inputs: dict[str, Any]) -> dict[str, Any]:
+    def preprocess(inputs: Any) -> dict[str, Any]:
+        # Every field is checked here, at the entry stage, so a caller's mistake comes back
+        # as INVALID_ARGUMENT naming the field rather than as a model's INTERNAL error.
+        if not isinstance(inputs, dict):
+            raise InputError(f"inputs: expected an object, got {type(inputs).__name__}")
+        unknown = sorted(str(k)[:40] for k in inputs if k not in _KNOWN)
+        if unknown:
+            more = f" and {len(unknown) - 5} more" if len(unknown) > 5 else ""
+            raise InputError(
+                f"inputs: unknown fields {unknown[:5]}{more}; expected some of {list(_KNOWN)}"
+            )
         text = inputs.get("text")
         if not isinstance(text, str) or not text:
-            raise ValueError("inputs.text: a non-empty string is required")
-        size = int(inputs.get("image_size", image_size))
-        if not 8 <= size <= 1024:
-            raise ValueError(f"inputs.image_size: must be within 8..1024, got {size}")
-        tokens = torch.tensor(list(text.encode("utf-8")), dtype=torch.int64)
+            raise InputError(f"inputs.text: a non-empty string is required, got {_kind(text)}")
+        if len(text) > MAX_TEXT:
+            raise InputError(f"inputs.text: at most {MAX_TEXT} characters, got {len(text)}")
+        size = inputs.get("image_size", image_size)
+        if isinstance(size, bool) or not isinstance(size, int) or not 8 <= size <= 1024:
+            raise InputError(f"inputs.image_size: an integer within 8..1024, got {_kind(size)}")
+        tokens = torch.tensor(list(text.encode("utf-8", errors="replace")), dtype=torch.int64)
         # A deterministic "image" derived from the text, big enough to travel via shm.
         image = torch.rand(3, size, size, generator=_seeded(len(text)))
         return {"text": text, "tokens": tokens, "image": image}
 
     return preprocess
+
+
+def _kind(value: Any) -> str:
+    """What the caller sent, short: a number as itself, anything else by type."""
+    if isinstance(value, int | float) and not isinstance(value, bool):
+        return repr(value)[:32]
+    if isinstance(value, str):
+        return "an empty string" if not value else f"a string of {len(value)} characters"
+    return "null" if value is None else type(value).__name__
 
 
 def to_text_encoder(payload: dict[str, Any]) -> dict[str, Any]:

@@ -24,7 +24,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from omnirail.wire.errors import invalid
+from omnirail.wire.errors import InputError
 
 from .processor import load_processor
 from .weights import read_config
@@ -52,8 +52,10 @@ def create_preprocessing(
     def preprocess(inputs: Any) -> dict[str, Any]:
         try:
             messages, options = parse_request(inputs, max_new_tokens, max_tokens_cap)
+        except InputError:
+            raise
         except ValueError as exc:  # the caller's input: INVALID_ARGUMENT, not INTERNAL
-            raise invalid(str(exc)) from None
+            raise InputError(str(exc)) from None
         return model_inputs(processor, messages, options)
 
     return preprocess
@@ -65,7 +67,7 @@ def parse_request(
     """(messages with checked parts, options); ValueError names the first bad field."""
     if not isinstance(inputs, dict):
         raise ValueError(f"inputs: expected an object, got {type(inputs).__name__}")
-    unknown = sorted(set(inputs) - _KNOWN)
+    unknown = _names(set(inputs) - _KNOWN)
     if unknown:
         raise ValueError(f"inputs: unknown fields {unknown}; expected some of {sorted(_KNOWN)}")
     if "messages" in inputs:
@@ -154,6 +156,13 @@ def _shorthand(inputs: dict[str, Any]) -> list[dict[str, Any]]:
     return parts
 
 
+def _names(keys: set[Any]) -> str:
+    """Unknown field names for a message, bounded: the caller controls how many and how long."""
+    names = sorted(str(key)[:40] for key in keys)
+    more = f" and {len(names) - 5} more" if len(names) > 5 else ""
+    return f"{names[:5]}{more}"
+
+
 def _part(part: Any, where: str, prefix: str | None = None) -> dict[str, Any]:
     """A checked content part; `prefix` names its fields when the part is the shorthand."""
     if not isinstance(part, dict):
@@ -161,11 +170,12 @@ def _part(part: Any, where: str, prefix: str | None = None) -> dict[str, Any]:
     kind = part.get("type")
     if kind not in PART_TYPES:
         raise ValueError(
-            f"{where}.type: unknown content type {kind!r} (expected one of {list(PART_TYPES)})"
+            f"{where}.type: unknown content type {repr(kind)[:40]}"
+            f" (expected one of {list(PART_TYPES)})"
         )
     field = (lambda name: f"{prefix}.{name}") if prefix else (lambda name: f"{where}.{name}")
     allowed = {"type", kind} | ({"sample_rate"} if kind == "audio" else set())
-    extra = sorted(set(part) - allowed)
+    extra = _names(set(part) - allowed)
     if extra:
         raise ValueError(f"{where}: unknown fields {extra} for a {kind} part")
     if kind == "text":

@@ -14,6 +14,7 @@ from typing import Any
 
 import torch
 
+from omnirail import InputError
 from omnirail.stage_service.ar import ARRequest, ARScheduler, ARStep
 from omnirail.stage_service.scheduler import CLIENT
 from omnirail.stage_service.streaming import StreamingScheduler, StreamState
@@ -31,9 +32,9 @@ def create_thinker(hidden_size: int = 64, step_ms: float = 0.0) -> ARScheduler:
         inputs = req.data or {}
         text = inputs.get("text")
         if not isinstance(text, str) or not text:
-            raise ValueError("text: required, a non-empty string")
+            raise InputError("inputs.text: required, a non-empty string")
         if len(text) > _MAX_TEXT:
-            raise ValueError(f"text: at most {_MAX_TEXT} characters, got {len(text)}")
+            raise InputError(f"inputs.text: at most {_MAX_TEXT} characters, got {len(text)}")
         req.state["tokens"] = list(text.encode())
         req.state["hidden"] = torch.zeros(hidden_size)
 

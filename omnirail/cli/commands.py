@@ -15,6 +15,13 @@ from pathlib import Path
 from typing import Any
 
 from omnirail.cli.args import progress, read_inputs, wake_us
+from omnirail.cli.security import (
+    add_client_flags,
+    add_mesh_flags,
+    client_options,
+    mesh_argv,
+    mesh_env,
+)
 from omnirail.config import ConfigError, PipelineConfig, format_topology, load_pipeline
 from omnirail.tuning import aio
 from omnirail.tuning.cpu_latency import hold_or_warn
@@ -54,6 +61,8 @@ def cmd_up(args: argparse.Namespace) -> int:
         progress=progress(args.quiet),
         pin=args.pin,
         cpu_wake_latency_us=args.cpu_wake_latency_us,
+        env=mesh_env(args),
+        tls=args.tls,
     )
     name = args.name or mesh.pipeline.name or "pipeline"
     if name in read_states():
@@ -76,6 +85,8 @@ def cmd_up(args: argparse.Namespace) -> int:
                 "address": address,
                 "pipeline": mesh.pipeline_path,
                 "run_dir": str(mesh.run_dir),
+                # How clients reach it: paths only (the CA, where tokens are), no secrets.
+                "security": mesh.client_state(),
             },
         )
         print(address, flush=True)
@@ -133,6 +144,7 @@ def _up_detached(args: argparse.Namespace) -> int:
         argv.append("--pin")
     if args.cpu_wake_latency_us is not None:
         argv += ["--cpu-wake-latency-us", str(args.cpu_wake_latency_us)]
+    argv += mesh_argv(args)
     with open(log, "ab") as out:
         proc = subprocess.Popen(
             argv,
@@ -187,7 +199,6 @@ def cmd_down(args: argparse.Namespace) -> int:
 
 def cmd_run(args: argparse.Namespace) -> int:
     from omnirail.client.jsonio import dumps
-    from omnirail.client.sdk import Client
     from omnirail.ops.launcher import Mesh
 
     inputs = read_inputs(args)
@@ -197,9 +208,11 @@ def cmd_run(args: argparse.Namespace) -> int:
         progress=progress(args.quiet),
         pin=args.pin,
         cpu_wake_latency_us=args.cpu_wake_latency_us,
+        env=mesh_env(args),
+        tls=args.tls,
     ) as mesh:
         assert mesh.address is not None
-        with Client(mesh.address, tensors="numpy") as client:
+        with mesh.client(tensors="numpy") as client:
             started = time.perf_counter()
             if args.stream:
                 events = client.stream(inputs, timeout=args.timeout)
@@ -217,7 +230,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
     from omnirail.client.sdk import Client
 
     inputs = read_inputs(args)
-    with Client(args.address, tensors="numpy") as client:
+    with Client(args.address, tensors="numpy", **client_options(args)) as client:
         options = {
             "request_id": args.request_id,
             "timeout": args.timeout,
@@ -353,11 +366,14 @@ def cmd_health(args: argparse.Namespace) -> int:
         default_address,
         default_service,
     )
+    from omnirail.transport.security import MeshSecurity
 
     address = args.address or default_address()
     service = default_service() if args.service is None else args.service
     try:
-        check_health(address, service, timeout=args.timeout)
+        # TLS as the mesh's processes have it (OMNIRAIL_TLS_*, as compose sets them).
+        security = MeshSecurity(None)
+        check_health(address, service, timeout=args.timeout, security=security)
     except HealthCheckError as exc:
         print(f"unhealthy: {exc}", file=sys.stderr)
         return 1
@@ -405,6 +421,7 @@ def build_parser() -> argparse.ArgumentParser:
             "(lower latency when every stage runs one compute thread)",
         )
         _add_wake_flag(sp, "the mesh")
+        add_mesh_flags(sp)
 
     u = sub.add_parser("up", help="start the coordinator and every stage process")
     mesh_flags(u)
@@ -447,6 +464,7 @@ def build_parser() -> argparse.ArgumentParser:
     r.set_defaults(fn=cmd_run)
 
     g = sub.add_parser("generate", help="send one request to a running mesh")
+    add_client_flags(g)
     g.add_argument("--address", required=True, help="coordinator: unix:///path or host:port")
     input_flags(g)
     g.add_argument("--request-id", default=None)

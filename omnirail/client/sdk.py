@@ -19,10 +19,10 @@ from typing import Any
 
 import grpc
 
+from omnirail.client.connect import client_channel
 from omnirail.client.readiness import not_ready
 from omnirail.client.session import AsyncSession, SyncSession
 from omnirail.client.span import ClientSpan
-from omnirail.transport.deliver import channel_options
 from omnirail.v1 import client_pb2, client_pb2_grpc, common_pb2
 from omnirail.wire.errors import Code, OmniError, invalid
 from omnirail.wire.payload import PayloadError, decode_inline, encode_inline
@@ -167,6 +167,10 @@ class Client:
     `tensors="auto"` returns tensors as the stage sent them (torch tensors when torch is
     installed, imported on the first one); `"numpy"` returns numpy arrays only and never
     imports torch (what the CLI does: importing torch mid-stream takes seconds).
+
+    A secured mesh: `tls` is True (the system's roots), a CA bundle's path, or None to
+    follow ``OMNIRAIL_TLS_CA``; `token` is the bearer token (default ``OMNIRAIL_TOKEN``);
+    `server_name` overrides the name the server's certificate is checked against.
     """
 
     def __init__(
@@ -176,12 +180,21 @@ class Client:
         timeout: float | None = None,
         max_message_mb: int = 64,
         tensors: str = "auto",
+        tls: bool | str | None = None,
+        token: str | None = None,
+        server_name: str | None = None,
     ) -> None:
         self.address = address
         self.timeout = timeout
         self._numpy = _numpy_only(tensors)
-        self._channel = grpc.insecure_channel(
-            address, options=channel_options(max_message_mb << 20)
+        self._max_bytes = max_message_mb << 20
+        self._channel, self._md = client_channel(
+            address,
+            tls=tls,
+            token=token,
+            server_name=server_name,
+            max_message_bytes=self._max_bytes,
+            aio=False,
         )
         self._stub = client_pb2_grpc.OmnirailStub(self._channel)
         self._sess: SyncSession | None = None
@@ -275,7 +288,7 @@ class Client:
     def _session(self) -> SyncSession:
         with self._lock:
             if self._sess is None or self._sess.broken:
-                self._sess = SyncSession(self._stub)
+                self._sess = SyncSession(self._stub, self._max_bytes, self._md)
             return self._sess
 
     def submit(
@@ -287,20 +300,24 @@ class Client:
     ) -> str:
         request = build_request(inputs, request_id, timeout or self.timeout, None)
         try:
-            return self._stub.Submit(request).request_id
+            return self._stub.Submit(request, metadata=self._md).request_id
         except grpc.RpcError as err:
             raise OmniError.from_rpc_error(err) from None
 
     def wait(self, request_id: str, timeout: float | None = None) -> RequestStatus:
         try:
-            status = self._stub.Wait(client_pb2.RequestRef(request_id=request_id), timeout=timeout)
+            status = self._stub.Wait(
+                client_pb2.RequestRef(request_id=request_id), timeout=timeout, metadata=self._md
+            )
         except grpc.RpcError as err:
             raise OmniError.from_rpc_error(err) from None
         return parse_status(status, self._numpy)
 
     def status(self, request_id: str) -> RequestStatus:
         try:
-            status = self._stub.GetRequest(client_pb2.RequestRef(request_id=request_id))
+            status = self._stub.GetRequest(
+                client_pb2.RequestRef(request_id=request_id), metadata=self._md
+            )
             return parse_status(status, self._numpy)
         except grpc.RpcError as err:
             raise OmniError.from_rpc_error(err) from None
@@ -308,14 +325,18 @@ class Client:
     def abort(self, request_id: str, reason: str = "") -> list[str]:
         """Aborts a request everywhere; returns the stage replicas that acknowledged."""
         try:
-            reply = self._stub.Abort(client_pb2.AbortRequest(request_id=request_id, reason=reason))
+            reply = self._stub.Abort(
+                client_pb2.AbortRequest(request_id=request_id, reason=reason), metadata=self._md
+            )
         except grpc.RpcError as err:
             raise OmniError.from_rpc_error(err) from None
         return list(reply.acknowledged_by)
 
     def describe(self) -> client_pb2.PipelineInfo:
         try:
-            return self._stub.DescribePipeline(client_pb2.DescribePipelineRequest())
+            return self._stub.DescribePipeline(
+                client_pb2.DescribePipelineRequest(), metadata=self._md
+            )
         except grpc.RpcError as err:
             raise OmniError.from_rpc_error(err) from None
 
@@ -357,12 +378,21 @@ class AsyncClient:
         timeout: float | None = None,
         max_message_mb: int = 64,
         tensors: str = "auto",
+        tls: bool | str | None = None,
+        token: str | None = None,
+        server_name: str | None = None,
     ) -> None:
         self.address = address
         self.timeout = timeout
         self._numpy = _numpy_only(tensors)
-        self._channel = grpc.aio.insecure_channel(
-            address, options=channel_options(max_message_mb << 20)
+        self._max_bytes = max_message_mb << 20
+        self._channel, self._md = client_channel(
+            address,
+            tls=tls,
+            token=token,
+            server_name=server_name,
+            max_message_bytes=self._max_bytes,
+            aio=True,
         )
         self._stub = client_pb2_grpc.OmnirailStub(self._channel)
         self._sess: AsyncSession | None = None
@@ -451,7 +481,7 @@ class AsyncClient:
 
     def _session(self) -> AsyncSession:
         if self._sess is None or self._sess.broken:
-            self._sess = AsyncSession(self._stub)
+            self._sess = AsyncSession(self._stub, self._max_bytes, self._md)
         return self._sess
 
     async def submit(
@@ -463,14 +493,14 @@ class AsyncClient:
     ) -> str:
         request = build_request(inputs, request_id, timeout or self.timeout, None)
         try:
-            return (await self._stub.Submit(request)).request_id
+            return (await self._stub.Submit(request, metadata=self._md)).request_id
         except grpc.RpcError as err:
             raise OmniError.from_rpc_error(err) from None
 
     async def wait(self, request_id: str, timeout: float | None = None) -> RequestStatus:
         try:
             status = await self._stub.Wait(
-                client_pb2.RequestRef(request_id=request_id), timeout=timeout
+                client_pb2.RequestRef(request_id=request_id), timeout=timeout, metadata=self._md
             )
         except grpc.RpcError as err:
             raise OmniError.from_rpc_error(err) from None
@@ -478,7 +508,9 @@ class AsyncClient:
 
     async def status(self, request_id: str) -> RequestStatus:
         try:
-            status = await self._stub.GetRequest(client_pb2.RequestRef(request_id=request_id))
+            status = await self._stub.GetRequest(
+                client_pb2.RequestRef(request_id=request_id), metadata=self._md
+            )
             return parse_status(status, self._numpy)
         except grpc.RpcError as err:
             raise OmniError.from_rpc_error(err) from None
@@ -486,7 +518,7 @@ class AsyncClient:
     async def abort(self, request_id: str, reason: str = "") -> list[str]:
         try:
             reply = await self._stub.Abort(
-                client_pb2.AbortRequest(request_id=request_id, reason=reason)
+                client_pb2.AbortRequest(request_id=request_id, reason=reason), metadata=self._md
             )
         except grpc.RpcError as err:
             raise OmniError.from_rpc_error(err) from None
@@ -494,6 +526,8 @@ class AsyncClient:
 
     async def describe(self) -> client_pb2.PipelineInfo:
         try:
-            return await self._stub.DescribePipeline(client_pb2.DescribePipelineRequest())
+            return await self._stub.DescribePipeline(
+                client_pb2.DescribePipelineRequest(), metadata=self._md
+            )
         except grpc.RpcError as err:
             raise OmniError.from_rpc_error(err) from None

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import atexit
+import collections
 import concurrent.futures
 import queue
 import threading
@@ -23,14 +24,35 @@ import grpc
 from omnirail.v1 import client_pb2
 from omnirail.wire.errors import Code, OmniError
 
-# Bound on one write so a burst of large inputs stays under the message limit.
+# Bounds on one write: a burst of requests goes out as one message, but never one the
+# channel would refuse (grpc fails the whole stream, and every request on it, for one
+# message over its limit).
 _MAX_BATCH = 64
+Metadata = tuple[tuple[str, str], ...]
+# Room for the batch's own framing next to its requests' bytes.
+_BATCH_SLACK = 1 << 10
+
+
+def too_large(request: client_pb2.GenerateRequest, size: int, max_bytes: int) -> OmniError:
+    """The error of a request that cannot be sent at all: it fails alone."""
+    return OmniError(
+        Code.RESOURCE_EXHAUSTED,
+        f"request {request.request_id[:80]!r}: {size} bytes exceed the client's message limit"
+        f" of {max_bytes} bytes (max_message_mb); send large inputs in parts or raise the"
+        " limit on both the client and the pipeline (endpoints.max_message_mb)",
+    )
+
+
+# Why a session can end that is the caller's to fix, not a passing outage: these keep their
+# code (a missing token is UNAUTHENTICATED on every request that waited, not UNAVAILABLE).
+_KEPT = (Code.UNAUTHENTICATED,)
 
 
 def _broken(err: BaseException | None) -> OmniError:
     if isinstance(err, grpc.RpcError):
         error = OmniError.from_rpc_error(err)
-        return OmniError(Code.UNAVAILABLE, f"session to the coordinator ended: {error.message}")
+        code = error.code if error.code in _KEPT else Code.UNAVAILABLE
+        return OmniError(code, f"session to the coordinator ended: {error.message}")
     return OmniError(Code.UNAVAILABLE, "session to the coordinator ended")
 
 
@@ -48,22 +70,31 @@ def _close_open_sessions() -> None:
 class SyncSession:
     """For the blocking `Client`: a writer fed by a queue, a reader thread."""
 
-    def __init__(self, stub: Any) -> None:
+    def __init__(self, stub: Any, max_bytes: int, metadata: Metadata = ()) -> None:
+        self._max_bytes = max_bytes - _BATCH_SLACK
         self._outgoing: queue.SimpleQueue[client_pb2.SessionRequest | None] = queue.SimpleQueue()
         self._futures: dict[str, concurrent.futures.Future[client_pb2.SessionEvent]] = {}
         self._streams: dict[str, queue.SimpleQueue[client_pb2.SessionEvent | OmniError]] = {}
         self._lock = threading.Lock()
         self.broken = False
+        # Why the stream ended (what requests sent after that fail with).
+        self.failure: OmniError | None = None
         self._closing = False
-        self._call = stub.Session(self._requests())
+        self._call = stub.Session(self._requests(), metadata=metadata)
         self._reader = threading.Thread(target=self._read, name="omnirail-session", daemon=True)
         self._reader.start()
         _OPEN.add(self)
 
     def _requests(self) -> Iterator[client_pb2.SessionRequest]:
-        while (first := self._outgoing.get()) is not None:
+        carry: client_pb2.SessionRequest | None = None
+        while True:
+            first = carry if carry is not None else self._outgoing.get()
+            carry = None
+            if first is None:
+                return
             batch = client_pb2.SessionRequest()
             batch.MergeFrom(first)
+            size = first.ByteSize()
             while len(batch.generate) < _MAX_BATCH:
                 try:
                     more = self._outgoing.get_nowait()
@@ -72,7 +103,12 @@ class SyncSession:
                 if more is None:
                     yield batch
                     return
+                more_size = more.ByteSize()
+                if size + more_size > self._max_bytes:
+                    carry = more  # the next write's first
+                    break
                 batch.MergeFrom(more)
+                size += more_size
             yield batch
 
     def _read(self) -> None:
@@ -95,24 +131,29 @@ class SyncSession:
             # cycle only the cyclic GC frees, maybe at interpreter exit, when grpc's daemon
             # threads may have died holding the lock the call's __del__ waits for (a hang).
             error = exc.with_traceback(None)
+        failure = _broken(error)  # not the call itself: that would keep the call alive
         with self._lock:
+            self.failure = failure
             self.broken = True
             waiting, self._futures = self._futures, {}
             streams, self._streams = self._streams, {}
         # Closed here (`close`): what waits ends as cancelled, like the async client's.
         ended = OmniError(Code.CANCELLED, "the client was closed") if self._closing else None
         for future in waiting.values():
-            future.set_exception(ended or _broken(error))
+            future.set_exception(ended or failure)
         for stream in streams.values():
-            stream.put(ended or _broken(error))
+            stream.put(ended or failure)
 
     def send(
         self, request: client_pb2.GenerateRequest
     ) -> concurrent.futures.Future[client_pb2.SessionEvent]:
         future: concurrent.futures.Future[client_pb2.SessionEvent] = concurrent.futures.Future()
+        if (size := request.ByteSize()) > self._max_bytes:
+            future.set_exception(too_large(request, size, self._max_bytes))
+            return future
         with self._lock:
             if self.broken:
-                future.set_exception(_broken(None))
+                future.set_exception(self.failure or _broken(None))
                 return future
             self._futures[request.request_id] = future
         self._outgoing.put(client_pb2.SessionRequest(generate=[request]))
@@ -123,9 +164,12 @@ class SyncSession:
     ) -> queue.SimpleQueue[client_pb2.SessionEvent | OmniError]:
         """Starts a streaming request; its events (chunks, then the end) arrive in order."""
         events: queue.SimpleQueue[client_pb2.SessionEvent | OmniError] = queue.SimpleQueue()
+        if (size := request.ByteSize()) > self._max_bytes:
+            events.put(too_large(request, size, self._max_bytes))
+            return events
         with self._lock:
             if self.broken:
-                events.put(_broken(None))
+                events.put(self.failure or _broken(None))
                 return events
             self._streams[request.request_id] = events
         self._outgoing.put(client_pb2.SessionRequest(generate=[request]))
@@ -159,13 +203,20 @@ class SyncSession:
 class AsyncSession:
     """For `AsyncClient`: a writer task and a reader task on the caller's loop."""
 
-    def __init__(self, stub: Any) -> None:
-        self._call = stub.Session()
-        self._pending = client_pb2.SessionRequest()
+    def __init__(self, stub: Any, max_bytes: int, metadata: Metadata = ()) -> None:
+        self._max_bytes = max_bytes - _BATCH_SLACK
+        self._call = stub.Session(metadata=metadata)
+        # What waits for the writer: requests with their sizes, and aborts.
+        self._outbox: collections.deque[tuple[client_pb2.GenerateRequest, int]] = (
+            collections.deque()
+        )
+        self._aborts: list[client_pb2.AbortRequest] = []
         self._wake = asyncio.Event()
         self._futures: dict[str, asyncio.Future[client_pb2.SessionEvent]] = {}
         self._streams: dict[str, asyncio.Queue[client_pb2.SessionEvent | OmniError]] = {}
         self.broken = False
+        # Why the stream ended (what requests sent after that fail with).
+        self.failure: OmniError | None = None
         self._closing = False
         loop = asyncio.get_running_loop()
         self._reader = loop.create_task(self._read())
@@ -174,10 +225,19 @@ class AsyncSession:
     async def _write(self) -> None:
         try:
             while True:
-                while not (self._pending.generate or self._pending.abort):
+                while not (self._outbox or self._aborts):
                     self._wake.clear()
                     await self._wake.wait()
-                batch, self._pending = self._pending, client_pb2.SessionRequest()
+                batch = client_pb2.SessionRequest(abort=self._aborts)
+                self._aborts = []
+                size = 0
+                while self._outbox and len(batch.generate) < _MAX_BATCH:
+                    request, request_size = self._outbox[0]
+                    if batch.generate and size + request_size > self._max_bytes:
+                        break  # the next write's first
+                    self._outbox.popleft()
+                    batch.generate.append(request)
+                    size += request_size
                 await self._call.write(batch)
         except (grpc.RpcError, asyncio.InvalidStateError):
             pass  # the reader sees the end of the call and fails what is waiting
@@ -205,6 +265,7 @@ class AsyncSession:
             self._end(error)
 
     def _end(self, error: BaseException | None) -> None:
+        self.failure = _broken(error)
         self.broken = True
         self._writer.cancel()
         waiting, self._futures = self._futures, {}
@@ -221,11 +282,14 @@ class AsyncSession:
 
     def send(self, request: client_pb2.GenerateRequest) -> asyncio.Future[client_pb2.SessionEvent]:
         future: asyncio.Future[client_pb2.SessionEvent] = asyncio.get_running_loop().create_future()
+        if (size := request.ByteSize()) > self._max_bytes:
+            future.set_exception(too_large(request, size, self._max_bytes))
+            return future
         if self.broken:
-            future.set_exception(_broken(None))
+            future.set_exception(self.failure or _broken(None))
             return future
         self._futures[request.request_id] = future
-        self._pending.generate.append(request)
+        self._outbox.append((request, size))
         self._wake.set()
         return future
 
@@ -234,18 +298,21 @@ class AsyncSession:
     ) -> asyncio.Queue[client_pb2.SessionEvent | OmniError]:
         """Starts a streaming request; its events (chunks, then the end) arrive in order."""
         events: asyncio.Queue[client_pb2.SessionEvent | OmniError] = asyncio.Queue()
+        if (size := request.ByteSize()) > self._max_bytes:
+            events.put_nowait(too_large(request, size, self._max_bytes))
+            return events
         if self.broken:
-            events.put_nowait(_broken(None))
+            events.put_nowait(self.failure or _broken(None))
             return events
         self._streams[request.request_id] = events
-        self._pending.generate.append(request)
+        self._outbox.append((request, size))
         self._wake.set()
         return events
 
     def abort(self, request_id: str, reason: str) -> None:
         self._streams.pop(request_id, None)
         self._futures.pop(request_id, None)
-        self._pending.abort.add(request_id=request_id, reason=reason)
+        self._aborts.append(client_pb2.AbortRequest(request_id=request_id, reason=reason))
         self._wake.set()
 
     async def close(self) -> None:

@@ -25,6 +25,7 @@ from pydantic import (
 from omnirail.config import dotted
 from omnirail.config.errors import ConfigError
 from omnirail.config.graph import join_groups, walk_graph
+from omnirail.config.security import SecurityConfig
 from omnirail.tuning.cpu_latency import MAX_US
 from omnirail.tuning.cpus import parse_cpus
 
@@ -256,6 +257,8 @@ class PipelineConfig(_Model):
     env_defaults: dict[str, str] = {}
     endpoints: EndpointsConfig = Field(default_factory=EndpointsConfig)
     metrics: MetricsConfig = Field(default_factory=MetricsConfig)
+    # TLS, client tokens, mesh membership (omnirail/config/security.py).
+    security: SecurityConfig = Field(default_factory=SecurityConfig)
     terminal_stages_fn: str | None = None
     default_timeout_s: float = Field(60.0, gt=0)
     max_input_mb: int = Field(32, gt=0)

@@ -11,6 +11,8 @@ from typing import Literal
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
+from omnirail.transport.security import MeshSecurity, secure_channel
+
 DEFAULT_ADDRESS = "localhost:50051"
 ADDRESS_ENV = "OMNIRAIL_HEALTH_ADDRESS"
 SERVICE_ENV = "OMNIRAIL_HEALTH_SERVICE"
@@ -38,15 +40,20 @@ def default_service() -> str:
     return os.environ.get(SERVICE_ENV, "")
 
 
-def check_health(address: str, service: str = "", timeout: float = 5.0) -> None:
+def check_health(
+    address: str, service: str = "", timeout: float = 5.0, security: MeshSecurity | None = None
+) -> None:
     """Returns when `service` at `address` reports SERVING; raises HealthCheckError otherwise.
 
     `address` is ``host:port`` or ``unix:///path``; `service` "" asks about the server as a
     whole (every omnirail process sets it once it serves), a full service name such as
     ``omnirail.v1.Omnirail`` about that service (the coordinator reports it SERVING once
-    every stage has a live replica).
+    every stage has a live replica). With `security`, TLS as the mesh's own processes
+    dial (its CA, and its certificate where the mesh is mutual).
     """
-    with grpc.insecure_channel(address) as channel:
+    credentials = security.channel_credentials() if security is not None else None
+    options = security.channel_options() if security is not None else []
+    with secure_channel(address, credentials, options, aio=False) as channel:
         stub = health_pb2_grpc.HealthStub(channel)
         try:
             reply = stub.Check(health_pb2.HealthCheckRequest(service=service), timeout=timeout)

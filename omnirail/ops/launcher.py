@@ -22,7 +22,7 @@ import uuid
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from omnirail.config import PipelineConfig, load_pipeline
 from omnirail.ops.plan import StageProcess, plan_processes
@@ -31,6 +31,10 @@ from omnirail.telemetry import SPAN_DIR_ENV
 from omnirail.tuning.cpu_latency import CpuWakeLatency, check_us, try_hold
 from omnirail.tuning.cpus import available_cpus, format_cpus, spread
 from omnirail.wire.errors import Code, OmniError
+
+if TYPE_CHECKING:
+    from omnirail.client.sdk import Client
+    from omnirail.transport.security import MeshSecurity
 
 _PR_SET_PDEATHSIG = 1
 
@@ -90,10 +94,16 @@ class Mesh:
         env: Mapping[str, str] | None = None,
         pin: bool = False,
         cpu_wake_latency_us: int | None = None,
+        tls: str | None = None,
     ) -> None:
         """`pin`: each process whose stages (or coordinator) configure no `cpus` is pinned
         to one CPU, round-robin over the CPUs this process may use.
-        `cpu_wake_latency_us`: overrides the pipeline's (see omnirail/cpu_latency.py)."""
+        `cpu_wake_latency_us`: overrides the pipeline's (see omnirail/cpu_latency.py).
+        `tls="auto"`: a throwaway CA, mesh certificate and mesh secret in the run folder
+        (mutual TLS on mesh-internal hops); otherwise the pipeline's `security:` and the
+        OMNIRAIL_TLS_* environment decide."""
+        if tls not in (None, "auto"):
+            raise ValueError(f"tls must be 'auto' or None, not {tls!r}")
         self._extra_env = dict(env or {})
         self.pin = pin
         self.wake_override = None if cpu_wake_latency_us is None else check_us(cpu_wake_latency_us)
@@ -111,6 +121,15 @@ class Mesh:
         self.run_dir.mkdir(parents=True, exist_ok=True)
         self.run_id = uuid.uuid4().hex[:8]
         self.shm_prefix = f"omnirail-{self.run_id}"
+        from omnirail.transport.security import mesh_security
+
+        if tls == "auto":
+            from omnirail.ops.certs import make_mesh_material, material_env
+
+            material = make_mesh_material(self.run_dir / "tls", [self.host])
+            self._extra_env.update(material_env(material))
+        # Read now, so missing or unreadable material fails `up` before anything starts.
+        self.security = mesh_security(self.pipeline, {**os.environ, **self._extra_env})
         self._progress = progress or (lambda msg: None)
         self._children: list[_Child] = []
         self._supervisor = Supervisor(
@@ -151,6 +170,27 @@ class Mesh:
         child = _Child(name, proc, log)
         self._children.append(child)
         return child
+
+    def client_options(self) -> dict[str, Any]:
+        """What a client of this mesh needs besides its address: TLS and a token."""
+        return client_options(self.security)
+
+    def client_state(self) -> dict[str, Any]:
+        """What `omnirail` commands need to be this mesh's clients (paths, no secrets)."""
+        tls = self.security.config.tls
+        return {
+            "tls_ca": tls.ca if tls is not None else None,
+            "tls": tls is not None,
+            "server_name": tls.server_name if tls is not None else None,
+            "tokens_file": self.security.config.tokens_file,
+            "tokens_env": self.security.config.tokens_env,
+        }
+
+    def client(self, **kwargs: Any) -> Client:
+        """A `Client` of this mesh (TLS and a token when it is secured)."""
+        from omnirail.client.sdk import Client
+
+        return Client(self.address or "", **self.client_options(), **kwargs)
 
     @property
     def span_dir(self) -> Path:
@@ -293,7 +333,6 @@ class Mesh:
     def _wait_ready(self, deadline: float) -> None:
         """Until every replica this mesh started has registered (the client's readiness),
         reporting progress and failing at once when a process exits."""
-        from omnirail.client.sdk import Client
 
         last = ""
 
@@ -306,7 +345,7 @@ class Mesh:
                 last = reason
 
         want = {s.name: s.replicas for s in self.pipeline.stages}
-        with Client(self.address or "") as client:
+        with self.client() as client:
             client.wait_ready(deadline - time.monotonic(), replicas=want, on_wait=on_wait)
         self._progress(f"mesh ready: {len(want)} stages")
 
@@ -356,7 +395,6 @@ class Mesh:
         stages sharing those processes restart with them): each drains (no new work, its
         own finishes, for up to `drain_s`) and exits, a new one starts at once, and the
         next goes only when the new one serves. Returns what was done, step by step."""
-        from omnirail.client.sdk import Client
 
         if stage not in self.pipeline.stage_names:
             raise ValueError(
@@ -364,7 +402,7 @@ class Mesh:
             )
         units = [n for n, u in self._supervisor.units.items() if stage in u.processes[0].stages]
         steps: list[str] = []
-        with Client(self.address or "") as client:
+        with self.client() as client:
             for name in units:
                 stages = self._supervisor.units[name].processes[0].stages
                 before = _live_ids(client, stages)
@@ -437,6 +475,16 @@ class Mesh:
         if self._own_run_dir:
             shutil.rmtree(self.run_dir, ignore_errors=True)
         return exits
+
+
+def client_options(security: MeshSecurity) -> dict[str, Any]:
+    """`Client` arguments for a mesh secured by `security`: its CA, a token, its name."""
+    tls = security.config.tls
+    return {
+        "tls": (tls.ca or True) if tls is not None else False,
+        "token": security.client_token(),
+        "server_name": tls.server_name if tls is not None else None,
+    }
 
 
 def write_state(name: str, data: dict[str, object]) -> Path:

@@ -18,6 +18,7 @@ from typing import Any, Protocol
 
 import grpc
 
+from omnirail.transport.security import MeshSecurity, secure_channel
 from omnirail.v1 import common_pb2, mesh_pb2, mesh_pb2_grpc
 
 log = logging.getLogger(__name__)
@@ -62,9 +63,11 @@ class DeliverChannel:
         on_lost: LostCallback,
         *,
         max_message_bytes: int = 64 << 20,
+        security: MeshSecurity | None = None,
     ) -> None:
         self.address = address
         self._sender = sender
+        self._security = security
         self._on_lost = on_lost
         self._max_message_bytes = max_message_bytes
         self._queue: deque[mesh_pb2.DeliverItem] = deque()
@@ -151,11 +154,18 @@ class DeliverChannel:
                 await asyncio.sleep(0.05)
 
     async def _stream_once(self) -> None:
-        self._channel = grpc.aio.insecure_channel(
-            self.address, options=channel_options(self._max_message_bytes)
-        )
+        security = self._security
+        options = channel_options(self._max_message_bytes)
+        if security is None:
+            self._channel = grpc.aio.insecure_channel(self.address, options=options)
+            metadata: tuple[tuple[str, str], ...] = ()
+        else:
+            options += security.channel_options()
+            credentials = security.channel_credentials()
+            self._channel = secure_channel(self.address, credentials, options, aio=True)
+            metadata = security.mesh_metadata()
         stub = mesh_pb2_grpc.StageStub(self._channel)
-        call = stub.Deliver()
+        call = stub.Deliver(metadata=metadata)
         acks = asyncio.get_running_loop().create_task(self._read_acks(call))
         # One wake-up source for "items queued" and "ack stream ended": cheaper per write
         # than asyncio.wait over fresh futures.

@@ -13,6 +13,7 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
 from omnirail.transport.deliver import channel_options
+from omnirail.transport.security import MeshSecurity
 
 log = logging.getLogger(__name__)
 
@@ -21,10 +22,18 @@ NOT_SERVING = health_pb2.HealthCheckResponse.NOT_SERVING
 
 
 def create_server(
-    service_names: Iterable[str], *, max_message_bytes: int
+    service_names: Iterable[str],
+    *,
+    max_message_bytes: int,
+    security: MeshSecurity | None = None,
 ) -> tuple[grpc.aio.Server, health.aio.HealthServicer]:
-    """An aio server with grpc.health.v1 and reflection for `service_names` installed."""
-    server = grpc.aio.server(options=channel_options(max_message_bytes))
+    """An aio server with grpc.health.v1 and reflection for `service_names` installed;
+    with `security`, every call is checked against its method's policy first."""
+    interceptor = security.interceptor() if security is not None else None
+    server = grpc.aio.server(
+        options=channel_options(max_message_bytes),
+        interceptors=[interceptor] if interceptor is not None else None,
+    )
     health_servicer = health.aio.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
     names = [*service_names, health.SERVICE_NAME, reflection.SERVICE_NAME]
@@ -32,18 +41,27 @@ def create_server(
     return server, health_servicer
 
 
-def bind(server: grpc.aio.Server, address: str) -> str:
-    """Binds `address` (``unix:///path`` or ``host:port``; port 0 picks one).
+def bind(
+    server: grpc.aio.Server, address: str, credentials: grpc.ServerCredentials | None = None
+) -> str:
+    """Binds `address` (``unix:///path`` or ``host:port``; port 0 picks one), with TLS when
+    `credentials` are given.
 
     Returns the address peers should dial.
     """
+
+    def add_port(where: str) -> int:
+        if credentials is None:
+            return server.add_insecure_port(where)
+        return server.add_secure_port(where, credentials)
+
     if address.startswith("unix:"):
         path = address.split(":", 1)[1].removeprefix("//")
         if os.path.exists(path):
             os.unlink(path)  # a stale socket from a killed process
-        server.add_insecure_port(address)
+        add_port(address)
         return address
-    port = server.add_insecure_port(address)
+    port = add_port(address)
     if port == 0:
         raise OSError(f"cannot bind {address}")
     host = address.rsplit(":", 1)[0]

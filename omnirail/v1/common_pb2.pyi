@@ -17,6 +17,7 @@ class ErrorCode(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     NOT_FOUND: _ClassVar[ErrorCode]
     INTERNAL: _ClassVar[ErrorCode]
     FAILED_PRECONDITION: _ClassVar[ErrorCode]
+    UNAUTHENTICATED: _ClassVar[ErrorCode]
 
 class RequestState(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     __slots__ = ()
@@ -35,6 +36,7 @@ UNAVAILABLE: ErrorCode
 NOT_FOUND: ErrorCode
 INTERNAL: ErrorCode
 FAILED_PRECONDITION: ErrorCode
+UNAUTHENTICATED: ErrorCode
 REQUEST_STATE_UNSPECIFIED: RequestState
 PENDING: RequestState
 RUNNING: RequestState

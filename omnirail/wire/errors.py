@@ -21,6 +21,7 @@ _TO_GRPC: dict[int, grpc.StatusCode] = {
     Code.NOT_FOUND: grpc.StatusCode.NOT_FOUND,
     Code.INTERNAL: grpc.StatusCode.INTERNAL,
     Code.FAILED_PRECONDITION: grpc.StatusCode.FAILED_PRECONDITION,
+    Code.UNAUTHENTICATED: grpc.StatusCode.UNAUTHENTICATED,
 }
 _FROM_GRPC = {v: k for k, v in _TO_GRPC.items()}
 # Trailing metadata key that names the stage an error came from on the client API.
@@ -66,6 +67,19 @@ class OmniError(Exception):
     def __str__(self) -> str:
         where = f" in stage {self.stage!r}" if self.stage else ""
         return f"{self.code_name}{where}: {self.message}"
+
+
+class InputError(OmniError, ValueError):
+    """A request's input is wrong in a way its caller can fix.
+
+    Stage functions raise it for bad request fields; the client gets INVALID_ARGUMENT with
+    this message (any other exception from a stage is INTERNAL, a bug of the stage). Name
+    the field first: ``InputError("inputs.image_size: an integer within 8..1024, got 'abc'")``.
+    It is a ValueError too, so validation code that catches ValueError keeps working.
+    """
+
+    def __init__(self, message: str, stage: str = "") -> None:
+        super().__init__(Code.INVALID_ARGUMENT, message, stage)
 
 
 def invalid(message: str, stage: str = "") -> OmniError:

@@ -195,6 +195,42 @@ def test_oversized_input_is_resource_exhausted(client: Client) -> None:
     assert info.value.code == Code.RESOURCE_EXHAUSTED
 
 
+def test_a_request_over_the_message_limit_fails_alone(client: Client) -> None:
+    """65 MiB through the SDK while three requests share its Session: only it fails."""
+    import numpy as np
+
+    with concurrent.futures.ThreadPoolExecutor(4) as pool:
+        others = [pool.submit(client.generate, {"n": n, "sleep": 1.0}) for n in (2, 3, 4)]
+        time.sleep(0.3)  # the three are in flight on the shared stream
+        with pytest.raises(OmniError) as info:
+            client.generate({"blob": np.zeros(65 << 20, dtype=np.uint8)})
+        assert [f.result(timeout=60).output["n"] for f in others] == [2, 3, 4]
+    assert info.value.code == Code.RESOURCE_EXHAUSTED
+    assert "exceed the client's message limit" in info.value.message
+    assert client.generate({"n": 5}).output["n"] == 5  # the same session serves on
+
+
+def test_the_async_client_sends_a_request_over_the_limit_alone(linear_mesh: Mesh) -> None:
+    import asyncio
+
+    import numpy as np
+
+    from omnirail.client.sdk import AsyncClient
+
+    async def main() -> None:
+        async with AsyncClient(linear_mesh.address or "", timeout=60) as client:
+            others = [
+                asyncio.ensure_future(client.generate({"n": n, "sleep": 0.5})) for n in (2, 3, 4)
+            ]
+            with pytest.raises(OmniError) as info:
+                await client.generate({"blob": np.zeros(65 << 20, dtype=np.uint8)})
+            assert info.value.code == Code.RESOURCE_EXHAUSTED
+            assert [r.output["n"] for r in await asyncio.gather(*others)] == [2, 3, 4]
+            assert (await client.generate({"n": 5})).output["n"] == 5
+
+    asyncio.run(main())
+
+
 def test_client_rejects_non_mapping_and_unsupported_values(client: Client) -> None:
     with pytest.raises(OmniError) as info:
         client.generate([1, 2])  # type: ignore[arg-type]

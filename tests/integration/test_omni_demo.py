@@ -188,9 +188,20 @@ def test_bad_input_fails_that_request_naming_the_field(demo: Mesh) -> None:
             client.generate({"text": "hi", "max_new_tokens": 100000})
         assert "inputs.max_new_tokens" in info.value.message
         assert info.value.stage == "preprocessing"
+        assert info.value.code == Code.INVALID_ARGUMENT
         with pytest.raises(OmniError) as info:
             client.generate({"text": "hi", "image": np.zeros((5, 5), np.uint8)})
         assert "inputs.image: expected HxWx3" in info.value.message
+        for inputs, field in (
+            ({"text": 123}, "inputs.text"),
+            ({"text": "hi", "seed": "abc"}, "inputs.seed"),
+            ({}, "inputs.text"),
+            ({"text": "hi", "x": 2}, "inputs: unknown fields"),
+        ):
+            with pytest.raises(OmniError) as info:
+                client.generate(inputs)
+            assert info.value.code == Code.INVALID_ARGUMENT, info.value
+            assert info.value.message.startswith(field), info.value
         ok = client.generate({"text": "still here", "max_new_tokens": 3})
     assert ok.outputs["decode"]["tokens"] == 3
 

@@ -164,3 +164,72 @@ def test_async_client_cancelled_caller_aborts_the_request(
 
     asyncio.run(main())
     assert _aborted(servicer, "gone") == "the caller cancelled"
+
+
+class _Sizes(_OneAnswer):
+    """Records the byte size of each Session message it receives."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.sizes: list[int] = []
+
+    def Session(self, request_iterator: Iterator[Any], context: grpc.ServicerContext) -> Any:
+        def recorded() -> Iterator[Any]:
+            for batch in request_iterator:
+                self.sizes.append(batch.ByteSize())
+                yield batch
+
+        yield from super().Session(recorded(), context)
+
+
+@pytest.fixture()
+def sizes_address() -> Iterator[tuple[str, _Sizes]]:
+    servicer = _Sizes()
+    # grpc's default receive limit (4 MiB): one message over it fails the whole stream.
+    server = grpc.server(futures.ThreadPoolExecutor(max_workers=2))
+    client_pb2_grpc.add_OmnirailServicer_to_server(servicer, server)
+    port = server.add_insecure_port("127.0.0.1:0")
+    server.start()
+    yield f"127.0.0.1:{port}", servicer
+    server.stop(None)
+
+
+def test_requests_that_fit_alone_go_out_in_writes_under_the_limit(
+    sizes_address: tuple[str, _Sizes],
+) -> None:
+    import numpy as np
+
+    address, servicer = sizes_address
+    blob = np.ones(1_500_000, dtype=np.uint8)
+    with Client(address, timeout=30, max_message_mb=4) as client:
+        with futures.ThreadPoolExecutor(6) as pool:
+            done = list(pool.map(lambda i: client.generate({"i": i, "blob": blob}), range(6)))
+        assert len(done) == 6
+        with pytest.raises(OmniError) as info:
+            client.generate({"blob": np.ones(5 << 20, dtype=np.uint8)})
+        assert info.value.code == Code.RESOURCE_EXHAUSTED
+        client.generate({"after": 1})  # the session is whole
+    assert max(servicer.sizes) <= 4 << 20
+
+
+def test_the_async_client_splits_writes_and_fails_an_oversized_request_alone(
+    sizes_address: tuple[str, _Sizes],
+) -> None:
+    import numpy as np
+
+    address, servicer = sizes_address
+    blob = np.ones(1_500_000, dtype=np.uint8)
+
+    async def main() -> None:
+        async with AsyncClient(address, timeout=30, max_message_mb=4) as client:
+            big = asyncio.ensure_future(client.generate({"blob": np.ones(5 << 20, np.uint8)}))
+            results = await asyncio.gather(
+                *(client.generate({"i": i, "b": blob}) for i in range(6))
+            )
+            assert len(results) == 6
+            with pytest.raises(OmniError) as info:
+                await big
+            assert info.value.code == Code.RESOURCE_EXHAUSTED
+
+    asyncio.run(main())
+    assert len(servicer.sizes) >= 3 and max(servicer.sizes) <= 4 << 20

@@ -1,0 +1,138 @@
+"""`security:`, a pipeline's TLS, client tokens and mesh membership.
+
+    security:
+      tls:
+        cert: certs/mesh.pem        # the chain every service presents (PEM)
+        key: certs/mesh.key
+        ca: certs/ca.pem            # what peers are verified against
+        mutual: true                # stages' servers require a certificate from `ca`
+      tokens_file: secrets/tokens   # bearer tokens the client API accepts, one per line
+      mesh_secret_file: secrets/mesh  # what a stage shows to Attach and Deliver
+
+Relative paths are relative to the config file. Every field can be set (or overridden) by
+the environment the services start with, which is how `omnirail up --tls auto` and
+`omnirail compose --tls` hand generated material to every process: `OMNIRAIL_TLS_CERT`,
+`OMNIRAIL_TLS_KEY`, `OMNIRAIL_TLS_CA`, `OMNIRAIL_TLS_MUTUAL` (1/0),
+`OMNIRAIL_TLS_SERVER_NAME`, `OMNIRAIL_TOKENS_FILE`, `OMNIRAIL_TOKENS_ENV`,
+`OMNIRAIL_MESH_SECRET_FILE`. Only file paths and variable names live in the config: the
+secrets themselves never do, so the config can be logged and shared.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Mapping
+from pathlib import Path
+
+from pydantic import BaseModel, ConfigDict, Field, model_validator
+
+ENV_CERT = "OMNIRAIL_TLS_CERT"
+ENV_KEY = "OMNIRAIL_TLS_KEY"
+ENV_CA = "OMNIRAIL_TLS_CA"
+ENV_MUTUAL = "OMNIRAIL_TLS_MUTUAL"
+ENV_SERVER_NAME = "OMNIRAIL_TLS_SERVER_NAME"
+ENV_TOKENS_FILE = "OMNIRAIL_TOKENS_FILE"
+ENV_TOKENS_ENV = "OMNIRAIL_TOKENS_ENV"
+ENV_MESH_SECRET_FILE = "OMNIRAIL_MESH_SECRET_FILE"
+SECURITY_ENV = (
+    ENV_CERT,
+    ENV_KEY,
+    ENV_CA,
+    ENV_MUTUAL,
+    ENV_SERVER_NAME,
+    ENV_TOKENS_FILE,
+    ENV_TOKENS_ENV,
+    ENV_MESH_SECRET_FILE,
+)
+
+
+def _path(default: str | None = None) -> str | None:
+    return Field(default, min_length=1, max_length=4096)  # type: ignore[no-any-return]
+
+
+class _Model(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+
+class TLSConfig(_Model):
+    cert: str = Field(min_length=1, max_length=4096)
+    key: str = Field(min_length=1, max_length=4096)
+    # Without it peers are verified against the system's roots (a public CA's certificates).
+    ca: str | None = _path()
+    # Mesh-internal servers (the stages') require a client certificate signed by `ca`. The
+    # coordinator's port also serves clients, who have no certificate: there membership is
+    # the mesh secret (see `SecurityConfig.mesh_secret_file`).
+    mutual: bool = False
+    # The name the servers' certificate is checked against when it is not the dialled host
+    # (a certificate for "omnirail.internal" served on 10.0.0.5).
+    server_name: str | None = Field(None, min_length=1, max_length=253)
+
+    @model_validator(mode="after")
+    def _mutual_needs_ca(self) -> TLSConfig:
+        if self.mutual and self.ca is None:
+            raise ValueError("mutual: needs ca (the CA client certificates are checked against)")
+        return self
+
+
+class SecurityConfig(_Model):
+    tls: TLSConfig | None = None
+    # Bearer tokens the client API accepts: a file with one per line (# comments), and/or
+    # the name of an environment variable holding one.
+    tokens_file: str | None = _path()
+    tokens_env: str | None = Field(None, pattern=r"^[A-Za-z_][A-Za-z0-9_]{0,127}$")
+    # The mesh's membership secret: stages present it when they Attach and Deliver.
+    mesh_secret_file: str | None = _path()
+
+    @property
+    def enabled(self) -> bool:
+        return bool(self.tls or self.tokens_file or self.tokens_env or self.mesh_secret_file)
+
+    def resolved(self, base_dir: str | None) -> SecurityConfig:
+        """Paths made absolute against `base_dir` (the config file's folder)."""
+
+        def absolute(path: str | None) -> str | None:
+            if path is None or base_dir is None:
+                return path
+            return str(Path(base_dir, path)) if not os.path.isabs(path) else path
+
+        tls = self.tls
+        if tls is not None:
+            tls = tls.model_copy(
+                update={
+                    "cert": absolute(tls.cert),
+                    "key": absolute(tls.key),
+                    "ca": absolute(tls.ca),
+                }
+            )
+        return self.model_copy(
+            update={
+                "tls": tls,
+                "tokens_file": absolute(self.tokens_file),
+                "mesh_secret_file": absolute(self.mesh_secret_file),
+            }
+        )
+
+    def with_environment(self, environ: Mapping[str, str]) -> SecurityConfig:
+        """This config with what `environ` sets (OMNIRAIL_TLS_* and friends) on top."""
+        data = self.model_dump()
+        tls = dict(data.get("tls") or {})
+        for env, field in (
+            (ENV_CERT, "cert"),
+            (ENV_KEY, "key"),
+            (ENV_CA, "ca"),
+            (ENV_SERVER_NAME, "server_name"),
+        ):
+            if environ.get(env):
+                tls[field] = environ[env]
+        if environ.get(ENV_MUTUAL):
+            tls["mutual"] = environ[ENV_MUTUAL].strip().lower() in ("1", "true", "yes")
+        if tls:
+            data["tls"] = tls
+        for env, field in (
+            (ENV_TOKENS_FILE, "tokens_file"),
+            (ENV_TOKENS_ENV, "tokens_env"),
+            (ENV_MESH_SECRET_FILE, "mesh_secret_file"),
+        ):
+            if environ.get(env):
+                data[field] = environ[env]
+        return SecurityConfig.model_validate(data)

@@ -1,0 +1,317 @@
+"""TLS credentials, bearer tokens and mesh membership for every gRPC hop.
+
+One `MeshSecurity` per process, built from the pipeline's `security:` section with the
+environment on top (see `omnirail.config.security`). It reads every file once, at start,
+and fails then with the file named, not at the first request.
+
+Who must prove what, by method:
+- ``grpc.health.v1.Health``: nobody (probes from compose, Kubernetes and `omnirail status`
+  carry no credentials; health says nothing a stranger could use).
+- ``omnirail.v1.Coordinator`` (Attach) and ``omnirail.v1.Stage`` (Deliver): mesh members,
+  by the mesh secret in ``omnirail-mesh-secret`` metadata; with ``tls.mutual`` the stages'
+  servers also require a client certificate from the mesh CA.
+- everything else (the client API, reflection, the front doors): a bearer token in
+  ``authorization: Bearer <token>`` metadata, when tokens are configured.
+Secrets are compared as SHA-256 digests with `hmac.compare_digest` against every accepted
+value, so neither a token's content nor its length shows in the time an answer takes, and
+they never appear in a log line or an error.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import hmac
+import logging
+import os
+import time
+from collections.abc import Awaitable, Callable, Mapping, Sequence
+from typing import Any
+
+import grpc
+
+from omnirail.config import PipelineConfig
+from omnirail.config.security import SecurityConfig
+
+log = logging.getLogger(__name__)
+
+MESH_SECRET_KEY = "omnirail-mesh-secret"
+AUTHORIZATION_KEY = "authorization"
+# Token files are small; a bound keeps a mistaken path (a disk image) from being read.
+_MAX_SECRET_FILE = 1 << 20
+_NAME_OVERRIDE = "grpc.ssl_target_name_override"
+_OPEN_PREFIXES = ("/grpc.health.v1.Health/",)
+_MESH_PREFIXES = ("/omnirail.v1.Coordinator/", "/omnirail.v1.Stage/")
+
+
+class SecurityError(ValueError):
+    """Security material that cannot be used: a missing or unreadable file, an empty one."""
+
+
+def _read(path: str, what: str) -> bytes:
+    try:
+        with open(path, "rb") as f:
+            data = f.read(_MAX_SECRET_FILE + 1)
+    except OSError as exc:
+        raise SecurityError(f"{what} {path!r}: {exc.strerror or exc}") from None
+    if len(data) > _MAX_SECRET_FILE:
+        raise SecurityError(f"{what} {path!r}: larger than {_MAX_SECRET_FILE} bytes")
+    if not data.strip():
+        raise SecurityError(f"{what} {path!r}: empty")
+    return data
+
+
+def _digest(secret: str | bytes) -> bytes:
+    raw = secret.encode() if isinstance(secret, str) else secret
+    return hashlib.sha256(raw).digest()
+
+
+def _lines(data: bytes, what: str, path: str) -> list[bytes]:
+    """The secrets of a file: one per line, blank lines and # comments skipped."""
+    out = []
+    for line in data.splitlines():
+        line = line.strip()
+        if line and not line.startswith(b"#"):
+            out.append(line)
+    if not out:
+        raise SecurityError(f"{what} {path!r}: no secret in it (only blank or # lines)")
+    return out
+
+
+def _secrets(path: str, what: str) -> list[bytes]:
+    return _lines(_read(path, what), what, path)
+
+
+class SecretSet:
+    """Accepted secrets, kept as digests; `matches` takes the same time whichever matches."""
+
+    def __init__(self, secrets: Sequence[bytes]) -> None:
+        self._digests = [_digest(s) for s in secrets]
+
+    def __bool__(self) -> bool:
+        return bool(self._digests)
+
+    def matches(self, presented: str | bytes) -> bool:
+        digest = _digest(presented)
+        found = False
+        for accepted in self._digests:  # no early exit: every entry is compared
+            found |= hmac.compare_digest(digest, accepted)
+        return found
+
+
+class MeshSecurity:
+    """What one process needs to serve and dial securely."""
+
+    def __init__(self, config: SecurityConfig | None, environ: Mapping[str, str] | None = None):
+        environ = os.environ if environ is None else environ
+        config = (config or SecurityConfig()).with_environment(environ)
+        self.config = config
+        tls = config.tls
+        self.tls = tls is not None
+        self.mutual = bool(tls and tls.mutual)
+        self._cert = _read(tls.cert, "tls.cert") if tls else None
+        self._key = _read(tls.key, "tls.key") if tls else None
+        self._ca = _read(tls.ca, "tls.ca") if tls and tls.ca else None
+        self.server_name = tls.server_name if tls else None
+        tokens: list[bytes] = []
+        if config.tokens_file:
+            tokens += _secrets(config.tokens_file, "tokens_file")
+        if config.tokens_env:
+            value = environ.get(config.tokens_env, "").strip()
+            if not value:
+                raise SecurityError(f"tokens_env: ${config.tokens_env} is not set or empty")
+            tokens.append(value.encode())
+        self.tokens = SecretSet(tokens)
+        secret = None
+        if config.mesh_secret_file:
+            secret = _secrets(config.mesh_secret_file, "mesh_secret_file")[0]
+        self._mesh_secret = secret
+        self.mesh_secrets = SecretSet([secret] if secret else [])
+
+    @property
+    def enabled(self) -> bool:
+        return self.tls or bool(self.tokens) or self._mesh_secret is not None
+
+    # ---- serving -------------------------------------------------------------
+
+    def server_credentials(self, *, internal: bool) -> grpc.ServerCredentials | None:
+        """TLS for a server; `internal` (a stage's server) requires client certificates
+        when the mesh is mutual. None: plaintext."""
+        if not self.tls:
+            return None
+        assert self._key is not None and self._cert is not None
+        require = internal and self.mutual
+        return grpc.ssl_server_credentials(
+            [(self._key, self._cert)],
+            root_certificates=self._ca if require else None,
+            require_client_auth=require,
+        )
+
+    def interceptor(self) -> grpc.aio.ServerInterceptor | None:
+        if not self.tokens and not self.mesh_secrets:
+            return None
+        return AuthInterceptor(self.tokens, self.mesh_secrets)
+
+    # ---- dialling ------------------------------------------------------------
+
+    def channel_credentials(self) -> grpc.ChannelCredentials | None:
+        """TLS for a mesh-internal channel (with this process's certificate when mutual)."""
+        if not self.tls:
+            return None
+        if self.mutual:
+            return grpc.ssl_channel_credentials(self._ca, self._key, self._cert)
+        return grpc.ssl_channel_credentials(self._ca)
+
+    def channel_options(self) -> list[tuple[str, Any]]:
+        if self.tls and self.server_name:
+            return [(_NAME_OVERRIDE, self.server_name)]
+        return []
+
+    def mesh_metadata(self) -> tuple[tuple[str, str], ...]:
+        """What a stage sends with Attach and Deliver to show it belongs."""
+        if self._mesh_secret is None:
+            return ()
+        return ((MESH_SECRET_KEY, self._mesh_secret.decode()),)
+
+    def client_token(self) -> str | None:
+        """A token for this process's own client calls (the CLI's), if tokens are set."""
+        if self.config.tokens_file:
+            return _secrets(self.config.tokens_file, "tokens_file")[0].decode()
+        if self.config.tokens_env:
+            return os.environ.get(self.config.tokens_env) or None
+        return None
+
+
+def secure_channel(
+    address: str,
+    credentials: grpc.ChannelCredentials | None,
+    options: Sequence[tuple[str, Any]],
+    *,
+    aio: bool,
+) -> Any:
+    """`address` dialled with TLS when `credentials` are given, plaintext otherwise."""
+    module: Any = grpc.aio if aio else grpc
+    if credentials is None:
+        return module.insecure_channel(address, options=list(options))
+    options = list(options)
+    if address.startswith("unix:") and not any(k == _NAME_OVERRIDE for k, _ in options):
+        # grpc checks a unix socket's certificate against the socket's path; the mesh's
+        # certificates name "localhost" for local peers.
+        options.append((_NAME_OVERRIDE, "localhost"))
+    return module.secure_channel(address, credentials, options=options)
+
+
+class _Throttled:
+    """At most one log line a second per kind of refusal; the rest are counted."""
+
+    def __init__(self) -> None:
+        self._last: dict[str, float] = {}
+        self._muted: dict[str, int] = {}
+
+    def warn(self, kind: str, message: str, *args: object) -> None:
+        now = time.monotonic()
+        if now - self._last.get(kind, 0.0) < 1.0:
+            self._muted[kind] = self._muted.get(kind, 0) + 1
+            return
+        muted = self._muted.pop(kind, 0)
+        self._last[kind] = now
+        suffix = f" ({muted} more refused since the last line)" if muted else ""
+        log.warning(message + suffix, *args)
+
+
+def _metadata(details: grpc.HandlerCallDetails, key: str) -> str | None:
+    for k, v in details.invocation_metadata or ():  # type: ignore[attr-defined]
+        if k == key:
+            return v if isinstance(v, str) else None
+    return None
+
+
+def _refuse(
+    handler: grpc.RpcMethodHandler | None, code: grpc.StatusCode, message: str
+) -> grpc.RpcMethodHandler | None:
+    """A handler of `handler`'s kind that answers `code` without running anything."""
+    if handler is None:
+        return None
+
+    async def unary(request: Any, context: grpc.aio.ServicerContext) -> None:
+        await context.abort(code, message)
+
+    async def streaming(request: Any, context: grpc.aio.ServicerContext) -> Any:
+        await context.abort(code, message)
+        yield  # an async generator, as stream-response handlers are
+
+    kinds: dict[tuple[bool, bool], Callable[..., grpc.RpcMethodHandler]] = {
+        (False, False): grpc.unary_unary_rpc_method_handler,
+        (False, True): grpc.unary_stream_rpc_method_handler,
+        (True, False): grpc.stream_unary_rpc_method_handler,
+        (True, True): grpc.stream_stream_rpc_method_handler,
+    }
+    kind = (handler.request_streaming, handler.response_streaming)
+    return kinds[kind](
+        streaming if handler.response_streaming else unary,
+        request_deserializer=handler.request_deserializer,
+        response_serializer=handler.response_serializer,
+    )
+
+
+class AuthInterceptor(grpc.aio.ServerInterceptor):
+    """Checks each call's credentials against its method's policy (see the module doc)."""
+
+    def __init__(self, tokens: SecretSet, mesh_secrets: SecretSet) -> None:
+        self._tokens = tokens
+        self._mesh = mesh_secrets
+        self._log = _Throttled()
+
+    async def intercept_service(
+        self,
+        continuation: Callable[[grpc.HandlerCallDetails], Awaitable[grpc.RpcMethodHandler]],
+        details: grpc.HandlerCallDetails,
+    ) -> grpc.RpcMethodHandler | None:
+        method: str = details.method  # type: ignore[attr-defined]
+        refusal = self.check(method, details)
+        handler = await continuation(details)
+        if refusal is None:
+            return handler
+        return _refuse(handler, grpc.StatusCode.UNAUTHENTICATED, refusal)
+
+    def check(self, method: str, details: grpc.HandlerCallDetails) -> str | None:
+        """None when the call may go on; otherwise why not (for the caller)."""
+        if method.startswith(_OPEN_PREFIXES):
+            return None
+        if method.startswith(_MESH_PREFIXES):
+            if not self._mesh:
+                return None
+            secret = _metadata(details, MESH_SECRET_KEY)
+            if secret is not None and self._mesh.matches(secret):
+                return None
+            # A stranger trying to join or feed the mesh: always worth a line.
+            self._log.warn(
+                "mesh", "refused %s: %s mesh secret", method, "wrong" if secret else "no"
+            )
+            return "not a member of this mesh: a valid mesh secret is required"
+        if not self._tokens:
+            return None
+        header = _metadata(details, AUTHORIZATION_KEY)
+        if header is None:
+            self._log.warn("token", "refused %s: no bearer token", method)
+            return "missing bearer token: send metadata 'authorization: Bearer <token>'"
+        scheme, _, token = header.partition(" ")
+        if scheme.lower() != "bearer" or not token.strip():
+            self._log.warn("token", "refused %s: authorization is not a bearer token", method)
+            return "authorization metadata must be 'Bearer <token>'"
+        if not self._tokens.matches(token.strip()):
+            self._log.warn("token", "refused %s: wrong bearer token", method)
+            return "invalid bearer token"
+        return None
+
+
+def token_metadata(token: str | None) -> tuple[tuple[str, str], ...]:
+    """Call metadata carrying `token` (none without one)."""
+    return ((AUTHORIZATION_KEY, f"Bearer {token}"),) if token else ()
+
+
+def mesh_security(
+    pipeline: PipelineConfig, environ: Mapping[str, str] | None = None
+) -> MeshSecurity:
+    """The security of a process of `pipeline`: its `security:` section, paths relative to
+    its file, the environment on top."""
+    return MeshSecurity(pipeline.security.resolved(pipeline.source_dir), environ)
