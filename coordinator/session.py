@@ -17,6 +17,7 @@ import grpc
 
 from omnirail.coordinator.requests import RequestRecord, State
 from omnirail.transport.grpc_server import write_until_read_ends
+from omnirail.transport.malformed import is_malformed, malformed_message
 from omnirail.v1 import client_pb2
 from omnirail.wire.errors import Code, OmniError, internal, invalid
 
@@ -58,8 +59,13 @@ async def serve_session(
             err = rec.error or internal("request ended without a result")
             emit(client_pb2.SessionEvent(request_id=rec.request_id, error=err.to_proto()))
 
+    malformed: list[str] = []
+
     async def read() -> None:
         while (msg := await context.read()) is not grpc.aio.EOF:
+            if is_malformed(msg):  # a broken client: the session ends, requests with it
+                malformed.append(malformed_message("/omnirail.v1.Omnirail/Session", msg))
+                return
             for request in msg.generate:
                 if not request.request_id:
                     error = invalid("request_id: required in a Session")
@@ -89,6 +95,8 @@ async def serve_session(
 
     try:
         await write_until_read_ends(context, read(), wake, take)
+        if malformed:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, malformed[0])
     finally:
         for rid in list(mine):
             rec = requests.live.get(rid)

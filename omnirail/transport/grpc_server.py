@@ -13,6 +13,7 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
 from omnirail.transport.deliver import channel_options
+from omnirail.transport.malformed import MalformedGuard
 from omnirail.transport.security import MeshSecurity
 
 log = logging.getLogger(__name__)
@@ -29,11 +30,12 @@ def create_server(
 ) -> tuple[grpc.aio.Server, health.aio.HealthServicer]:
     """An aio server with grpc.health.v1 and reflection for `service_names` installed;
     with `security`, every call is checked against its method's policy first."""
-    interceptor = security.interceptor() if security is not None else None
-    server = grpc.aio.server(
-        options=channel_options(max_message_bytes),
-        interceptors=[interceptor] if interceptor is not None else None,
-    )
+    # Credentials first: a stranger's bytes are not even parsed.
+    interceptors: list[grpc.aio.ServerInterceptor] = []
+    if security is not None and (auth := security.interceptor()) is not None:
+        interceptors.append(auth)
+    interceptors.append(MalformedGuard())
+    server = grpc.aio.server(options=channel_options(max_message_bytes), interceptors=interceptors)
     health_servicer = health.aio.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
     names = [*service_names, health.SERVICE_NAME, reflection.SERVICE_NAME]

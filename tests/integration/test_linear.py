@@ -195,6 +195,31 @@ def test_oversized_input_is_resource_exhausted(client: Client) -> None:
     assert info.value.code == Code.RESOURCE_EXHAUSTED
 
 
+def test_bodies_that_are_not_protobuf_are_invalid_argument(
+    linear_mesh: Mesh, client: Client
+) -> None:
+    garbage = b"\xff\xff\xff"
+    with grpc.insecure_channel(linear_mesh.address or "") as channel:
+        calls = {
+            "/omnirail.v1.Omnirail/Submit": lambda m: channel.unary_unary(m)(garbage, timeout=10),
+            "/omnirail.v1.Omnirail/Generate": lambda m: list(
+                channel.unary_stream(m)(garbage, timeout=10)
+            ),
+            "/omnirail.v1.Omnirail/Session": lambda m: list(
+                channel.stream_stream(m)(iter([garbage]), timeout=10)
+            ),
+            "/omnirail.v1.Coordinator/Attach": lambda m: list(
+                channel.stream_stream(m)(iter([garbage]), timeout=10)
+            ),
+        }
+        for method, call in calls.items():
+            with pytest.raises(grpc.RpcError) as info:
+                call(method)
+            assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT, method
+            assert "not a valid protobuf message" in (info.value.details() or ""), method
+    assert client.generate({"n": 3}).output["n"] == 3
+
+
 def test_a_request_over_the_message_limit_fails_alone(client: Client) -> None:
     """65 MiB through the SDK while three requests share its Session: only it fails."""
     import numpy as np
