@@ -56,10 +56,12 @@ def _percentile(values: list[float], q: float) -> float:
     return ordered[min(len(ordered) - 1, round(q * (len(ordered) - 1)))]
 
 
-async def _throughput(address: str, total: int, concurrency: int) -> float:
+async def _throughput(
+    address: str, total: int, concurrency: int, options: dict[str, Any] | None = None
+) -> float:
     from omnirail.client.sdk import AsyncClient
 
-    async with AsyncClient(address, timeout=60) as client:
+    async with AsyncClient(address, timeout=60, **(options or {})) as client:
         counter = iter(range(total))
 
         async def worker() -> None:
@@ -79,16 +81,20 @@ TRACING_ENV = {
 }
 
 
-def _latencies(address: str, requests: int, payload_bytes: int) -> list[float]:
-    return aio.run(_sequential(address, requests, payload_bytes))
+def _latencies(
+    address: str, requests: int, payload_bytes: int, options: dict[str, Any] | None = None
+) -> list[float]:
+    return aio.run(_sequential(address, requests, payload_bytes, options))
 
 
-async def _sequential(address: str, requests: int, payload_bytes: int) -> list[float]:
+async def _sequential(
+    address: str, requests: int, payload_bytes: int, options: dict[str, Any] | None = None
+) -> list[float]:
     # The async client on the services' own loop (uvloop): it has fewer thread hand-offs
     # per call than the blocking client, so the figure is the mesh's, not the SDK's.
     from omnirail.client.sdk import AsyncClient
 
-    async with AsyncClient(address, timeout=60) as client:
+    async with AsyncClient(address, timeout=60, **(options or {})) as client:
         for i in range(50):  # warm pools, channels and code paths
             await client.generate({"i": i})
         latencies = []
@@ -102,11 +108,17 @@ async def _sequential(address: str, requests: int, payload_bytes: int) -> list[f
 
 
 def _round(
-    address: str, requests: int, payload_bytes: int, throughput_requests: int, concurrency: int
+    address: str,
+    requests: int,
+    payload_bytes: int,
+    throughput_requests: int,
+    concurrency: int,
+    options: dict[str, Any] | None = None,
 ) -> tuple[float, float, float]:
-    """One round on a mesh: sequential latency p50 and p99 (ms), then throughput (rps)."""
-    latencies = _latencies(address, requests, payload_bytes)
-    rps = aio.run(_throughput(address, throughput_requests, concurrency))
+    """One round on a mesh: sequential latency p50 and p99 (ms), then throughput (rps);
+    `options`: the client's TLS and token, for a secured mesh."""
+    latencies = _latencies(address, requests, payload_bytes, options)
+    rps = aio.run(_throughput(address, throughput_requests, concurrency, options))
     return (
         round(statistics.median(latencies), 3),
         round(_percentile(latencies, 0.99), 3),

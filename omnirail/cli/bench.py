@@ -139,6 +139,21 @@ def _run(args: argparse.Namespace) -> dict[str, Any]:
             seed=args.seed,
             progress=progress(args.json),
         )
+    elif args.tls:
+        from omnirail.bench.tls_bench import run_tls_bench
+
+        report = run_tls_bench(
+            stages=args.stages,
+            payload_bytes=args.payload_bytes,
+            requests=300 if args.requests is None else args.requests,
+            concurrency=_one_level(args, 64),
+            throughput_requests=args.throughput_requests,
+            stage_ms=args.stage_ms,
+            pin=args.pin,
+            rounds=max(args.rounds, 3),
+            tcp=args.tls_tcp,
+            progress=progress(args.json),
+        )
     elif args.replicas > 1:
         from omnirail.bench.balance_bench import run_balance_bench
 
@@ -314,6 +329,15 @@ def add_bench_parser(sub: Any) -> None:
     )
     chaos.add_argument(
         "--live", type=int, default=64, help="overload: the mesh's max_live_requests"
+    )
+    b.add_argument(
+        "--tls",
+        action="store_true",
+        help="pipeline: a plaintext mesh against one with --tls auto and a client token, "
+        "interleaved (at least 3 rounds)",
+    )
+    b.add_argument(
+        "--tls-tcp", action="store_true", help="pipeline --tls: both meshes over TCP loopback"
     )
     b.add_argument(
         "--fused",
