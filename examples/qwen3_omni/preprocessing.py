@@ -67,9 +67,11 @@ def parse_request(
     """(messages with checked parts, options); ValueError names the first bad field."""
     if not isinstance(inputs, dict):
         raise ValueError(f"inputs: expected an object, got {type(inputs).__name__}")
-    unknown = _names(set(inputs) - _KNOWN)
+    unknown = set(inputs) - _KNOWN
     if unknown:
-        raise ValueError(f"inputs: unknown fields {unknown}; expected some of {sorted(_KNOWN)}")
+        raise ValueError(
+            f"inputs: unknown fields {_names(unknown)}; expected some of {sorted(_KNOWN)}"
+        )
     if "messages" in inputs:
         given = sorted(_SHORTHAND & set(inputs))
         if given:
@@ -175,9 +177,9 @@ def _part(part: Any, where: str, prefix: str | None = None) -> dict[str, Any]:
         )
     field = (lambda name: f"{prefix}.{name}") if prefix else (lambda name: f"{where}.{name}")
     allowed = {"type", kind} | ({"sample_rate"} if kind == "audio" else set())
-    extra = _names(set(part) - allowed)
+    extra = set(part) - allowed
     if extra:
-        raise ValueError(f"{where}: unknown fields {extra} for a {kind} part")
+        raise ValueError(f"{where}: unknown fields {_names(extra)} for a {kind} part")
     if kind == "text":
         text = part.get("text")
         if not isinstance(text, str) or not text.strip():
