@@ -35,6 +35,8 @@ def cmd_compose(args: argparse.Namespace) -> int:
         resolve=not args.no_resolve,
         model_dirs=tuple(ModelDir.parse(d) for d in args.model_dir),
         check_model_dirs=not args.no_check_model_dir,
+        tls_dir=Path(args.tls) if args.tls else None,
+        tokens_file=Path(args.tokens_file) if args.tokens_file else None,
     )
     bundle = generate(args.file, Path(args.output) if args.output else None, options)
     for path in write_bundle(bundle):
@@ -95,5 +97,19 @@ def add_compose_parser(sub: Any) -> None:
         "--no-check-model-dir",
         action="store_true",
         help="do not require the model directories to exist here (they will where compose runs)",
+    )
+    k.add_argument(
+        "--tls",
+        default=None,
+        metavar="DIR",
+        help="TLS on every hop (mutual inside the mesh) and a mesh secret: the material in "
+        "DIR, made there (a throwaway CA naming every service) when DIR holds none; mounted "
+        "read-only into every omnirail service",
+    )
+    k.add_argument(
+        "--tokens-file",
+        default=None,
+        metavar="FILE",
+        help="with --tls: bearer tokens the coordinator's client API accepts, one per line",
     )
     k.set_defaults(fn=cmd_compose)

@@ -56,17 +56,30 @@ def _san(hosts: Iterable[str]) -> x509.SubjectAlternativeName:
     return x509.SubjectAlternativeName(names)
 
 
-def _write(path: Path, data: bytes, private: bool) -> None:
+def _write(path: Path, data: bytes, private: bool, gid: int | None) -> None:
     flags = os.O_WRONLY | os.O_CREAT | os.O_TRUNC
-    fd = os.open(path, flags, 0o600 if private else 0o644)
+    mode = (0o640 if gid is not None else 0o600) if private else 0o644
+    fd = os.open(path, flags, mode)
     with os.fdopen(fd, "wb") as f:
+        if gid is not None:
+            os.fchown(f.fileno(), -1, gid)
+        os.fchmod(f.fileno(), mode)  # also when the file was there before
         f.write(data)
 
 
-def make_mesh_material(folder: str | Path, hosts: Iterable[str] = ()) -> dict[str, Path]:
-    """Writes a fresh CA, mesh certificate and key, and mesh secret into `folder`."""
+def make_mesh_material(
+    folder: str | Path, hosts: Iterable[str] = (), reader_gid: int | None = None
+) -> dict[str, Path]:
+    """Writes a fresh CA, mesh certificate and key, and mesh secret into `folder`.
+
+    `reader_gid`: the group that may also read the key and the secret (a container's user,
+    which a bind mount shows the host's owners and modes); only the owner otherwise.
+    """
     out = Path(folder)
     out.mkdir(parents=True, exist_ok=True, mode=0o700)
+    if reader_gid is not None:
+        os.chown(out, -1, reader_gid)
+        out.chmod(0o750)
     now = datetime.datetime.now(datetime.UTC)
     start, end = now - datetime.timedelta(minutes=5), now + datetime.timedelta(days=_VALID_DAYS)
     ca_key = ec.generate_private_key(ec.SECP256R1())
@@ -117,13 +130,14 @@ def make_mesh_material(folder: str | Path, hosts: Iterable[str] = ()) -> dict[st
     )
     pem = serialization.Encoding.PEM
     paths = {name: out / name for name in MATERIAL}
-    _write(paths[CA_FILE], ca.public_bytes(pem), private=False)
-    _write(paths[CERT_FILE], cert.public_bytes(pem), private=False)
+    _write(paths[CA_FILE], ca.public_bytes(pem), private=False, gid=reader_gid)
+    _write(paths[CERT_FILE], cert.public_bytes(pem), private=False, gid=reader_gid)
     key_pem = key.private_bytes(
         pem, serialization.PrivateFormat.PKCS8, serialization.NoEncryption()
     )
-    _write(paths[KEY_FILE], key_pem, private=True)
-    _write(paths[SECRET_FILE], secrets.token_urlsafe(32).encode() + b"\n", private=True)
+    _write(paths[KEY_FILE], key_pem, private=True, gid=reader_gid)
+    secret = secrets.token_urlsafe(32).encode() + b"\n"
+    _write(paths[SECRET_FILE], secret, private=True, gid=reader_gid)
     return paths
 
 

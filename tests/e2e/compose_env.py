@@ -104,16 +104,19 @@ class Project:
 
 
 @contextmanager
-def running(project: Project, address: str, ready_timeout: float = 300) -> Iterator[Project]:
+def running(
+    project: Project, address: str, ready_timeout: float = 300, **client: Any
+) -> Iterator[Project]:
     """`docker-compose up -d` from the built image, until every stage has attached at
-    `address`; afterwards (or on any failure, with the logs printed) `down`, and no
-    container or network of the project may be left."""
+    `address` (`client`: the Client's TLS and token for a secured deployment); afterwards
+    (or on any failure, with the logs printed) `down`, and no container or network of the
+    project may be left."""
     from omnirail import Client
 
     try:
         project.compose("up", "-d", "--no-build", timeout=600)
-        with Client(address, timeout=60) as client:
-            client.wait_ready(timeout=ready_timeout)
+        with Client(address, timeout=60, **client) as ready:
+            ready.wait_ready(timeout=ready_timeout)
         yield project
     except BaseException:
         print(project.logs())

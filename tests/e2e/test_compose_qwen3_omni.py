@@ -6,8 +6,10 @@ tokens, streaming text and audio."""
 
 from __future__ import annotations
 
+import os
 import random
 import re
+import secrets
 import subprocess
 import sys
 from collections.abc import Iterator
@@ -28,6 +30,8 @@ pytestmark = [pytest.mark.slow, pytest.mark.timeout(2400)]
 PORT = 50071
 MAX_NEW_TOKENS = 8
 TALKER_TOKENS = 12
+TOKEN = "e2e-" + secrets.token_hex(16)
+CLIENT: dict[str, Any] = {"token": TOKEN}  # and "tls": the CA, once made
 MODEL_STAGES = ("image-encoder", "audio-encoder", "thinker", "talker", "code2wav")
 
 
@@ -47,9 +51,15 @@ def project(model: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[P
     where = tmp_path_factory.mktemp("qwen3_omni_compose")
     pipeline = write_pipeline(where / "qwen3_omni", str(model), MAX_NEW_TOKENS, TALKER_TOKENS)
     out = where / "docker-compose.yml"
+    # Secured: TLS on every hop (mutual inside), a mesh secret, a client token.
+    tokens = where / "tokens"
+    tokens.write_text(TOKEN + "\n")
+    os.chown(tokens, -1, 10001)  # the image's group may read it, nobody else
+    tokens.chmod(0o640)
     command = [
         str(Path(sys.executable).parent / "omnirail"), "compose", str(pipeline), "-o", str(out),
         "--coordinator-port", str(PORT), "--build-context", "none",
+        "--tls", str(where / "tls"), "--tokens-file", str(tokens),
     ]  # fmt: skip
     # save_pretrained writes the shards 0600: compose refuses what the image's user could
     # not read, naming the file and the fix, rather than the stages failing once started.
@@ -60,13 +70,14 @@ def project(model: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[P
     subprocess.run(["chmod", "-R", "a+rX", str(model)], check=True)
     subprocess.run(command, check=True, capture_output=True, text=True, cwd=compose_env.ROOT)
     proj = Project(f"omnirail-e2e-qwen3-{random.getrandbits(24):06x}", env, out)
-    with compose_env.running(proj, f"localhost:{PORT}", ready_timeout=600):
+    CLIENT["tls"] = str(where / "tls" / "ca.pem")
+    with compose_env.running(proj, f"localhost:{PORT}", ready_timeout=600, **CLIENT):
         yield proj
 
 
 def _stream(request: dict[str, Any]) -> tuple[dict[str, list], Any]:
     chunks: dict[str, list] = {}
-    with Client(f"localhost:{PORT}", timeout=300, tensors="numpy") as client:
+    with Client(f"localhost:{PORT}", timeout=300, tensors="numpy", **CLIENT) as client:
         for event in client.stream(request):
             if isinstance(event, Chunk):
                 chunks.setdefault(event.modality, []).append(event.data)
@@ -111,3 +122,23 @@ def test_model_stages_read_the_model_read_only(project: Project, model: Path) ->
     (coordinator,) = [n for n in names if re.search(r"[_-]coordinator[_-]\d+$", n)]
     with pytest.raises(compose_env.SetupError):
         project.podman("exec", coordinator, "ls", "/model")
+
+
+def test_the_secured_deployment_refuses_strangers(project: Project) -> None:
+    """Without the token, or without TLS, the published port refuses; the containers'
+    own health checks speak TLS (podman reports them healthy)."""
+    from omnirail import OmniError
+    from omnirail.wire.errors import Code
+
+    for options, code in (
+        ({"tls": CLIENT["tls"]}, Code.UNAUTHENTICATED),
+        ({"tls": CLIENT["tls"], "token": "wrong"}, Code.UNAUTHENTICATED),
+        ({"tls": False, "token": TOKEN}, Code.UNAVAILABLE),
+    ):
+        with Client(f"localhost:{PORT}", timeout=30, **options) as client:
+            with pytest.raises(OmniError) as info:
+                client.describe()
+            assert info.value.code == code, (options, info.value)
+    names = project.containers()
+    (coordinator,) = [n for n in names if re.search(r"[_-]coordinator[_-]\d+$", n)]
+    project.podman("healthcheck", "run", coordinator)  # raises unless healthy
