@@ -14,9 +14,11 @@ from __future__ import annotations
 
 import abc
 import dataclasses
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
+
+from google.protobuf.unknown_fields import UnknownFieldSet
 
 from omnirail.relay import registry
 from omnirail.relay.options import OptionsError, RelayOptions, parse_options
@@ -26,6 +28,35 @@ from omnirail.wire.payload import Packed
 
 class RelayError(RuntimeError):
     """A transfer cannot be done: bad descriptor, peer gone, closed relay."""
+
+
+def shown(value: str, limit: int = 80) -> str:
+    """`value` for an error message: repr'd and cut, since it may come from a peer (a
+    100 kB region name must not become a 100 kB log line)."""
+    return repr(value[:limit]) + ("..." if len(value) > limit else "")
+
+
+def check_descriptor(descriptor: object, backend: str) -> common_pb2.RelayDescriptor:
+    """`descriptor` if it is a descriptor for `backend` that carries nothing this version
+    does not read; RelayError otherwise. Every receiver calls it first, before any field
+    reaches a syscall or a lookup.
+
+    Refused besides the wrong type and backend: `extra` bytes and fields unknown to this
+    version's proto. No backend reads either, so a sender that set them expects something
+    this receiver would silently not do (fail closed rather than guess).
+    """
+    if type(descriptor) is not common_pb2.RelayDescriptor:
+        raise RelayError(
+            f"{backend} relay: expected a RelayDescriptor, got {type(descriptor).__name__}"
+        )
+    if descriptor.backend != backend:
+        raise RelayError(f"{backend} relay got a descriptor of backend {shown(descriptor.backend)}")
+    if descriptor.extra:
+        raise RelayError(f"{backend} relay: descriptor carries extra bytes it does not read")
+    # Unknown field numbers survive parsing (proto3 keeps them); ~0.1 us to look.
+    if len(UnknownFieldSet(descriptor)):
+        raise RelayError(f"{backend} relay: descriptor has fields this version does not know")
+    return descriptor
 
 
 OptionsT = TypeVar("OptionsT", bound=RelayOptions)
@@ -127,7 +158,10 @@ class Relay(abc.ABC):
 
     @abc.abstractmethod
     async def get(self, descriptor: common_pb2.RelayDescriptor) -> Received:
-        """Maps the bytes a descriptor names; raises RelayError for a bad descriptor."""
+        """Maps the bytes a descriptor names; raises RelayError for a bad descriptor.
+
+        The descriptor comes from a peer: whatever it holds, only RelayError may come out,
+        and a refused one leaves nothing mapped, open or allocated."""
 
     @abc.abstractmethod
     def cleanup(self, request_id: str) -> None:
@@ -151,7 +185,8 @@ class Relay(abc.ABC):
     # ---- peers: for backends whose receivers reach the sender by themselves ----------
     # The mesh publishes each process's `local_info()` through the coordinator (Attach,
     # then the topology it broadcasts) and hands every process the infos of all live
-    # processes with `set_peers`. Backends that need no exchange (shm, inline) keep these.
+    # processes with `set_peers`. shm announces its name prefix (receivers map only the
+    # segments of prefixes announced, and their own); inline keeps these.
 
     def local_info(self) -> bytes:
         """What peers need to reach this relay (msgpack, never pickle); b"": nothing."""
@@ -165,6 +200,16 @@ class Relay(abc.ABC):
     async def connect(self, timeout: float) -> None:
         """Returns once the backend can transfer (library up, rendezvous done); raises
         RelayError naming what is missing after `timeout` seconds."""
+        return None
+
+    def trust_peers(self, peer_ids: Iterable[str] | None) -> None:
+        """Restricts the peers this receiver fetches from to `peer_ids` (the ids in their
+        `local_info()`); None: every peer `set_peers` announces (the default). Peer infos
+        of other ids are ignored, and descriptors naming them are refused at once.
+
+        For whoever vouches for peers (the coordinator's registry). Backends whose
+        receivers reach no peer by themselves (shm: the name prefix bounds what it maps;
+        inline) ignore it."""
         return None
 
 

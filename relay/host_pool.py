@@ -101,6 +101,25 @@ class HostPool:
         if not self.closed:
             extent.segment.alloc.free(extent.offset, extent.size)
 
+    def trimmable(self, segment: HostSegment) -> bool:
+        """Whether `trim` would unmap `segment`: the newest segment, holding no extent."""
+        return (
+            not self.closed
+            and bool(self.segments)
+            and self.segments[-1] is segment
+            and not segment.alloc.used
+        )
+
+    def trim(self, segment: HostSegment) -> bool:
+        """Unmaps `segment` if `trimmable` (one grown for an allocation that was given back
+        at once: a receiver's failed get must not keep a segment sized by what a peer
+        claimed). Whether it went."""
+        if not self.trimmable(segment):
+            return False
+        self.segments.pop()
+        segment.close()
+        return True
+
     @property
     def nbytes(self) -> int:
         return sum(seg.size for seg in self.segments)

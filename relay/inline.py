@@ -13,6 +13,7 @@ from omnirail.relay.base import (
     RelayError,
     RelayHandle,
     RelaySettings,
+    shown,
 )
 from omnirail.relay.options import InlineOptions
 from omnirail.v1 import common_pb2
@@ -42,9 +43,12 @@ class InlineRelay(Relay):
         )
 
     async def get(self, descriptor: common_pb2.RelayDescriptor) -> Received:
-        raise RelayError(
-            f"the inline relay reads no descriptors (got one for {descriptor.backend!r})"
-        )
+        # Whatever came in (not even a descriptor, maybe), only RelayError goes out.
+        if type(descriptor) is common_pb2.RelayDescriptor:
+            what = f"one for {shown(descriptor.backend)}"
+        else:
+            what = f"a {type(descriptor).__name__}"
+        raise RelayError(f"the inline relay reads no descriptors (got {what})")
 
     def cleanup(self, request_id: str) -> None:
         pass

@@ -13,7 +13,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
-from omnirail.relay.base import Received, Relay, RelayError, RelayHandle
+from omnirail.relay.base import Received, Relay, RelayError, RelayHandle, shown
 from omnirail.relay.inline import BACKEND as INLINE
 from omnirail.relay.inline import oversize_error
 from omnirail.v1 import common_pb2
@@ -96,7 +96,7 @@ async def receive_payload(
     relay = relays.get(desc.backend)
     if relay is None:
         raise RelayError(
-            f"payload uses relay backend {desc.backend!r}, which this process has not "
+            f"payload uses relay backend {shown(desc.backend)}, which this process has not "
             f"configured (have: {', '.join(sorted(relays)) or 'none'})"
         )
     received = await relay.get(desc)

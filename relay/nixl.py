@@ -115,6 +115,7 @@ class NixlRelay(PullRelay):
         self._spin_s = opts.spin_us * 1e-6
         self._cache_size = opts.handle_cache
         self._regs: list[Any] = []  # registered descriptor lists, deregistered on close
+        self._recv_regs: dict[HostSegment, Any] = {}  # receive segment -> its registration
         self._segments: dict[int, tuple[int, int, bytes]] = {}  # sender: base, size, meta
         self._stuck: list[Any] = []  # transfer handles NIXL would not release yet
         self._agent: Any = self._make_agent(opts)
@@ -195,10 +196,57 @@ class NixlRelay(PullRelay):
         except Exception as e:
             raise RelayError(f"nixl relay: cannot register {segment.size} bytes: {e}") from e
         self._regs.append(reg)
-        if not receive:
+        if receive:
+            self._recv_regs[segment] = reg
+        else:
             # What a receiver needs to READ this segment, handed out when it asks.
             meta = agent.get_partial_agent_metadata(reg, False)
             self._segments[segment.index] = (segment.address, segment.size, meta)
+
+    def _off_segment(self, segment: HostSegment) -> bool:
+        # A READ NIXL would not release may still land in receive memory: keep it mapped.
+        if self._stuck or self._agent is None:
+            return False
+        # Cached READ handles into it were prepared against its registration: they go
+        # first (a new segment at the same address must not reuse them).
+        start, end = segment.address, segment.address + segment.size
+        for peer in self._peers.values():
+            if isinstance(peer, _Peer):
+                for key in [k for k in peer.handles if start <= k[0] < end]:
+                    self._discard(peer.handles.pop(key))
+        if self._stuck:
+            return False
+        reg = self._recv_regs.pop(segment, None)
+        if reg is not None:
+            try:
+                self._agent.deregister_memory(reg)
+            except Exception:
+                self._recv_regs[segment] = reg
+                return False
+            self._regs.remove(reg)
+        return True
+
+    async def _check_extent(self, peer: Any, descriptor: common_pb2.RelayDescriptor) -> None:
+        # The sender's own bounds of the segment (asked once), before the receiver
+        # allocates what the descriptor claims: up to 1 TiB of receive pool otherwise.
+        await self._bounds(peer, descriptor)
+
+    async def _bounds(self, peer: _Peer, descriptor: common_pb2.RelayDescriptor) -> int:
+        """The remote address of the descriptor's extent, checked against its segment."""
+        index, offset = descriptor.offset >> OFFSET_BITS, descriptor.offset & OFFSET_MASK
+        nbytes = descriptor.nbytes
+        seg = peer.segments.get(index)
+        if seg is None:
+            loop = asyncio.get_running_loop()
+            wait = min(self._fetch_timeout, self._peer_wait_s)
+            seg = await self._segment(peer, index, loop.time() + wait)
+        base, size = seg
+        if offset + nbytes > size:
+            raise RelayError(
+                f"nixl relay: extent [{offset}, +{nbytes}) is outside segment {index} "
+                f"({size} bytes) of {peer.name!r}"
+            )
+        return base + offset
 
     def _progress(self) -> int:
         return self._drain()
@@ -309,21 +357,11 @@ class NixlRelay(PullRelay):
     async def _fetch(
         self, peer: Any, descriptor: common_pb2.RelayDescriptor, target: HostExtent
     ) -> None:
-        index, offset = descriptor.offset >> OFFSET_BITS, descriptor.offset & OFFSET_MASK
         nbytes = descriptor.nbytes
         loop = asyncio.get_running_loop()
         deadline = loop.time() + self._fetch_timeout
-        seg = peer.segments.get(index)
-        if seg is None:
-            seg = await self._segment(peer, index, min(deadline, loop.time() + self._peer_wait_s))
-        base, size = seg
-        if offset + nbytes > size:
-            raise RelayError(
-                f"nixl relay: extent [{offset}, +{nbytes}) is outside segment {index} "
-                f"({size} bytes) of {peer.name!r}"
-            )
+        remote = await self._bounds(peer, descriptor)  # known since `_check_extent`
         local = target.segment.address + target.offset
-        remote = base + offset
         done = 0
         while True:
             n = min(self._chunk, nbytes - done)

@@ -13,6 +13,11 @@ receive pool, has the backend `_fetch` into it, and returns a read-only view tha
 extent on release.
 
 Peer infos are msgpack maps {"backend", "id", ...backend fields}; anything else is ignored.
+
+Trust: a descriptor names its sender only by peer id (`region`), a key into the peers the
+mesh announced; how to reach that peer (nixl agent metadata, UCX host and port, a gloo
+rank) comes from its announced info, never from the descriptor. `trust_peers` narrows
+the announced peers to those someone vouched for.
 """
 
 from __future__ import annotations
@@ -24,11 +29,20 @@ import os
 import re
 import socket
 import uuid
+from collections.abc import Iterable
 from typing import Any
 
 import msgpack
 
-from omnirail.relay.base import Received, Relay, RelayError, RelayHandle, RelaySettings
+from omnirail.relay.base import (
+    Received,
+    Relay,
+    RelayError,
+    RelayHandle,
+    RelaySettings,
+    check_descriptor,
+    shown,
+)
 from omnirail.relay.copy import Copier
 from omnirail.relay.credits import Credits, EdgeCredit
 from omnirail.relay.host_pool import HostExtent, HostPool, HostSegment
@@ -40,7 +54,8 @@ from omnirail.wire.payload import Packed
 OFFSET_BITS = 40
 OFFSET_MASK = (1 << OFFSET_BITS) - 1
 MAX_SEGMENTS = 1 << 16
-PEER_ID_RE = re.compile(r"^[A-Za-z0-9_.-]{1,200}$")
+# Always fullmatch: `$` would also match before a trailing newline.
+PEER_ID_RE = re.compile(r"[A-Za-z0-9_.-]{1,200}")
 _POLL_MIN_S = 50e-6
 _POLL_MAX_S = 2e-3
 _EMPTY = memoryview(b"")
@@ -126,6 +141,8 @@ class PullRelay(Relay):
         self._ids = itertools.count(1)
         self._peers: dict[str, Any] = {}
         self._peer_infos: dict[str, bytes] = {}
+        self._announced: list[bytes] = []  # the last `set_peers` infos, for `trust_peers`
+        self._trusted: frozenset[str] | None = None  # None: every announced peer
         self._peers_changed: asyncio.Event | None = None
         self._poller: asyncio.Task[None] | None = None
         self._copier = Copier(self.options)
@@ -148,6 +165,15 @@ class PullRelay(Relay):
     def _on_segment(self, segment: HostSegment, receive: bool) -> None:
         """A new pool segment (sender or receive pool): register it where needed."""
 
+    def _off_segment(self, segment: HostSegment) -> bool:
+        """A receive segment no extent uses is about to be unmapped: undo `_on_segment`.
+        False keeps it (the library may still write into it)."""
+        return True
+
+    async def _check_extent(self, peer: Any, descriptor: common_pb2.RelayDescriptor) -> None:
+        """Refuses a descriptor whose extent the backend can tell is not the sender's,
+        before anything is allocated for it (RelayError)."""
+
     def _progress(self) -> int:
         """Polled while transfers are live; returns how many it released (`_served`)."""
         return 0
@@ -164,7 +190,13 @@ class PullRelay(Relay):
         return msgpack.packb({"backend": self.name, "id": self.peer_id, **self._info()})
 
     def set_peers(self, infos: list[bytes]) -> None:
+        self._announced = list(infos)
+        trusted = self._trusted
         seen: dict[str, tuple[bytes, dict[str, Any]]] = {}
+        # Ids announced with two different infos. Ids are unique per relay (a uuid part),
+        # so one is a forgery: the later would win and take the peer's place (its address,
+        # its agent metadata). Neither is taken up; descriptors naming it fail.
+        conflicted: set[str] = set()
         for raw in infos:
             try:
                 info = msgpack.unpackb(raw, raw=False, strict_map_key=True)
@@ -173,8 +205,17 @@ class PullRelay(Relay):
             if not isinstance(info, dict) or info.get("backend") != self.name:
                 continue
             peer_id = info.get("id")
-            if isinstance(peer_id, str) and PEER_ID_RE.match(peer_id) and peer_id != self.peer_id:
+            if (
+                isinstance(peer_id, str)
+                and PEER_ID_RE.fullmatch(peer_id)
+                and peer_id != self.peer_id
+                and (trusted is None or peer_id in trusted)
+            ):
+                if peer_id in seen and seen[peer_id][0] != raw:
+                    conflicted.add(peer_id)
                 seen[peer_id] = (raw, info)
+        for peer_id in conflicted:
+            del seen[peer_id]
         for peer_id in [p for p in self._peers if p not in seen]:
             self._drop_peer(peer_id, self._peers.pop(peer_id))
             self._peer_infos.pop(peer_id, None)
@@ -191,14 +232,36 @@ class PullRelay(Relay):
         if self._peers_changed is not None:
             self._peers_changed.set()
 
+    def trust_peers(self, peer_ids: Iterable[str] | None) -> None:
+        """Fetches only from peers whose id is in `peer_ids` (None: from every announced
+        one, the default); see `Relay.trust_peers`. Peers announced before are dropped or
+        taken up again at once."""
+        trusted: frozenset[str] | None = None
+        if peer_ids is not None:
+            # A lone string would iterate as its characters: a set of one-letter ids.
+            if isinstance(peer_ids, str | bytes):
+                raise RelayError(f"{self.name} relay: trust_peers takes ids, not one string")
+            try:
+                ids = list(peer_ids)
+            except TypeError:
+                raise RelayError(f"{self.name} relay: trust_peers takes an iterable") from None
+            if not all(isinstance(p, str) for p in ids):
+                raise RelayError(f"{self.name} relay: peer ids are strings")
+            trusted = frozenset(ids)
+        self._trusted = trusted
+        self.set_peers(self._announced)
+
     async def _peer(self, peer_id: str) -> Any:
+        if self._trusted is not None and peer_id not in self._trusted:
+            # No wait for an announcement: none would be taken up.
+            raise RelayError(f"{self.name} relay: peer {shown(peer_id)} is not trusted")
         loop = asyncio.get_running_loop()
         deadline = loop.time() + self._peer_wait_s
         while peer_id not in self._peers:
             left = deadline - loop.time()
             if left <= 0 or self.closed:
                 raise RelayError(
-                    f"{self.name} relay: unknown peer {peer_id[:80]!r} (no live process "
+                    f"{self.name} relay: unknown peer {shown(peer_id)} (no live process "
                     "announced it)"
                 )
             if self._peers_changed is None:
@@ -366,10 +429,9 @@ class PullRelay(Relay):
     # ---------------------------------------------------------------- receiver side
 
     def check_descriptor(self, d: common_pb2.RelayDescriptor) -> None:
-        if d.backend != self.name:
-            raise RelayError(f"{self.name} relay got a descriptor of backend {d.backend[:40]!r}")
-        if not PEER_ID_RE.match(d.region):
-            raise RelayError(f"{self.name} relay: malformed region {d.region[:80]!r}")
+        check_descriptor(d, self.name)
+        if not PEER_ID_RE.fullmatch(d.region):
+            raise RelayError(f"{self.name} relay: malformed region {shown(d.region)}")
         segment, offset = d.offset >> OFFSET_BITS, d.offset & OFFSET_MASK
         if segment >= MAX_SEGMENTS or offset + d.nbytes > 1 << OFFSET_BITS:
             raise RelayError(
@@ -394,17 +456,33 @@ class PullRelay(Relay):
         nbytes = descriptor.nbytes
         if nbytes == 0:
             return PulledReceived(_EMPTY, None, None)
+        await self._check_extent(peer, descriptor)
+        self._check_open()  # closed while it asked
         pool = self.receive_pool
-        extent = pool.alloc(nbytes)
+        grown = len(pool.segments)
+        try:
+            extent = pool.alloc(nbytes)  # up to 1 TiB: the peer's word, not checked yet
+        except (OSError, MemoryError, ValueError, OverflowError) as e:
+            raise RelayError(
+                f"{self.name} relay: cannot allocate {nbytes} bytes to receive into: {e}"
+            ) from None
         try:
             await self._fetch(peer, descriptor, extent)
             self._check_open()
         except BaseException as e:
             pool.free(extent)
+            segment = extent.segment
+            if (
+                len(pool.segments) > grown
+                and pool.trimmable(segment)
+                and self._off_segment(segment)
+            ):
+                # Grown for this transfer alone: a failed get keeps nothing mapped.
+                pool.trim(segment)
             if isinstance(e, RelayError | asyncio.CancelledError):
                 raise
             raise RelayError(
-                f"{self.name} relay: fetch from {descriptor.region!r} failed: {e}"
+                f"{self.name} relay: fetch from {shown(descriptor.region)} failed: {e}"
             ) from e
         view = memoryview(extent.view(nbytes)).toreadonly()
         return PulledReceived(view, pool, extent)

@@ -14,6 +14,12 @@ on instead of copying it (`forward_nowait`). The descriptor then names the origi
 sender's segment and transfer, and the final receiver's release mark returns the bytes to
 that sender; the forwarding stage's own release of its view no longer marks anything.
 
+Trust: a receiver maps only data segments of name prefixes it trusts (exact match of
+f"{prefix}-{pid}.{pool}-{n}", checked before anything is opened): its own, and those of
+the shm relays the mesh announced (`local_info` publishes the prefix; compose gives each
+service its own) that `trust_peers` does not exclude. A descriptor that names another
+prefix waits briefly for its announcement, which may come after the descriptor.
+
 Options (`omnirail.relay.options.ShmOptions`): `copy_thread_bytes` (default 8 MiB): payloads
 at least this large are copied in a worker thread so the event loop keeps serving other
 streams meanwhile, split across `copy_threads` threads (default 2; see `omnirail.relay.copy`).
@@ -30,8 +36,10 @@ import mmap
 import os
 import stat
 from collections import deque
+from collections.abc import Iterable
 from dataclasses import dataclass
 
+import msgpack
 import numpy as np
 
 from omnirail.relay.base import (
@@ -40,10 +48,12 @@ from omnirail.relay.base import (
     RelayError,
     RelayHandle,
     RelaySettings,
+    check_descriptor,
+    shown,
 )
 from omnirail.relay.copy import Copier
 from omnirail.relay.credits import Credits, EdgeCredit
-from omnirail.relay.options import ShmOptions
+from omnirail.relay.options import DEFAULT_PEER_WAIT_S, ShmOptions
 from omnirail.relay.shm_pool import (
     ALIGN,
     MARK_SLOTS,
@@ -52,7 +62,9 @@ from omnirail.relay.shm_pool import (
     Extent,
     ShmPool,
     close_mapping,
+    data_segment_prefix,
     marks_name,
+    segment_prefix,
     sweep_segments,
 )
 from omnirail.v1 import common_pb2
@@ -211,6 +223,23 @@ class ShmForward(RelayHandle):
 _EMPTY = memoryview(b"")
 
 
+class _Unannounced(RelayError):
+    """A data segment of a prefix no shm relay of the mesh announced (yet)."""
+
+    def __init__(self, prefix: str, name: str) -> None:
+        super().__init__(
+            f"shm segment {shown(name)}: prefix {prefix!r} is neither this relay's nor "
+            "announced by the mesh"
+        )
+        self.prefix = prefix
+
+
+def _outside(name: str, end: int, size: int) -> RelayError:
+    return RelayError(
+        f"descriptor points outside segment {shown(name)}: its bytes end at {end} (size {size})"
+    )
+
+
 @dataclass(slots=True)
 class _Mapping:
     mmap: mmap.mmap
@@ -228,6 +257,15 @@ class _Mapping:
         return not self.view.readonly
 
 
+def _unmap(mapping: _Mapping) -> None:
+    """Unmaps a mapping that never entered the cache (a refused get): nothing but the
+    mapping's own views can reference it yet, so the unmap happens now."""
+    if mapping.writable and mapping.marks is not None:
+        mapping.marks.release()  # a data mapping's marks belong to its pool's mapping
+    mapping.marks = None
+    close_mapping(mapping.mmap, mapping.view)
+
+
 class ShmRelay(Relay):
     name = BACKEND
     acks_in_band = False
@@ -235,6 +273,18 @@ class ShmRelay(Relay):
     def __init__(self, settings: RelaySettings | None = None) -> None:
         self.settings = settings or RelaySettings()
         self.options = self.settings.options_as(BACKEND, ShmOptions)
+        prefix = self.settings.name_prefix
+        if not isinstance(prefix, str) or not NAME_RE.fullmatch(prefix):
+            raise RelayError(f"shm relay: bad name prefix {prefix!r} (letters, digits, _.-)")
+        # Whose data segments this receiver maps (`_map_data`): its own prefix, and the
+        # announced ones (`set_peers`) that `trust_peers` allows.
+        self._prefix = prefix
+        self._announced: frozenset[str] = frozenset()
+        self._trusted: frozenset[str] | None = None  # None: every announced prefix
+        self._accepted: frozenset[str] = frozenset((prefix,))
+        self._peers_changed: asyncio.Event | None = None
+        # How long `get` waits for a prefix to be announced (the pulled relays' default).
+        self._peer_wait_s = DEFAULT_PEER_WAIT_S
         self._pool: ShmPool | None = None  # created on the first put: receivers need none
         self._credits = Credits(self.settings.credit_slots, self.settings.credit_bytes)
         self._ids = itertools.count(1)
@@ -434,38 +484,41 @@ class ShmRelay(Relay):
     # ------------------------------------------------------------------ receiver side
 
     async def get(self, descriptor: common_pb2.RelayDescriptor) -> ShmReceived:
-        """Maps the bytes a descriptor names; raises RelayError for a bad descriptor."""
+        """Maps the bytes a descriptor names; raises RelayError for a bad descriptor.
+        A segment of a prefix not announced (yet) waits for its announcement."""
+        try:
+            return self.get_nowait(descriptor)
+        except _Unannounced as e:
+            await self._announcement(e.prefix, e)
         return self.get_nowait(descriptor)
 
     def get_nowait(self, descriptor: common_pb2.RelayDescriptor) -> ShmReceived:
         """`get` without the coroutine (it never waits)."""
         self._check_open()
-        if descriptor.backend != BACKEND:
-            raise RelayError(f"descriptor for backend {descriptor.backend!r} given to shm relay")
+        check_descriptor(descriptor, BACKEND)
         name = descriptor.region
+        offset = descriptor.offset
+        end = offset + descriptor.nbytes  # uint64 fields: never negative, may exceed 2**64
+        tid = descriptor.transfer_id
+        # Checked before anything is looked up or mapped: a refused descriptor costs nothing.
+        if not tid & _SLOT_MASK:
+            raise RelayError(f"descriptor has no release slot (transfer_id {tid})")
         mapping = self._maps.get(name)
         # A cached data segment was validated when mapped; anything else takes the checks
         # (a cached marks segment is refused there), and a new data segment's pool marks
         # are mapped with it (they live and die together with the sender).
         if mapping is None or mapping.writable or not self._still_current(name, mapping):
-            mapping = self._map_data(name)
-        end = descriptor.offset + descriptor.nbytes
+            mapping = self._map_data(name, end)
         if end > mapping.size:
-            raise RelayError(
-                f"descriptor points outside segment {name!r}: offset {descriptor.offset} + "
-                f"{descriptor.nbytes} bytes (size {mapping.size})"
-            )
-        tid = descriptor.transfer_id
-        if not tid & _SLOT_MASK:
-            raise RelayError(f"descriptor has no release slot (transfer_id {tid})")
+            raise _outside(name, end, mapping.size)
         return ShmReceived(
-            mapping.view[descriptor.offset : end],
+            mapping.view[offset:end],
             mapping.marks,
             tid,
             self._held,
             name,
-            descriptor.offset,
-            mapping.addr + descriptor.offset,
+            offset,
+            mapping.addr + offset,
         )
 
     def _still_current(self, name: str, mapping: _Mapping) -> bool:
@@ -475,58 +528,101 @@ class ShmRelay(Relay):
             st = os.lstat(os.path.join(SHM_DIR, name))
         except FileNotFoundError:
             self._prune()  # the sender is gone: forget its segments and marks
-            raise RelayError(f"shm segment {name!r} does not exist (sender gone?)") from None
+            raise RelayError(f"shm segment {shown(name)} does not exist (sender gone?)") from None
+        except OSError as e:
+            raise RelayError(f"cannot stat shm segment {shown(name)}: {e}") from None
         return st.st_ino == mapping.ino and st.st_dev == mapping.dev
 
-    def _map_data(self, name: str) -> _Mapping:
-        """Maps data segment `name` and the release marks of its pool."""
-        if len(name) > 255 or not NAME_RE.match(name) or name in (".", ".."):
-            raise RelayError(f"bad shm segment name {name!r}")
-        if marks_name(name) == name:
-            # The marks segment is never a data region: mapping it here would cache it
-            # read-only (later releases could not write their marks) or expose it.
-            raise RelayError(f"shm segment {name!r} is a release-marks segment, not data")
-        mapping = self._map(name)
-        mapping.marks = self._map(marks_name(name), writable=True).marks
-        if not mapping.addr:
-            mapping.addr = np.frombuffer(mapping.view, np.uint8).ctypes.data
-        return mapping
+    def _map_data(self, name: str, end: int) -> _Mapping:
+        """Data segment `name` mapped with the release marks of its pool, for a transfer
+        ending at byte `end`. Both enter the cache only once both are mapped and `end` is
+        inside the segment: a refused get leaves nothing mapped or cached (a data segment
+        cached without its marks would let the next get return bytes it can never mark)."""
+        # Only names this relay's own prefix gives data segments, before any syscall: a
+        # descriptor must not make it open (or write the marks of) anyone else's files.
+        # The pattern refuses marks segments too: mapped read-only as data, a marks segment
+        # would be cached where later releases cannot write their marks.
+        prefix = data_segment_prefix(name) if len(name) <= 255 else None
+        if prefix is None:
+            if marks_name(name) == name:
+                raise RelayError(f"shm segment {shown(name)} is a release-marks segment, not data")
+            raise RelayError(f"bad shm segment name {shown(name)}: not a pool's data segment")
+        if prefix not in self._accepted:
+            if self._trusted is not None and prefix not in self._trusted:
+                raise RelayError(f"shm segment {shown(name)}: prefix {prefix!r} is not trusted")
+            raise _Unannounced(prefix, name)
+        data, data_fresh = self._open(name, end=end)
+        try:
+            marks, marks_fresh = self._open(marks_name(name), writable=True)
+        except BaseException:
+            if data_fresh:
+                _unmap(data)
+            raise
+        if marks_fresh:
+            self._cache(marks_name(name), marks)
+        if data_fresh:
+            self._cache(name, data)
+        data.marks = marks.marks
+        return data
 
-    def _map(self, name: str, writable: bool = False) -> _Mapping:
+    def _open(self, name: str, writable: bool = False, end: int = 0) -> tuple[_Mapping, bool]:
+        """(mapping of segment `name`, whether it is new): the cached one while the file
+        is the same, else a new one that the caller caches (or unmaps) itself. A data
+        segment must hold `end` bytes, a marks segment exactly its slots; the size is
+        checked on the open file before anything is mapped."""
         path = os.path.join(SHM_DIR, name)
         try:
             st = os.lstat(path)
         except FileNotFoundError:
             self._prune()  # the sender is gone: forget its segments and marks
-            raise RelayError(f"shm segment {name!r} does not exist (sender gone?)") from None
+            raise RelayError(f"shm segment {shown(name)} does not exist (sender gone?)") from None
+        except OSError as e:
+            raise RelayError(f"cannot stat shm segment {shown(name)}: {e}") from None
         cached = self._maps.get(name)
         if cached is not None and cached.ino == st.st_ino and cached.dev == st.st_dev:
-            return cached
+            return cached, False
         # New segment or sender restart: also forget mappings of senders that are gone, or
         # a long-lived receiver would pin every dead pool's memory.
         self._prune()
         if not stat.S_ISREG(st.st_mode):
-            raise RelayError(f"shm segment {name!r} is not a regular file")
+            raise RelayError(f"shm segment {shown(name)} is not a regular file")
+        # O_NONBLOCK: should the name turn into a FIFO after the lstat, open must not
+        # wait for a writer (fstat refuses it below); it changes nothing for a file.
+        flags = (os.O_RDWR if writable else os.O_RDONLY) | os.O_NOFOLLOW | os.O_NONBLOCK
         try:
-            fd = os.open(path, (os.O_RDWR if writable else os.O_RDONLY) | os.O_NOFOLLOW)
+            fd = os.open(path, flags | os.O_CLOEXEC)
         except OSError as e:
-            raise RelayError(f"cannot open shm segment {name!r}: {e}") from None
+            raise RelayError(f"cannot open shm segment {shown(name)}: {e}") from None
         try:
             st = os.fstat(fd)
-            if st.st_size == 0 or (writable and st.st_size != MARK_SLOTS * 8):
-                raise RelayError(f"shm segment {name!r} has a bad size ({st.st_size})")
+            size = st.st_size
+            if not stat.S_ISREG(st.st_mode):
+                raise RelayError(f"shm segment {shown(name)} is not a regular file")
+            if writable and size != MARK_SLOTS * 8:
+                raise RelayError(f"shm segment {shown(name)} has a bad size ({size})")
+            if not writable and size == 0:
+                raise RelayError(f"shm segment {shown(name)} has a bad size (0)")
+            if end > size:
+                # Before mapping: a descriptor must not make the receiver map (and keep)
+                # address space for bytes that are not there.
+                raise _outside(name, end, size)
             prot = mmap.PROT_READ | mmap.PROT_WRITE if writable else mmap.PROT_READ
-            mm = mmap.mmap(fd, st.st_size, mmap.MAP_SHARED, prot)
-        except OSError as e:
-            raise RelayError(f"cannot map shm segment {name!r}: {e}") from None
+            mm = mmap.mmap(fd, size, mmap.MAP_SHARED, prot)
+        except (OSError, ValueError, OverflowError) as e:
+            raise RelayError(f"cannot map shm segment {shown(name)}: {e}") from None
         finally:
             os.close(fd)
-        self._drop(name)  # the sender restarted under the same name
         view = memoryview(mm)
-        marks = view.cast("Q") if writable else None
-        mapping = _Mapping(mm, view, st.st_dev, st.st_ino, st.st_size, marks)
+        mapping = _Mapping(mm, view, st.st_dev, st.st_ino, size)
+        if writable:
+            mapping.marks = view.cast("Q")
+        else:
+            mapping.addr = np.frombuffer(view, np.uint8).ctypes.data
+        return mapping, True
+
+    def _cache(self, name: str, mapping: _Mapping) -> None:
+        self._drop(name)  # the sender restarted under the same name
         self._maps[name] = mapping
-        return mapping
 
     def _drop(self, name: str) -> None:
         mapping = self._maps.pop(name, None)
@@ -543,6 +639,77 @@ class ShmRelay(Relay):
                 continue
             if st.st_ino != mapping.ino or st.st_dev != mapping.dev:
                 self._drop(name)
+
+    # ------------------------------------------------------------------ peers
+
+    def local_info(self) -> bytes:
+        # The prefix, so receivers of another prefix (compose: one per service) map this
+        # relay's segments because the coordinator announced it, and nobody else's.
+        return msgpack.packb({"backend": BACKEND, "id": self._prefix})
+
+    def set_peers(self, infos: list[bytes]) -> None:
+        announced = set()
+        for raw in infos:
+            try:
+                info = msgpack.unpackb(raw, raw=False, strict_map_key=True)
+            except Exception:
+                continue  # another backend's shape, or garbage: never this relay's concern
+            if not isinstance(info, dict) or info.get("backend") != BACKEND:
+                continue
+            prefix = info.get("id")
+            if isinstance(prefix, str) and len(prefix) <= 200 and NAME_RE.fullmatch(prefix):
+                announced.add(prefix)
+        self._announced = frozenset(announced)
+        self._accept()
+
+    def trust_peers(self, peer_ids: Iterable[str] | None) -> None:
+        """Maps segments only of the announced prefixes in `peer_ids` (an shm relay's
+        peer id is its name prefix), besides its own; None: of every announced one."""
+        trusted: frozenset[str] | None = None
+        if peer_ids is not None:
+            # A lone string would iterate as its characters: a set of one-letter ids.
+            if isinstance(peer_ids, str | bytes):
+                raise RelayError("shm relay: trust_peers takes prefixes, not one string")
+            try:
+                ids = list(peer_ids)
+            except TypeError:
+                raise RelayError("shm relay: trust_peers takes an iterable") from None
+            if not all(isinstance(p, str) for p in ids):
+                raise RelayError("shm relay: peer ids (name prefixes) are strings")
+            trusted = frozenset(ids)
+        self._trusted = trusted
+        self._accept()
+
+    def _accept(self) -> None:
+        """Recomputes the prefixes mapped, and forgets mappings of those no longer in it
+        (views still held stay valid: see `_drop`)."""
+        accepted = self._announced if self._trusted is None else self._announced & self._trusted
+        self._accepted = accepted | {self._prefix}
+        for name in list(self._maps):
+            if segment_prefix(name) not in self._accepted:
+                self._drop(name)
+        if self._peers_changed is not None:
+            self._peers_changed.set()
+
+    async def _announcement(self, prefix: str, refusal: RelayError) -> None:
+        """Returns once `prefix` is accepted; raises `refusal` after the peer wait."""
+        if self._peer_wait_s <= 0:
+            raise refusal from None  # without a single await: nothing to wait for
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + self._peer_wait_s
+        while prefix not in self._accepted:
+            left = deadline - loop.time()
+            if left <= 0 or self.closed:
+                raise refusal from None
+            if self._trusted is not None and prefix not in self._trusted:
+                raise RelayError(f"shm relay: prefix {prefix!r} is not trusted") from None
+            if self._peers_changed is None:
+                self._peers_changed = asyncio.Event()
+            self._peers_changed.clear()
+            try:
+                await asyncio.wait_for(self._peers_changed.wait(), left)
+            except TimeoutError:
+                pass
 
     # ------------------------------------------------------------------ lifetime
 

@@ -23,7 +23,8 @@ ALIGN = 64
 # New segments are rounded to this so a run of slightly growing payloads does not add a
 # segment each time.
 _SEGMENT_ROUND = 2 << 20
-NAME_RE = re.compile(r"^[A-Za-z0-9_.-]+$")
+# Always used with fullmatch: `$` would also match before a trailing newline.
+NAME_RE = re.compile(r"[A-Za-z0-9_.-]+")
 
 
 def _round_up(n: int, step: int) -> int:
@@ -146,6 +147,26 @@ def marks_name(region: str) -> str:
     return region.rsplit("-", 1)[0] + "-" + MARKS_SUFFIX
 
 
+# Names `ShmPool(prefix)` gives its segments, in any process: f"{prefix}-{pid}.{pool}-{n}"
+# (data) and f"{prefix}-{pid}.{pool}-marks". Fullmatch only; the numbers are ASCII digits
+# (`\d` would take other scripts' digits too), so the prefix is whatever comes before.
+_DATA_NAME_RE = re.compile(r"([A-Za-z0-9_.-]+)-[0-9]{1,10}\.[0-9]{1,10}-[0-9]{1,10}")
+_MARKS_NAME_RE = re.compile(rf"([A-Za-z0-9_.-]+)-[0-9]{{1,10}}\.[0-9]{{1,10}}-{MARKS_SUFFIX}")
+
+
+def data_segment_prefix(name: str) -> str | None:
+    """The name prefix of data segment `name`, None when no pool would make that name
+    (marks segments included). A receiver maps only data segments of prefixes it trusts."""
+    match = _DATA_NAME_RE.fullmatch(name)
+    return match.group(1) if match is not None else None
+
+
+def segment_prefix(name: str) -> str | None:
+    """The name prefix of a pool's data or marks segment `name` (None: neither)."""
+    match = _DATA_NAME_RE.fullmatch(name) or _MARKS_NAME_RE.fullmatch(name)
+    return match.group(1) if match is not None else None
+
+
 class _Reaper:
     """atexit hook unlinking a pool's files; an object per pool so unregister is exact."""
 
@@ -175,7 +196,7 @@ class ShmPool:
     """
 
     def __init__(self, prefix: str, first_bytes: int) -> None:
-        if not NAME_RE.match(prefix):
+        if not NAME_RE.fullmatch(prefix):
             raise ValueError(f"bad shm name prefix {prefix!r}")
         self.prefix = prefix
         self.first_bytes = max(_round_up(first_bytes, mmap.PAGESIZE), mmap.PAGESIZE)
@@ -247,7 +268,7 @@ def sweep_segments(prefix: str, pid: int | None = None) -> int:
     """Unlinks /dev/shm files named `prefix-*` (leftovers of killed processes); with
     `pid`, only that process's (`prefix-PID.*`: a stage process that died while the rest
     of the mesh runs on). A receiver that still maps one keeps its bytes."""
-    if not prefix or not NAME_RE.match(prefix):
+    if not prefix or not NAME_RE.fullmatch(prefix):
         raise ValueError(f"bad shm name prefix {prefix!r}")
     start = prefix + "-" if pid is None else f"{prefix}-{int(pid)}."
     removed = 0

@@ -14,10 +14,15 @@ command -v ip >/dev/null || { apt-get install -y -q iproute2 >/dev/null 2>&1 || 
 pytest=(.venv/bin/python -m pytest -q -ra -p no:cacheprovider)
 backends=(shm nixl ucx torchdist)
 ignore=(--ignore=tests/relay_conformance)
-for backend in "${backends[@]}"; do ignore+=("--ignore=tests/unit/relay/test_$backend.py"); done
+for backend in "${backends[@]}"; do
+  ignore+=("--ignore=tests/unit/relay/test_$backend.py")
+  ignore+=("--ignore=tests/fuzz/test_relay_descriptor_fuzz_$backend.py")
+done
 "${pytest[@]}" "${ignore[@]}" "$@"
 for backend in "${backends[@]}"; do
   unit=()
-  [[ -f tests/unit/relay/test_$backend.py ]] && unit=("tests/unit/relay/test_$backend.py")
+  for f in tests/unit/relay/test_$backend.py tests/fuzz/test_relay_descriptor_fuzz_$backend.py; do
+    [[ -f $f ]] && unit+=("$f")
+  done
   "${pytest[@]}" tests/relay_conformance "${unit[@]}" -k "$backend"
 done

@@ -108,6 +108,48 @@ async def test_new_sender_segments_are_learned_and_bounded(make: Any) -> None:
     assert len(peer.handles) <= 2
 
 
+async def test_extent_past_the_senders_segment_is_refused_before_allocating(
+    make: Any,
+) -> None:
+    """The sender's bounds of the segment are learned before the receiver allocates what
+    a descriptor claims (it used to grow its receive pool, and register it, first)."""
+    sender, receiver = make(), make()
+    await roundtrip(sender, receiver, 100)
+    handle = await sender.put(pack(data(100)), "req", "edge")
+    pool = receiver.receive_pool
+    segments = list(pool.segments)
+    regs = len(receiver._regs)
+    for nbytes in (64 * MiB, (1 << 40) - 1):
+        bad = type(handle.descriptor)()
+        bad.CopyFrom(handle.descriptor)
+        bad.nbytes = nbytes
+        with pytest.raises(RelayError, match="outside segment"):
+            await receiver.get(bad)
+    assert pool.segments == segments and len(receiver._regs) == regs
+    handle.release()
+
+
+async def test_failed_fetch_deregisters_the_receive_segment_it_grew(make: Any) -> None:
+    sender, receiver = make(), make(fetch_timeout_s=1.0)
+    await roundtrip(sender, receiver, 100)
+    handle = await sender.put(pack(data(3 * MiB)), "req", "edge")
+    pool = receiver.receive_pool
+    segments, regs = list(pool.segments), len(receiver._regs)
+
+    async def fail(*args: Any) -> None:
+        raise RelayError("READ failed")
+
+    receiver._complete = fail  # the READ fails after the pool grew for it
+    receiver._post = lambda *a: (None, None, "PROC")
+    with pytest.raises(RelayError, match="READ failed"):
+        await receiver.get(handle.descriptor)
+    assert pool.segments == segments and len(receiver._regs) == regs
+    del receiver._complete, receiver._post
+    received = await receiver.get(handle.descriptor)  # grows (and registers) it again
+    assert len(received.buffer) == 3 * MiB
+    received.release()
+
+
 async def test_large_fetches_are_chunked(make: Any) -> None:
     sender, receiver = make(), make(chunk_bytes=64 << 10)
     await roundtrip(sender, receiver, MiB + 13)

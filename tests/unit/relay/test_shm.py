@@ -244,7 +244,9 @@ async def test_cleanup_releases_a_request(make_relay):
 async def test_bad_region_names(make_relay, region):
     relay = make_relay()
     with pytest.raises(RelayError, match="bad shm segment name"):
-        await relay.get(common_pb2.RelayDescriptor(backend="shm", region=region, nbytes=1))
+        await relay.get(
+            common_pb2.RelayDescriptor(backend="shm", region=region, nbytes=1, transfer_id=1)
+        )
 
 
 async def test_garbage_descriptors(make_relay, prefix):
@@ -252,23 +254,32 @@ async def test_garbage_descriptors(make_relay, prefix):
     handle = await relay.put(payload(100), "r", "e")
     region = handle.descriptor.region
     with pytest.raises(RelayError, match="does not exist"):
-        await relay.get(common_pb2.RelayDescriptor(backend="shm", region=f"{prefix}-missing"))
+        await relay.get(
+            common_pb2.RelayDescriptor(backend="shm", region=f"{prefix}-1.0-9", transfer_id=1)
+        )
+    tid = handle.descriptor.transfer_id
     with pytest.raises(RelayError, match=r"outside segment .* \(size 1048576\)"):
         await relay.get(
-            common_pb2.RelayDescriptor(backend="shm", region=region, offset=MiB, nbytes=1)
+            common_pb2.RelayDescriptor(
+                backend="shm", region=region, offset=MiB, nbytes=1, transfer_id=tid
+            )
         )
     with pytest.raises(RelayError, match="outside segment"):
         await relay.get(
-            common_pb2.RelayDescriptor(backend="shm", region=region, offset=2**64 - 1, nbytes=2)
+            common_pb2.RelayDescriptor(
+                backend="shm", region=region, offset=2**64 - 1, nbytes=2, transfer_id=tid
+            )
         )
     with pytest.raises(RelayError, match="backend"):
         await relay.get(common_pb2.RelayDescriptor(backend="nixl", region=region))
     # Something in /dev/shm that is not a plain file is refused, symlinks included.
-    link = f"{prefix}-link"
+    link = f"{prefix}-1.0-7"  # a name of the receiver's prefix, but not a plain file
     os.symlink("/etc/hostname", os.path.join(SHM_DIR, link))
     try:
         with pytest.raises(RelayError, match="not a regular file"):
-            await relay.get(common_pb2.RelayDescriptor(backend="shm", region=link, nbytes=1))
+            await relay.get(
+                common_pb2.RelayDescriptor(backend="shm", region=link, nbytes=1, transfer_id=1)
+            )
     finally:
         os.unlink(os.path.join(SHM_DIR, link))
     handle.release()
@@ -276,9 +287,9 @@ async def test_garbage_descriptors(make_relay, prefix):
 
 async def test_receiver_remaps_when_sender_restarts(make_relay, prefix):
     receiver = make_relay()
-    name = f"{prefix}-restart-0"
+    name = f"{prefix}-1.0-0"
     path = os.path.join(SHM_DIR, name)
-    marks = os.path.join(SHM_DIR, f"{prefix}-restart-marks")
+    marks = os.path.join(SHM_DIR, f"{prefix}-1.0-marks")
     try:
         for fill in (1, 2):
             with open(path, "wb") as f:
