@@ -13,14 +13,14 @@ from omnirail.v1 import client_pb2, mesh_pb2
 from omnirail.wire.errors import Code, OmniError, internal, invalid
 from omnirail.wire.payload import PayloadError, decode_inline
 
-REQUEST_ID = re.compile(r"^[A-Za-z0-9._:@-]{1,128}$")
+REQUEST_ID = re.compile(r"[A-Za-z0-9._:@-]{1,128}")  # whole string: fullmatch
 # Relay infos ride in every topology broadcast: bounded so one bad stage cannot bloat them.
 MAX_RELAY_INFOS = 8
 MAX_RELAY_INFO_BYTES = 1 << 20
 
 
 def check_request_id(rid: str) -> None:
-    if not REQUEST_ID.match(rid):
+    if not REQUEST_ID.fullmatch(rid):
         raise invalid("request_id must be 1-128 characters of [A-Za-z0-9._:@-]")
 
 

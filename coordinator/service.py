@@ -158,7 +158,9 @@ class Coordinator(client_pb2_grpc.OmnirailServicer, mesh_pb2_grpc.CoordinatorSer
         self, request: client_pb2.AbortRequest, context: grpc.aio.ServicerContext
     ) -> client_pb2.AbortResponse:
         reason = request.reason or "aborted by client"
-        if self.requests.get(request.request_id) is None and REQUEST_ID.match(request.request_id):
+        if self.requests.get(request.request_id) is None and REQUEST_ID.fullmatch(
+            request.request_id
+        ):
             # Perhaps it overtook its request's start: that start is cancelled if it comes.
             self._early_aborts.add(request.request_id, reason)
             await _abort_call(

@@ -16,7 +16,7 @@ from omnirail.ops.plan import plan_processes
 # Services the deployment adds beside the stages; a stage service may not take these names.
 RESERVED_SERVICES = ("coordinator", "jaeger", "prometheus")
 
-_DNS_LABEL = re.compile(r"^[a-z0-9]([a-z0-9-]{0,61}[a-z0-9])?$")
+_DNS_LABEL = re.compile(r"[a-z0-9]([a-z0-9-]{0,61}[a-z0-9])?")  # fullmatch: no trailing \n
 # tmpfs headroom for the marks segments and page rounding of every pool.
 _SHM_SLACK_MB = 64
 
@@ -49,7 +49,7 @@ class IpcGroup:
 def dns_label(name: str) -> str:
     """A stage or process name as a DNS label: lower case, '_' becomes '-'."""
     label = name.lower().replace("_", "-")
-    if not _DNS_LABEL.match(label):
+    if not _DNS_LABEL.fullmatch(label):
         raise ComposeError(
             f"{name!r} cannot be a compose service name ({label!r} is not a DNS label: "
             "letters, digits and inner '-', at most 63); rename it"

@@ -182,6 +182,9 @@ def test_bad_request_id_and_timeout(stub) -> None:
     inputs = encode_inline({"n": 1})
     err = _generate(stub, client_pb2.GenerateRequest(request_id="bad id!", inputs=inputs))
     assert err.code() == grpc.StatusCode.INVALID_ARGUMENT and "request_id" in err.details()
+    # `$` would have let a trailing newline through.
+    err = _generate(stub, client_pb2.GenerateRequest(request_id="ok-id\n", inputs=inputs))
+    assert err.code() == grpc.StatusCode.INVALID_ARGUMENT and "request_id" in err.details()
     err = _generate(stub, client_pb2.GenerateRequest(inputs=inputs, timeout_s=-1))
     assert err.code() == grpc.StatusCode.INVALID_ARGUMENT and "timeout_s" in err.details()
 
