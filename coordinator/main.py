@@ -32,6 +32,8 @@ async def serve(
     metrics_port: int | None = None,
 ) -> None:
     security = mesh_security(pipeline)
+    for warning in security.warnings(listen):
+        log.warning("security: %s", warning)
     server, health = create_server(
         [PIPELINE_SERVICE, mesh_pb2.DESCRIPTOR.services_by_name["Coordinator"].full_name],
         max_message_bytes=pipeline.endpoints.max_message_mb << 20,

@@ -131,6 +131,18 @@ class MeshSecurity:
     def enabled(self) -> bool:
         return self.tls or bool(self.tokens) or self._mesh_secret is not None
 
+    def warnings(self, listen: str) -> list[str]:
+        """What this configuration leaves open, for the coordinator to say at start."""
+        out = []
+        if (self.tls or self.tokens) and not self.mesh_secrets:
+            out.append(
+                "no mesh_secret_file: any process that reaches the coordinator can Attach "
+                "as a stage"
+            )
+        if self.tokens and not self.tls and not listen.startswith("unix:"):
+            out.append("bearer tokens without TLS on TCP: anyone on the path can read them")
+        return out
+
     # ---- serving -------------------------------------------------------------
 
     def server_credentials(self, *, internal: bool) -> grpc.ServerCredentials | None:

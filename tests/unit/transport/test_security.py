@@ -94,3 +94,15 @@ def test_generated_material_serves_mutual_tls(tmp_path: Path) -> None:
     assert (
         dict(security.mesh_metadata())[MESH_SECRET_KEY] == paths["mesh-secret"].read_text().strip()
     )
+
+
+def test_what_a_configuration_leaves_open_is_said(tmp_path: Path) -> None:
+    tokens = tmp_path / "tokens"
+    tokens.write_text("t\n")
+    security = MeshSecurity(SecurityConfig(tokens_file=str(tokens)), environ={})
+    said = security.warnings("0.0.0.0:50051")
+    assert any("can Attach as a stage" in w for w in said)
+    assert any("without TLS on TCP" in w for w in said)
+    assert not any("TCP" in w for w in security.warnings("unix:///tmp/x.sock"))
+    paths = make_mesh_material(tmp_path / "tls")
+    assert MeshSecurity(None, environ=material_env(paths)).warnings("0.0.0.0:1") == []
