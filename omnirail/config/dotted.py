@@ -25,14 +25,16 @@ import threading
 from types import ModuleType
 from typing import Any
 
+from omnirail.config.errors import short
+
 _IDENT = r"[A-Za-z_][A-Za-z0-9_]*"
 _DOTTED = rf"{_IDENT}(?:\.{_IDENT})*"
-_COLON_RE = re.compile(rf"^({_DOTTED}):({_DOTTED})$")
+_COLON_RE = re.compile(rf"\A({_DOTTED}):({_DOTTED})\Z")
 # The dot-only form needs a module and an attribute, so at least two components.
-_DOT_RE = re.compile(rf"^{_IDENT}(?:\.{_IDENT})+$")
+_DOT_RE = re.compile(rf"\A{_IDENT}(?:\.{_IDENT})+\Z")
 # Relative to the config file's directory: `.mod:attr`, `.mod.attr`, `.pkg.mod:attr`.
-_REL_COLON_RE = re.compile(rf"^\.({_DOTTED}):({_DOTTED})$")
-_REL_DOT_RE = re.compile(rf"^\.{_IDENT}(?:\.{_IDENT})+$")
+_REL_COLON_RE = re.compile(rf"\A\.({_DOTTED}):({_DOTTED})\Z")
+_REL_DOT_RE = re.compile(rf"\A\.{_IDENT}(?:\.{_IDENT})+\Z")
 DIR_PACKAGE_PREFIX = "_omnirail_dir_"
 
 _cache: dict[tuple[str, str | None], Any] = {}
@@ -46,7 +48,7 @@ def syntax_error(path: object) -> str | None:
     if any(r.match(path) for r in (_COLON_RE, _DOT_RE, _REL_COLON_RE, _REL_DOT_RE)):
         return None
     return (
-        f"invalid dotted path {path!r}: expected 'pkg.module:attr' or 'pkg.module.attr' "
+        f"invalid dotted path {short(path)}: expected 'pkg.module:attr' or 'pkg.module.attr' "
         "(or '.module:attr' for a module next to the config file)"
     )
 

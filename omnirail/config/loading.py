@@ -10,12 +10,13 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
-import yaml
 from pydantic import ValidationError
 
 from omnirail.config import dotted
+from omnirail.config.errors import clip
 from omnirail.config.models import ConfigError, PipelineConfig, validation_error_lines
 from omnirail.config.validation import validate
+from omnirail.config.yaml_loader import read_yaml
 from omnirail.tuning.cpus import format_cpus
 
 
@@ -32,7 +33,9 @@ def load_pipeline(path: str | os.PathLike[str], *, resolve: bool = True) -> Pipe
     suffix = p.suffix.lower()
     try:
         if suffix in (".yaml", ".yml"):
-            cfg = PipelineConfig.from_dict(_read_yaml(p), source_dir=source_dir, resolve=resolve)
+            # The YAML loader bounds size, depth and recursion as it composes.
+            data = _read_yaml(p)
+            cfg = PipelineConfig._from_bounded(data, source_dir=source_dir, resolve=resolve)
         elif suffix == ".py":
             cfg = _load_py(p, source_dir, resolve)
         else:
@@ -44,15 +47,7 @@ def load_pipeline(path: str | os.PathLike[str], *, resolve: bool = True) -> Pipe
 
 
 def _read_yaml(p: Path) -> Mapping[str, Any]:
-    try:
-        data = yaml.safe_load(p.read_text(encoding="utf-8"))
-    except yaml.YAMLError as exc:
-        mark = getattr(exc, "problem_mark", None)
-        where = f"{p}:{mark.line + 1}:{mark.column + 1}" if mark is not None else str(p)
-        problem = getattr(exc, "problem", None) or str(exc)
-        raise ConfigError(f"{where}: YAML syntax error: {problem}") from None
-    except (OSError, UnicodeDecodeError) as exc:
-        raise ConfigError(f"{p}: cannot read: {exc}") from None
+    data = read_yaml(p)
     if not isinstance(data, Mapping):
         raise ConfigError(f"{p}: top level must be a mapping, got {type(data).__name__}")
     return data
@@ -76,19 +71,23 @@ def _load_py(p: Path, source_dir: str, resolve: bool) -> PipelineConfig:
             obj = module.build_pipeline()
         else:
             raise ConfigError(f"{p}: defines neither `pipeline` nor `build_pipeline()`")
+        if isinstance(obj, PipelineConfig):
+            # Copying runs inside the try: a config built in Python may hold anything in
+            # factory_args (a structure too deep to copy fails like the module would).
+            cfg = obj.model_copy(deep=True)
+            cfg.source_dir = source_dir
+            validate(cfg, resolve=resolve)
+            return cfg
+        if isinstance(obj, Mapping):
+            return PipelineConfig.from_dict(obj, source_dir=source_dir, resolve=resolve)
     except ConfigError:
         raise
     except ValidationError as exc:
         raise ConfigError(validation_error_lines(exc)) from None
     except Exception as exc:
-        raise ConfigError(f"{p}: error while loading: {type(exc).__name__}: {exc}") from exc
-    if isinstance(obj, PipelineConfig):
-        cfg = obj.model_copy(deep=True)
-        cfg.source_dir = source_dir
-        validate(cfg, resolve=resolve)
-        return cfg
-    if isinstance(obj, Mapping):
-        return PipelineConfig.from_dict(obj, source_dir=source_dir, resolve=resolve)
+        raise ConfigError(
+            f"{p}: error while loading: {type(exc).__name__}: {clip(str(exc), 500)}"
+        ) from exc
     raise ConfigError(
         f"{p}: `pipeline` must be a PipelineConfig or a dict, got {type(obj).__name__}"
     )

@@ -7,7 +7,6 @@ Constructing a model checks structure only (types, ranges, unknown fields);
 
 from __future__ import annotations
 
-import re
 from collections.abc import Iterable, Mapping
 from typing import TYPE_CHECKING, Annotated, Any, Literal
 
@@ -23,8 +22,19 @@ from pydantic import (
 )
 
 from omnirail.config import dotted
-from omnirail.config.errors import ConfigError
+from omnirail.config.errors import NAME_RE, ConfigError, clip, short, stage_label
 from omnirail.config.graph import join_groups, walk_graph
+from omnirail.config.limits import (
+    MAX_COUNT,
+    MAX_CPU_ID,
+    MAX_GPU_ID,
+    MAX_MB,
+    MAX_MESSAGE_MB,
+    MAX_RANKS,
+    MAX_SECONDS,
+    MAX_STAGES,
+    check_shape,
+)
 from omnirail.config.security import SecurityConfig
 from omnirail.tuning.cpu_latency import MAX_US
 from omnirail.tuning.cpus import parse_cpus
@@ -32,12 +42,13 @@ from omnirail.tuning.cpus import parse_cpus
 if TYPE_CHECKING:
     from omnirail.relay.base import RelaySettings
 
-NAME_RE = re.compile(r"^[A-Za-z][A-Za-z0-9_-]{0,62}$")
 _NAME_HELP = "must start with a letter and contain only letters, digits, '_' or '-' (max 63)"
 
 
 class _Model(BaseModel):
-    model_config = ConfigDict(extra="forbid", protected_namespaces=())
+    # No float field takes NaN or an infinity: `.inf` seconds or MiB is accepted by a bare
+    # `gt=0` and then breaks whatever uses it (sleeps, deadlines, `<< 20`).
+    model_config = ConfigDict(extra="forbid", protected_namespaces=(), allow_inf_nan=False)
 
 
 class RelayConfig(_Model):
@@ -53,13 +64,14 @@ class RelayConfig(_Model):
 
     backend: str = Field("shm", min_length=1)
     # Payloads whose packed tensor buffer is at most this many bytes travel in the message.
-    inline_bytes: int = Field(65536, ge=0)
-    pool_mb: int = Field(256, gt=0)
-    credits: int = Field(64, gt=0)
-    credit_mb: int = Field(1024, gt=0)
+    # Inline payloads travel inside a gRPC message, so at most what one may carry.
+    inline_bytes: int = Field(65536, ge=0, le=MAX_MESSAGE_MB << 20)
+    pool_mb: int = Field(256, gt=0, le=MAX_MB)
+    credits: int = Field(64, gt=0, le=MAX_COUNT)
+    credit_mb: int = Field(1024, gt=0, le=MAX_MB)
     device: str = "cpu"
-    rank: int | None = Field(None, ge=0)
-    world_size: int | None = Field(None, gt=0)
+    rank: int | None = Field(None, ge=0, lt=MAX_COUNT)
+    world_size: int | None = Field(None, gt=0, le=MAX_COUNT)
     options: dict[str, Any] = {}
 
     @model_validator(mode="after")
@@ -110,7 +122,9 @@ class EndpointsConfig(_Model):
     host: str = "127.0.0.1"
     # Explicit coordinator address (compose); the launcher allocates one when None.
     coordinator: str | None = None
-    max_message_mb: int = Field(64, gt=0)
+    # gRPC's message size options are C ints and protobuf refuses 2 GiB messages; see
+    # omnirail.config.limits.MAX_MESSAGE_MB.
+    max_message_mb: int = Field(64, gt=0, le=MAX_MESSAGE_MB)
 
 
 class MetricsConfig(_Model):
@@ -129,22 +143,22 @@ class RestartConfig(_Model):
     at most `max` restarts within `window_s` (0: never), the first after `backoff_s`,
     each next one twice as late, up to `backoff_max_s`."""
 
-    max: int = Field(5, ge=0)
-    window_s: float = Field(60.0, gt=0)
-    backoff_s: float = Field(0.5, ge=0)
-    backoff_max_s: float = Field(10.0, ge=0)
+    max: int = Field(5, ge=0, le=MAX_COUNT)
+    window_s: float = Field(60.0, gt=0, le=MAX_SECONDS)
+    backoff_s: float = Field(0.5, ge=0, le=MAX_SECONDS)
+    backoff_max_s: float = Field(10.0, ge=0, le=MAX_SECONDS)
 
 
 class StreamConfig(_Model):
     """Flow control of the stream edges out of a stage, and how it takes early chunks."""
 
     # Chunks in flight per edge (sent, not yet taken by the receiving scheduler).
-    credits: int = Field(64, gt=0)
-    credit_mb: int = Field(64, gt=0)
+    credits: int = Field(64, gt=0, le=MAX_COUNT)
+    credit_mb: int = Field(64, gt=0, le=MAX_MB)
     # In-flight chunks one request may hold on an edge, so one stream cannot starve others.
-    request_credits: int = Field(16, gt=0)
+    request_credits: int = Field(16, gt=0, le=MAX_COUNT)
     # Chunks the stage's scheduler may have emitted but not yet sent before it blocks.
-    outbox_chunks: int = Field(256, gt=0)
+    outbox_chunks: int = Field(256, gt=0, le=MAX_COUNT)
     # Hold chunks that arrive before the request's payload (instead of failing the request).
     hold_early_chunks: bool = False
 
@@ -154,14 +168,48 @@ def _cpu_list(v: Any) -> list[int] | None:
     if v is None:
         return None
     if isinstance(v, str):
-        return parse_cpus(v)  # its CpuError is a ValueError: pydantic reports the message
+        _check_cpu_ids(v)
+        try:
+            return parse_cpus(v)  # its CpuError is a ValueError: pydantic reports the message
+        except ValueError as exc:
+            raise ValueError(clip(str(exc), 200)) from None  # it quotes the whole text
     if (
         isinstance(v, list | tuple)
         and v
-        and all(isinstance(c, int) and not isinstance(c, bool) and c >= 0 for c in v)
+        and all(isinstance(c, int) and not isinstance(c, bool) and 0 <= c <= MAX_CPU_ID for c in v)
     ):
         return sorted(set(v))
-    raise ValueError(f'expected a non-empty list of CPU ids (int >= 0) or "0-3,6", got {v!r}')
+    raise ValueError(
+        f'expected a non-empty list of CPU ids (0..{MAX_CPU_ID}) or "0-3,6", got {short(v)}'
+    )
+
+
+def _check_cpu_ids(text: str) -> None:
+    """Refuses a CPU id past MAX_CPU_ID before `parse_cpus` expands a range: "0-20000000"
+    would otherwise build a list of 20 million ids (10 s, 1.4 GB). Anything else that is
+    wrong with the text is left to `parse_cpus` to report."""
+    # Ranges may overlap ("0-7,4-5"), but not add up to more ids than twice the most there
+    # can be: "0-8191" repeated 100,000 times is as slow to expand as one huge range.
+    most, total = 2 * (MAX_CPU_ID + 1), 0
+    for part in text.split(","):
+        ids: list[int] = []
+        for bound in part.partition("-")[::2]:
+            bound = bound.strip()
+            if len(bound) > 32:  # no CPU id is this long, and int() of it would be slow
+                raise ValueError(f"bad CPU list {short(text)}: {short(bound)} is not a CPU id")
+            try:
+                ids.append(int(bound))  # parsed as parse_cpus parses it ("1_000" included)
+            except ValueError:
+                continue
+        for cpu in ids:
+            if cpu > MAX_CPU_ID:
+                raise ValueError(
+                    f"bad CPU list {short(text)}: CPU id {cpu} is past {MAX_CPU_ID}, the "
+                    "largest Linux supports"
+                )
+        total += max(ids[-1] - ids[0] + 1, 1) if ids else 1
+        if total > most:
+            raise ValueError(f"bad CPU list {short(text)}: its items name more than {most} CPUs")
 
 
 # A CPU affinity field: a list of CPU ids or "0-3,6" in the file, a sorted list (or None).
@@ -185,13 +233,13 @@ class StageConfig(_Model):
     # None: the stage runs in its own process named after the stage.
     process: str | None = None
     gpu: int | list[int] | None = None
-    tp_size: int = Field(1, ge=1)
+    tp_size: int = Field(1, ge=1, le=MAX_RANKS)
     relay: RelayConfig | None = None
     # Per outgoing edge (target stage -> fields that differ from `relay`), e.g. nixl to a
     # stage on another host while the rest stays on shm.
     relay_to: dict[str, RelayConfig] = {}
-    replicas: int = Field(1, ge=1)
-    torch_threads: int = Field(1, ge=1)
+    replicas: int = Field(1, ge=1, le=MAX_RANKS)
+    torch_threads: int = Field(1, ge=1, le=MAX_RANKS)
     # Restarts of the stage's process when it exits (stages sharing a process: the first
     # stage's applies).
     restart: RestartConfig = RestartConfig()
@@ -202,7 +250,7 @@ class StageConfig(_Model):
     # A new request that finds this many messages waiting in the stage's inbox (requests
     # not yet taken, and stream chunks, which stream credits bound) is refused at once
     # with RESOURCE_EXHAUSTED and a retry hint instead of queueing to miss its deadline.
-    max_queue: int = Field(1024, gt=0)
+    max_queue: int = Field(1024, gt=0, le=MAX_COUNT)
     # CPUs the stage's process is pinned to (every thread), as a list or "0-3,6". Stages
     # sharing a process: the union of theirs. None: wherever the OS schedules it.
     cpus: CpuList = None
@@ -212,7 +260,7 @@ class StageConfig(_Model):
     @classmethod
     def _check_name(cls, v: str | None) -> str | None:
         if v is not None and not NAME_RE.match(v):
-            raise ValueError(f"invalid name {v!r}: {_NAME_HELP}")
+            raise ValueError(f"invalid name {short(v)}: {_NAME_HELP}")
         return v
 
     @field_validator("next", mode="before")
@@ -225,13 +273,15 @@ class StageConfig(_Model):
     def _check_gpu(cls, v: Any) -> Any:
         # Checked by hand so a bad value gets one message instead of one per union member.
         def ok(x: Any) -> bool:
-            return isinstance(x, int) and not isinstance(x, bool) and x >= 0
+            return isinstance(x, int) and not isinstance(x, bool) and 0 <= x <= MAX_GPU_ID
 
         if v is None or ok(v):
             return v
         if isinstance(v, list | tuple) and v and all(ok(x) for x in v):
             return list(v)
-        raise ValueError(f"expected a GPU id (int >= 0) or a non-empty list of them, got {v!r}")
+        raise ValueError(
+            f"expected a GPU id (0..{MAX_GPU_ID}) or a non-empty list of them, got {short(v)}"
+        )
 
     @property
     def next_stages(self) -> list[str]:
@@ -260,27 +310,28 @@ class PipelineConfig(_Model):
     # TLS, client tokens, mesh membership (omnirail/config/security.py).
     security: SecurityConfig = Field(default_factory=SecurityConfig)
     terminal_stages_fn: str | None = None
-    default_timeout_s: float = Field(60.0, gt=0)
-    max_input_mb: int = Field(32, gt=0)
+    default_timeout_s: float = Field(60.0, gt=0, le=MAX_SECONDS)
+    # Inputs arrive in one gRPC message: the same bound as endpoints.max_message_mb.
+    max_input_mb: int = Field(32, gt=0, le=MAX_MESSAGE_MB)
     # Requests the coordinator runs at once; past it a new one is refused at once with
     # RESOURCE_EXHAUSTED and a retry hint, instead of queueing work that would miss its
     # deadline (memory stays flat under overload).
-    max_live_requests: int = Field(1024, gt=0)
+    max_live_requests: int = Field(1024, gt=0, le=MAX_COUNT)
     # On shutdown (SIGTERM, `omnirail down`) the coordinator refuses new requests and gives
     # the running ones this long to end before it fails them.
-    drain_s: float = Field(10.0, ge=0)
+    drain_s: float = Field(10.0, ge=0, le=MAX_SECONDS)
     # How the coordinator picks the entry stage's replica for a new request (see
     # coordinator/registry.py): least_outstanding, round_robin or request_id.
     balance: Literal["least_outstanding", "round_robin", "request_id"] = "least_outstanding"
-    abort_ack_timeout_s: float = Field(5.0, gt=0)
+    abort_ack_timeout_s: float = Field(5.0, gt=0, le=MAX_SECONDS)
     # A replica not heard from for this long (stages report every second) is taken for
     # hung: treated like a dead one (coordinator/failover.py).
-    liveness_s: float = Field(5.0, ge=2.0)
+    liveness_s: float = Field(5.0, ge=2.0, le=MAX_SECONDS)
     # How many times a request may be dispatched again after losing a replica (0: never).
     redispatch_attempts: int = Field(2, ge=0, le=10)
     # Chunks of one streaming request the coordinator holds for a client that does not read
     # them; past this the request fails with RESOURCE_EXHAUSTED instead of growing memory.
-    client_stream_buffer: int = Field(4096, gt=0)
+    client_stream_buffer: int = Field(4096, gt=0, le=MAX_COUNT)
     # CPUs the coordinator process is pinned to (see StageConfig.cpus).
     coordinator_cpus: CpuList = None
     # Idle CPUs must wake within this many µs while the mesh's processes run (a PM QoS
@@ -301,6 +352,11 @@ class PipelineConfig(_Model):
         backend = data.pop("relay_backend")
         if backend is None:
             return data
+        if not isinstance(backend, str):
+            # Checked here: a float such as `.nan` is not even equal to itself.
+            raise ValueError(
+                f"relay_backend: expected a relay backend name, got {type(backend).__name__}"
+            )
         relay = data.get("relay")
         if relay is None:
             data["relay"] = {"backend": backend}
@@ -309,10 +365,18 @@ class PipelineConfig(_Model):
                 raise ValueError(_backend_conflict(backend, relay.backend))
             data["relay"] = relay.model_copy(update={"backend": backend})
         elif isinstance(relay, Mapping):
-            if relay.get("backend", backend) != backend:
+            if "backend" in relay and relay["backend"] != backend:
                 raise ValueError(_backend_conflict(backend, relay["backend"]))
             data["relay"] = {**relay, "backend": backend}
         return data
+
+    @field_validator("stages", mode="before")
+    @classmethod
+    def _bound_stages(cls, v: Any) -> Any:
+        # Refused before each stage is validated: see omnirail.config.limits.MAX_STAGES.
+        if isinstance(v, list | tuple) and len(v) > MAX_STAGES:
+            raise ValueError(f"{len(v)} stages; at most {MAX_STAGES} are supported")
+        return v
 
     @model_validator(mode="after")
     def _default_name(self) -> PipelineConfig:
@@ -329,6 +393,16 @@ class PipelineConfig(_Model):
         """Builds and fully validates a config; raises ConfigError listing every problem."""
         if not isinstance(data, Mapping):
             raise ConfigError(f"pipeline: expected a mapping, got {type(data).__name__}")
+        # Bounded size, depth and no cycles before pydantic walks (and copies) the data.
+        check_shape(data)
+        return cls._from_bounded(data, source_dir=source_dir, resolve=resolve)
+
+    @classmethod
+    def _from_bounded(
+        cls, data: Mapping[str, Any], *, source_dir: str | None, resolve: bool
+    ) -> PipelineConfig:
+        """`from_dict` for data already within `check_shape`'s bounds: the YAML loader
+        bounds what it composes the same way, and walking it again costs as much."""
         # Imported here because validation imports this module.
         from omnirail.config.validation import validate
 
@@ -488,23 +562,14 @@ class PipelineConfig(_Model):
         return {s.name: set(s.next_stages) | set(s.stream_to) for s in self.stages}
 
 
-def _backend_conflict(shorthand: str, explicit: str) -> str:
-    return f"relay_backend {shorthand!r} conflicts with relay.backend {explicit!r}"
+def _backend_conflict(shorthand: str, explicit: object) -> str:
+    return f"relay_backend {short(shorthand)} conflicts with relay.backend {short(explicit)}"
 
 
 # -- pydantic error conversion ---------------------------------------------------------
 
 
-def _stage_label(raw_stages: Any, index: int) -> str:
-    raw = None
-    if isinstance(raw_stages, list | tuple) and 0 <= index < len(raw_stages):
-        raw = raw_stages[index]
-    name = raw.name if isinstance(raw, StageConfig) else None
-    if isinstance(raw, Mapping):
-        name = raw.get("name")
-    if isinstance(name, str) and NAME_RE.match(name):
-        return name
-    return str(index)
+_stage_label = stage_label
 
 
 def _format_loc(loc: tuple[Any, ...], data: Any, root: str) -> str:
@@ -517,7 +582,8 @@ def _format_loc(loc: tuple[Any, ...], data: Any, root: str) -> str:
     else:
         head = root
     for item in rest:
-        parts.append(f"[{item}]" if isinstance(item, int) else f".{item}")
+        # Keys of free-form mappings are input: shown clipped.
+        parts.append(f"[{item}]" if isinstance(item, int) else f".{clip(str(item), 40)}")
     return head + "".join(parts)
 
 

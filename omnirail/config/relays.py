@@ -37,6 +37,9 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
+from omnirail.config.errors import clip, short
+from omnirail.config.graph import StageIndex
+
 if TYPE_CHECKING:
     from omnirail.config.models import PipelineConfig, RelayConfig
 
@@ -65,7 +68,7 @@ class Use:
         if where is not None:
             return where
         if self.target is not None:
-            return f"stages[{self.stage}].relay_to[{self.target}]"
+            return f"stages[{self.stage}].relay_to[{clip(self.target)}]"
         return f"stages[{self.stage}].relay"
 
 
@@ -82,35 +85,58 @@ class ProcessRelay:
     receive_only: bool = False
 
 
-def use_of(cfg: PipelineConfig, stage: str, target: str | None = None) -> Use:
-    """`relay_for(stage, target)` with where each field was set (same merge)."""
-    s = cfg.stage(stage)
+def use_of(
+    cfg: PipelineConfig, stage: str, target: str | None = None, index: StageIndex | None = None
+) -> Use:
+    """`relay_for(stage, target)` with where each field was set (same merge). `index`
+    (of `cfg.stages`) makes the stage lookup O(1) for callers that ask for every stage."""
+    s = index.stage(stage) if index is not None else cfg.stage(stage)
     merged = cfg.relay
     origins = dict.fromkeys(cfg.relay.model_fields_set, "pipeline.relay")
-    levels = [(f"stages[{stage}].relay", s.relay)]
-    if target is not None:
-        levels.append((f"stages[{stage}].relay_to[{target}]", s.relay_to.get(target)))
-    for where, override in levels:
-        merged, changed = merged.updated_by(override)
-        origins.update(dict.fromkeys(changed, where))
-    edge = f"{stage}->{target if target is not None else '*'}"
+    # Levels that set nothing are skipped: validation asks this for every edge, and most
+    # edges have no overrides.
+    if s.relay is not None:
+        merged, changed = merged.updated_by(s.relay)
+        origins.update(dict.fromkeys(changed, f"stages[{stage}].relay"))
+    edge_relay = s.relay_to.get(target) if target is not None else None
+    if edge_relay is not None:
+        merged, changed = merged.updated_by(edge_relay)
+        origins.update(dict.fromkeys(changed, f"stages[{stage}].relay_to[{clip(target)}]"))
+    # A target may be a dangling reference (reported elsewhere): shown clipped.
+    edge = f"{stage}->{clip(target) if target is not None else '*'}"
     return Use(edge, stage, target, merged, origins)
 
 
+def relays_touching(
+    cfg: PipelineConfig, stage: str, index: StageIndex
+) -> list[tuple[str, RelayConfig]]:
+    """`PipelineConfig.relays_touching` through `index` (linear over all stages)."""
+    found = [(f"{stage}->*", use_of(cfg, stage, None, index).config)]
+    found += [(f"{stage}->{t}", use_of(cfg, stage, t, index).config) for t in index.edges_of(stage)]
+    for up in index.upstream_of(stage) + index.stream_sources_of(stage):
+        found.append((f"{up}->{stage}", use_of(cfg, up, stage, index).config))
+    return found
+
+
 def process_relays(
-    cfg: PipelineConfig, stage_names: list[str], process: str | None = None
+    cfg: PipelineConfig,
+    stage_names: list[str],
+    process: str | None = None,
+    index: StageIndex | None = None,
 ) -> tuple[dict[str, ProcessRelay], list[str]]:
     """The backends a process hosting `stage_names` opens, each with the config it opens
     it with (see the module docstring), and the problems that keep a per-process field
-    from applying, each naming where it was set."""
+    from applying, each naming where it was set. `index` (of `cfg.stages`) is built when
+    not given; validation passes one for every process."""
     process = process or (stage_names[0] if stage_names else "")
-    sending = [use_of(cfg, s) for s in stage_names]
-    sending += [use_of(cfg, s, t) for s in stage_names for t in cfg.edges_of(s)]
+    index = index if index is not None else StageIndex.of(cfg.stages)
+    sending = [use_of(cfg, s, None, index) for s in stage_names]
+    sending += [use_of(cfg, s, t, index) for s in stage_names for t in index.edges_of(s)]
     sent = {u.edge for u in sending}
     receiving = [
-        use_of(cfg, up, s)
+        use_of(cfg, up, s, index)
         for s in stage_names
-        for up in dict.fromkeys(cfg.upstream_of(s) + cfg.stream_sources_of(s))
+        for up in dict.fromkeys(index.upstream_of(s) + index.stream_sources_of(s))
         if f"{up}->{s}" not in sent
     ]
     problems: list[str] = []
@@ -121,10 +147,19 @@ def process_relays(
     for use in ranked[1:]:
         if use.config.rank != own_rank:
             problems.append(_conflict(process, "", "rank", ranked[0], use, True))
+    # Uses grouped by backend in one pass: a process may name as many backends as it has
+    # edges (unknown ones included), and a scan per backend would be quadratic.
+    sends_of: dict[str, list[Use]] = {}
+    receives_of: dict[str, list[Use]] = {}
+    edges_of: dict[str, list[str]] = {}
+    for group, found in ((sends_of, sending), (receives_of, receiving)):
+        for u in found:
+            group.setdefault(u.config.backend, []).append(u)
+            edges_of.setdefault(u.config.backend, []).append(u.edge)
     opened: dict[str, ProcessRelay] = {}
-    for backend in dict.fromkeys(u.config.backend for u in sending + receiving):
-        sends = [u for u in sending if u.config.backend == backend]
-        uses = sends or [u for u in receiving if u.config.backend == backend]
+    for backend, edges in edges_of.items():
+        sends = sends_of.get(backend, [])
+        uses = sends or receives_of[backend]
         base = uses[0]
         scalars = [f for f in PER_PROCESS_FIELDS if f not in ("options", "rank")]
         options: dict[str, tuple[Any, Use]] = {}  # key -> (value, the first use setting it)
@@ -139,7 +174,6 @@ def process_relays(
                     problems.append(_conflict(process, backend, label, first[1], use, bool(sends)))
         merged = {k: v for k, (v, _) in options.items()}
         config = base.config.model_copy(update={"options": merged, "rank": own_rank})
-        edges = [u.edge for u in sending + receiving if u.config.backend == backend]
         real = [e for e in edges if not e.endswith("->*")]
         opened[backend] = ProcessRelay(backend, config, real or edges, base.edge, not sends)
     return opened, list(dict.fromkeys(problems))
@@ -176,16 +210,17 @@ def _conflict(process: str, backend: str, label: str, base: Use, use: Use, sends
     if not backend:
         how = f"process {process!r} has one rank for all its relays"
     elif sends:
-        how = f"process {process!r} opens one {backend!r} relay for all its edges"
+        how = f"process {process!r} opens one {short(backend)} relay for all its edges"
     else:
         how = (
-            f"process {process!r} only receives over {backend!r} and opens one relay for "
+            f"process {process!r} only receives over {short(backend)} and opens one relay for "
             f"all those edges (the senders' configs, here {base.edge} and {use.edge})"
         )
     what = "options are" if name == "options" else f"{name} is"
     origin = base.origin(name)
     source = origin if origin == DEFAULT else f"from {origin}"
+    shown = clip(label)  # an option key is input
     return (
-        f"{use.place(name)}.{label}: {what} per process: {how}, with {label} {first!r} "
-        f"({source}), not {value!r}{mine}"
+        f"{use.place(name)}.{shown}: {what} per process: {how}, with {shown} {short(first)} "
+        f"({source}), not {short(value)}{mine}"
     )

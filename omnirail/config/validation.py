@@ -3,48 +3,53 @@
 from __future__ import annotations
 
 import itertools
+import math
 import re
 from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any
 
 from omnirail.config import dotted
-from omnirail.config.errors import ConfigError
-from omnirail.config.graph import walk_graph
+from omnirail.config.errors import ConfigError, clip, join_bounded, short
+from omnirail.config.graph import StageIndex, walk_graph
 
 if TYPE_CHECKING:
     from omnirail.config.models import PipelineConfig, StageConfig
 
-_ENV_NAME_RE = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
+_ENV_NAME_RE = re.compile(r"\A[A-Za-z_][A-Za-z0-9_]*\Z")  # \Z: no trailing newline
 
 
 _HOOK_FIELDS = ("factory", "route_fn", "wait_for_fn", "merge_fn", "stream_done_to_fn")
+# Cycles listed one by one; past these the rest are counted (each needs its own path).
+_MAX_CYCLES = 10
 
 
 def validate(cfg: PipelineConfig, resolve: bool = True) -> None:
     """Checks every static rule; raises ConfigError listing all problems.
 
-    With `resolve`, every dotted path is imported and must be callable.
+    With `resolve`, every dotted path is imported and must be callable. Linear in the
+    size of the config: every per-stage lookup goes through one `StageIndex`.
     """
     errors: list[str] = []
     err = errors.append
-    by_name: dict[str, StageConfig] = {}
+    index = StageIndex.of(cfg.stages)
+    by_name = index.by_name
+    first_at: dict[str, int] = {}
     for i, s in enumerate(cfg.stages):
-        if s.name in by_name:
-            first = cfg.stage_names.index(s.name)
+        if s.name in first_at:
+            first = first_at[s.name]
             err(f"stages[{s.name}].name: duplicate stage name (stages[{first}] and stages[{i}])")
         else:
-            by_name.setdefault(s.name, s)
+            first_at[s.name] = i
     known = set(by_name)
 
     entry = cfg.resolved_entry_stage
     if cfg.entry_stage is not None and cfg.entry_stage not in known:
-        err(f"pipeline.entry_stage: unknown stage {cfg.entry_stage!r}")
+        err(f"pipeline.entry_stage: unknown stage {short(cfg.entry_stage)}")
     if not cfg.terminal_stages:
         err("pipeline.stages: no terminal stage (set terminal: true on at least one stage)")
 
-    upstream: dict[str, list[str]] = {n: cfg.upstream_of(n) for n in known}
     for s in by_name.values():
-        _check_stage(s, known, by_name, upstream, entry, err)
+        _check_stage(s, known, by_name, index.upstream, entry, err)
 
     _check_graph(cfg, by_name, entry, known, err)
     _check_fused(cfg, by_name, err)
@@ -52,21 +57,20 @@ def validate(cfg: PipelineConfig, resolve: bool = True) -> None:
 
     for key in cfg.runtime_overrides:
         if key not in known:
-            err(f"pipeline.runtime_overrides[{key}]: unknown stage {key!r}")
-    for key in cfg.env_defaults:
-        if not _ENV_NAME_RE.match(key):
-            err(f"pipeline.env_defaults: invalid variable name {key!r}")
+            err(f"pipeline.runtime_overrides[{clip(key)}]: unknown stage {short(key)}")
+    _check_env("pipeline.env_defaults", cfg.env_defaults, err)
 
-    _check_torchdist(cfg, by_name, err)
+    _check_torchdist(cfg, index, err)
     problem = _backend_problem(cfg.relay.backend)
     if problem:
         err(f"pipeline.relay.backend: {problem}")
-    _check_relay_options(cfg, by_name, err)
+    _check_relay_options(cfg, index, err)
     _check_relay_devices(cfg, by_name, err)
-    _check_process_relays(cfg, err)
+    _check_process_relays(cfg, index, err)
     _check_dotted(cfg, by_name, resolve, err)
     if errors:
-        raise ConfigError(errors)
+        # One line per problem: a repeated list entry would otherwise repeat its lines.
+        raise ConfigError(list(dict.fromkeys(errors)))
 
 
 def _check_stage(
@@ -79,6 +83,7 @@ def _check_stage(
 ) -> None:
     at = f"stages[{s.name}]"
     nxt = s.next
+    targets = set(nxt or ())  # membership tests below stay O(1) for long lists
     if nxt is not None and s.terminal:
         err(f"{at}.terminal: set exactly one of next / terminal=True (both set)")
     elif nxt is None and not s.terminal:
@@ -93,6 +98,7 @@ def _check_stage(
     # edges exactly, so the runtime knows every payload that can arrive.
     ups = upstream.get(s.name, [])
     if s.wait_for is not None:
+        waits, up_set = set(s.wait_for), set(ups)
         if s.merge_fn is None:
             err(f"{at}.merge_fn: required when wait_for is set")
         if not s.wait_for:
@@ -101,11 +107,12 @@ def _check_stage(
             err(f"{at}.wait_for: the entry stage cannot wait for other stages")
         _check_refs(at, "wait_for", s.wait_for, s.name, known, err)
         for w in dict.fromkeys(s.wait_for):
-            if w in known and w != s.name and w not in ups:
+            if w in known and w != s.name and w not in up_set:
                 err(f"{at}.wait_for: stage {w!r} does not list {s.name!r} in its next")
-        missing = [u for u in ups if u not in s.wait_for]
+        missing = [u for u in ups if u not in waits]
         if missing:
-            err(f"{at}.wait_for: missing upstream stage(s) {', '.join(map(repr, missing))}")
+            listed = join_bounded([repr(u) for u in missing])
+            err(f"{at}.wait_for: missing upstream stage(s) {listed}")
     else:
         if s.merge_fn is not None:
             err(f"{at}.merge_fn: requires wait_for")
@@ -114,53 +121,64 @@ def _check_stage(
         if len(ups) > 1:
             err(
                 f"{at}.wait_for: required: stage has {len(ups)} upstream stages "
-                f"({', '.join(ups)}) and must declare wait_for covering them"
+                f"({join_bounded(ups)}) and must declare wait_for covering them"
             )
 
     _check_refs(at, "stream_to", s.stream_to, s.name, known, err)
     if s.stream_done_to_fn is not None and not s.stream_to:
         err(f"{at}.stream_done_to_fn: requires stream_to")
+    streams = set(s.stream_to)
     for target in s.relay_to:
-        if target not in (nxt or []) and target not in s.stream_to:
-            err(f"{at}.relay_to: {target!r} is not in next or stream_to")
+        if target not in targets and target not in streams:
+            err(f"{at}.relay_to: {short(target)} is not in next or stream_to")
     for where, relay in [
         ("relay", s.relay),
-        *((f"relay_to[{t}]", r) for t, r in s.relay_to.items()),
+        *((f"relay_to[{clip(t)}]", r) for t, r in s.relay_to.items()),
     ]:
         if relay is not None and "backend" in relay.model_fields_set:
             problem = _backend_problem(relay.backend)
             if problem:
                 err(f"{at}.{where}.backend: {problem}")
     for target in s.project_payload:
-        if target not in (nxt or []):
-            err(f"{at}.project_payload: target {target!r} is not in next")
+        if target not in targets:
+            err(f"{at}.project_payload: target {short(target)} is not in next")
 
     # TP ranks: one GPU each (a list of tp_size ids), or none at all (CPU ranks, gloo).
     if isinstance(s.gpu, list):
         if len(s.gpu) != s.tp_size:
             err(f"{at}.gpu: {len(s.gpu)} GPU id(s) listed but tp_size is {s.tp_size}")
         if len(set(s.gpu)) != len(s.gpu):
-            err(f"{at}.gpu: duplicate GPU ids {s.gpu}")
+            err(f"{at}.gpu: duplicate GPU ids {short(s.gpu)}")
     elif s.gpu is not None and s.tp_size > 1:
         err(f"{at}.gpu: tp_size {s.tp_size} needs a list of {s.tp_size} GPU ids, one per rank")
-    for key in s.env:
+    _check_env(f"{at}.env", s.env, err)
+
+
+def _check_env(at: str, env: Mapping[str, str], err: Any) -> None:
+    for key, value in env.items():
         if not _ENV_NAME_RE.match(key):
-            err(f"{at}.env: invalid variable name {key!r}")
+            err(f"{at}: invalid variable name {short(key)}")
+        elif "\0" in value:
+            # The OS cannot set it: os.environ refuses it when the process starts.
+            err(f"{at}.{clip(key)}: a variable's value cannot contain a NUL character")
 
 
-def _check_torchdist(cfg: PipelineConfig, by_name: Mapping[str, StageConfig], err: Any) -> None:
+def _check_torchdist(cfg: PipelineConfig, index: StageIndex, err: Any) -> None:
     """torchdist needs an explicit rank topology: one rank per process that uses it (the
     stage's `relay.rank`), and `world_size` and `options.init_method` on its edges."""
+    from omnirail.config.relays import relays_touching, use_of
+
     ranks: dict[int, str] = {}
-    for name, s in by_name.items():
+    for name, s in index.by_name.items():
         try:
-            edges = [(e, r) for e, r in cfg.relays_touching(name) if r.backend == "torchdist"]
+            touching = relays_touching(cfg, name, index)
         except KeyError:
             continue  # a dangling reference, reported elsewhere
+        edges = [(e, r) for e, r in touching if r.backend == "torchdist"]
         if not edges:
             continue
         at = f"stages[{name}].relay"
-        rank = cfg.relay_for(name).rank
+        rank = use_of(cfg, name, None, index).config.rank
         if rank is None:
             err(f"{at}.rank: required: the stage sends or receives over torchdist ({edges[0][0]})")
         for edge, relay in edges:
@@ -180,23 +198,31 @@ def _check_torchdist(cfg: PipelineConfig, by_name: Mapping[str, StageConfig], er
             ranks.setdefault(rank, group)
 
 
-def _check_relay_options(cfg: PipelineConfig, by_name: Mapping[str, StageConfig], err: Any) -> None:
+def _check_relay_options(cfg: PipelineConfig, index: StageIndex, err: Any) -> None:
     """Options set at each level, against the backend the level's merged config selects
     (`pipeline.relay`, `stages[x].relay`, `stages[x].relay_to[t]`): unknown keys, types
-    and ranges, as the backend's options model (`omnirail.relay.options`) checks them."""
+    and ranges, as the backend's options model (`omnirail.relay.options`) checks them,
+    and no NaN or infinity (no option is meant to be one)."""
+    from omnirail.config.relays import use_of
+
     levels: list[tuple[str, str, dict[str, Any]]] = [
         ("pipeline.relay", cfg.relay.backend, cfg.relay.options)
     ]
-    for name, s in by_name.items():
+    for name, s in index.by_name.items():
         if s.relay is not None and "options" in s.relay.model_fields_set:
-            levels.append((f"stages[{name}].relay", cfg.relay_for(name).backend, s.relay.options))
+            backend = use_of(cfg, name, None, index).config.backend
+            levels.append((f"stages[{name}].relay", backend, s.relay.options))
         for target, relay in s.relay_to.items():
             if "options" in relay.model_fields_set:
-                backend = cfg.relay_for(name, target).backend
-                levels.append((f"stages[{name}].relay_to[{target}]", backend, relay.options))
+                backend = use_of(cfg, name, target, index).config.backend
+                levels.append((f"stages[{name}].relay_to[{clip(target)}]", backend, relay.options))
     for where, backend, options in levels:
-        for key, problem in _option_problems(backend, options):
-            err(f"{where}.options.{key}: {problem}")
+        problems = dict(_option_problems(backend, options))
+        for key, value in options.items():
+            if key not in problems and isinstance(value, float) and not math.isfinite(value):
+                problems[key] = f"must be a finite number, not {value}"
+        for key, problem in problems.items():
+            err(f"{where}.options.{clip(str(key))}: {problem}")
 
 
 # What `relay.device` can say today: every backend holds its pool in host memory, and a
@@ -214,7 +240,7 @@ def _check_relay_devices(cfg: PipelineConfig, by_name: Mapping[str, StageConfig]
     for where, relay in levels:
         if relay is not None and relay.device not in _RELAY_DEVICES:
             err(
-                f"{where}.device: {relay.device!r} is not supported; relay pools are in host "
+                f"{where}.device: {short(relay.device)} is not supported; relay pools are in host "
                 "memory, and CUDA tensors cross every edge through them (the receiver gets "
                 "them on its own stage's device). Leave device unset"
             )
@@ -230,13 +256,13 @@ def _option_problems(backend: str, options: dict[str, Any]) -> list[tuple[str, s
     return option_problems(backend, model, options)
 
 
-def _check_process_relays(cfg: PipelineConfig, err: Any) -> None:
+def _check_process_relays(cfg: PipelineConfig, index: StageIndex, err: Any) -> None:
     """Per-process relay fields one process could not apply (see omnirail.config.relays)."""
     from omnirail.config.relays import process_relays
 
     for group, members in cfg.process_groups().items():
         try:
-            _, problems = process_relays(cfg, list(dict.fromkeys(members)), group)
+            _, problems = process_relays(cfg, list(dict.fromkeys(members)), group, index)
         except KeyError:
             continue  # a dangling reference, reported elsewhere
         for problem in problems:
@@ -248,7 +274,7 @@ def _backend_problem(backend: str) -> str | None:
 
     if backend in BACKENDS:
         return None
-    return f"unknown relay backend {backend!r}; known: {', '.join(sorted(BACKENDS))}"
+    return f"unknown relay backend {short(backend)}; known: {', '.join(sorted(BACKENDS))}"
 
 
 def _check_refs(
@@ -257,42 +283,58 @@ def _check_refs(
     seen: set[str] = set()
     for r in refs:
         if r in seen:
-            err(f"{at}.{field}: duplicate entry {r!r}")
+            err(f"{at}.{field}: duplicate entry {short(r)}")
             continue
         seen.add(r)
         if r == self_name:
             err(f"{at}.{field}: a stage cannot name itself ({r!r})")
         elif r not in known:
-            err(f"{at}.{field}: unknown stage {r!r}")
+            err(f"{at}.{field}: unknown stage {short(r)}")
 
 
 def _check_graph(
     cfg: PipelineConfig, by_name: Mapping[str, StageConfig], entry: str, known: set[str], err: Any
 ) -> None:
-    nxt = {n: [d for d in s.next_stages if d in known and d != n] for n, s in by_name.items()}
-    # Iterative DFS colouring; each back edge closes one cycle, reported once.
+    # Each edge once (duplicates are reported by _check_refs): every back edge found
+    # below then closes a different cycle.
+    nxt = {
+        n: list(dict.fromkeys(d for d in s.next_stages if d in known and d != n))
+        for n, s in by_name.items()
+    }
+    # Iterative DFS colouring; each back edge closes one cycle, reported once. Listing a
+    # cycle costs its length, so past _MAX_CYCLES of them the rest are only counted.
     state: dict[str, int] = {}
     reported: set[frozenset[str]] = set()
+    unlisted = 0
     for root in by_name:
         if root in state:
             continue
         path: list[str] = [root]
+        at: dict[str, int] = {root: 0}  # position on `path` of each stage on it
         iters = [iter(nxt[root])]
         state[root] = 1
         while iters:
             child = next(iters[-1], None)
             if child is None:
-                state[path.pop()] = 2
+                done = path.pop()
+                del at[done]
+                state[done] = 2
                 iters.pop()
             elif state.get(child) == 1:
-                cycle = [*path[path.index(child) :], child]
+                if len(reported) >= _MAX_CYCLES:
+                    unlisted += 1
+                    continue
+                cycle = [*path[at[child] :], child]
                 if frozenset(cycle) not in reported:
                     reported.add(frozenset(cycle))
-                    err(f"stages[{child}].next: cycle in next graph: {' -> '.join(cycle)}")
+                    err(f"stages[{child}].next: cycle in next graph: {join_bounded(cycle, ' -> ')}")
             elif child not in state:
                 state[child] = 1
+                at[child] = len(path)
                 path.append(child)
                 iters.append(iter(nxt[child]))
+    if unlisted:
+        err(f"pipeline.stages: {unlisted} more cycle(s) in the next graph not listed")
 
     if entry in known:
         reach = walk_graph(
@@ -319,12 +361,12 @@ def _check_fused(cfg: PipelineConfig, by_name: Mapping[str, StageConfig], err: A
     for gi, group in enumerate(cfg.fused_stages):
         at = f"pipeline.fused_stages[{gi}]"
         if len(group) < 2:
-            err(f"{at}: a fused group needs at least 2 stages, got {group}")
+            err(f"{at}: a fused group needs at least 2 stages, got {short(group)}")
         if len(set(group)) != len(group):
-            err(f"{at}: duplicate stage in {group}")
+            err(f"{at}: duplicate stage in {short(group)}")
         for n in group:
             if n not in by_name:
-                err(f"{at}: unknown stage {n!r}")
+                err(f"{at}: unknown stage {short(n)}")
                 continue
             if n in owner and owner[n] != gi:
                 err(f"{at}: stage {n!r} is already in fused_stages[{owner[n]}]")
@@ -348,7 +390,7 @@ def _check_processes(cfg: PipelineConfig, by_name: Mapping[str, StageConfig], er
             continue
         for s in stages:
             if s.tp_size > 1:
-                others = ", ".join(o.name for o in stages if o is not s)
+                others = join_bounded([o.name for o in stages if o is not s])
                 err(
                     f"stages[{s.name}].process: TP stage cannot share process {group!r} "
                     f"with {others}"
@@ -356,12 +398,13 @@ def _check_processes(cfg: PipelineConfig, by_name: Mapping[str, StageConfig], er
         gpus = sorted({g for s in stages if s.tp_size == 1 for g in s.gpus})
         if len(gpus) > 1:
             err(
-                f"stages[{stages[0].name}].process: process {group!r} spans GPUs {gpus}; "
+                f"stages[{stages[0].name}].process: process {group!r} spans GPUs "
+                f"{short(gpus)}; "
                 "a process may use at most one GPU"
             )
         replicas = {s.replicas for s in stages}
         if len(replicas) > 1:
-            detail = ", ".join(f"{s.name}={s.replicas}" for s in stages)
+            detail = join_bounded([f"{s.name}={s.replicas}" for s in stages])
             err(
                 f"stages[{stages[0].name}].replicas: stages sharing process {group!r} "
                 f"must have equal replicas ({detail})"
@@ -378,7 +421,7 @@ def _check_dotted(
             if value is not None:
                 paths.append((f"stages[{n}].{field}", value))
         for target, fn in s.project_payload.items():
-            paths.append((f"stages[{n}].project_payload[{target}]", fn))
+            paths.append((f"stages[{n}].project_payload[{clip(target)}]", fn))
     if cfg.terminal_stages_fn is not None:
         paths.append(("pipeline.terminal_stages_fn", cfg.terminal_stages_fn))
     for where, path in paths:
@@ -395,5 +438,5 @@ def _resolve_problem(path: str, base_dir: str | None) -> str | None:
     except (ImportError, AttributeError, ValueError) as exc:
         return str(exc)
     if not callable(obj):
-        return f"{path!r} is not callable (got {type(obj).__name__})"
+        return f"{short(path)} is not callable (got {type(obj).__name__})"
     return None
