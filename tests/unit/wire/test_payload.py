@@ -3,9 +3,11 @@
 from __future__ import annotations
 
 import random
+import re
 import subprocess
 import sys
 import textwrap
+import time
 
 import msgpack
 import numpy as np
@@ -14,7 +16,11 @@ import torch
 
 from omnirail.v1 import common_pb2
 from omnirail.wire.payload import (
+    MAX_CONTAINERS,
     MAX_DEPTH,
+    MAX_ITEMS,
+    MAX_TENSORS,
+    MAX_TUPLE_DEPTH,
     PayloadError,
     decode_inline,
     encode_inline,
@@ -305,12 +311,53 @@ def test_views_keep_buffer_alive():
         ({"a": torch.zeros(2, dtype=torch.float8_e4m3fn)}, "unsupported torch dtype"),
         ({"a": torch.zeros(2).to_sparse()}, "unsupported tensor layout"),
         ({"a": torch.zeros(2, device="meta")}, "only CPU and GPU tensors can be sent"),
-        ({"s": "\ud800"}, "cannot encode header"),
+        ({"s": "\ud800"}, "s: cannot encode str as UTF-8: surrogates not allowed"),
     ],
 )
 def test_unsupported_values(value, message):
     with pytest.raises(PayloadError, match=message.replace("[", r"\[").replace("]", r"\]")):
         pack(value)
+
+
+def nested_tuples(depth: int) -> tuple:
+    value: tuple = (1,)
+    for _ in range(depth - 1):
+        value = (value,)
+    return value
+
+
+@pytest.mark.parametrize(
+    ("value", "message"),
+    [
+        # Fuzz findings: these escaped pack() as UnicodeEncodeError / OverflowError.
+        (
+            ("ok", "x\udc80"),
+            "[1]: cannot encode str as UTF-8: surrogates not allowed (character 1)",
+        ),
+        ({"a": [{"\ud800k": 1}]}, "a[0].\\ud800k: cannot encode dict key as UTF-8"),
+        ([({"\udfff": 1},)], "[0][0].\\udfff: cannot encode dict key as UTF-8"),
+        ({"a": {2**64: 1}}, "a[18446744073709551616]: dict key 18446744073709551616 does not fit"),
+        (({-(2**63) - 1: 1},), "[0][-9223372036854775809]: dict key -9223372036854775809 does not"),
+        # What a decoder would refuse is refused when packing, naming where.
+        ({"t": np.zeros((1,) * 33)}, "t: tensor of 33 dimensions, more than 32"),
+        (nested_tuples(MAX_TUPLE_DEPTH + 1), "[0]" * MAX_TUPLE_DEPTH + ": tuple nesting deeper"),
+        ({"ids": list(range(MAX_ITEMS))}, f"ids: more than {MAX_ITEMS} items"),
+        ([[]] * MAX_CONTAINERS, f"[{MAX_CONTAINERS - 2}]: more than {MAX_CONTAINERS} containers"),
+        ([np.zeros(1)] * (MAX_TENSORS + 1), f"[{MAX_TENSORS}]: more than {MAX_TENSORS} tensors"),
+    ],
+)
+def test_unencodable_values_raise_payload_error_naming_where(value, message):
+    with pytest.raises(PayloadError) as info:
+        pack(value)
+    assert str(info.value).startswith(message)
+
+
+def test_pack_failures_are_payload_errors():
+    with pytest.raises(PayloadError, match="align must be a power of two"):
+        pack(1, align=3)
+    # torch refusing an odd tensor (too large to view as numpy) is still the typed error.
+    with pytest.raises(PayloadError, match="cannot encode value: ValueError"):
+        pack(torch.empty(0, 2**61))
 
 
 def test_nesting_limit():
@@ -432,6 +479,178 @@ def test_fuzz_random_and_mutated_headers():
             unpack(data, buffer)
         except PayloadError:
             pass
+
+
+# ---- fuzz findings (tests/fuzz/test_payload_fuzz.py covers each class) ------------------
+
+
+def ext_tuple(items: list) -> msgpack.ExtType:
+    return msgpack.ExtType(2, msgpack.packb(items))
+
+
+@pytest.mark.parametrize("version", [placeholder("numpy", "int64", (1,), 0, 8), True, 1.0])
+def test_only_the_int_1_is_a_version_and_nothing_caches_from_a_bad_one(version):
+    # A tensor in the version slot compared equal to 1 (array([True]) is truthy), and the
+    # header was then cached as a lone tensor's: 'hello' once, array([1]) after.
+    header = msgpack.packb([version, 8, "hello"])
+    buf = np.array([1]).tobytes()
+    for _ in range(3):
+        with pytest.raises(PayloadError, match="not an omnirail payload header"):
+            unpack(header, buf)
+    assert unpack(msgpack.packb([1, 8, "hello"]), buf) == "hello"
+
+
+def test_a_leaf_beside_one_tensor_is_not_cached_as_that_tensor():
+    # One placeholder (in the nbytes slot, refused) and a str tree: nothing to cache.
+    header = msgpack.packb([1, placeholder(), "hello"])
+    for _ in range(2):
+        with pytest.raises(PayloadError, match="bad buffer size"):
+            unpack(header, bytes(8))
+
+
+def test_a_cached_lone_tensor_header_still_checks_the_buffer_it_is_given():
+    # The header asks for 16 buffer bytes, its tensor uses 8: a cache hit must still refuse
+    # an 8-byte buffer as the first decode would have, then decode 16 bytes again.
+    header = msgpack.packb([1, 16, placeholder("numpy", "int64", (1,), 0, 8)])
+    for buf in (bytes(16), bytes(8), bytes(16)):
+        if len(buf) == 8:
+            with pytest.raises(PayloadError, match="header expects 16 buffer bytes, got 8"):
+                unpack(header, buf)
+        else:
+            assert unpack(header, buf).tolist() == [0]
+    short = msgpack.packb([1, 8, placeholder("numpy", "int64", (1,), 8, 8)])
+    assert unpack(short, bytes(16)).tolist() == [0]
+    with pytest.raises(PayloadError, match="lies outside the buffer"):
+        unpack(short, bytes(8))
+
+
+def test_repeated_placeholders_decode_to_one_shared_copy():
+    # 16.8 KB of one placeholder over a 1 MiB buffer used to make 629 MB of copies.
+    mib = 1 << 20
+    ph = placeholder("numpy", "uint8", (mib,), 0, mib)
+    header = msgpack.packb([1, mib, [ph] * 600])
+    assert len(header) < 17_000
+    out = unpack(header, bytes(mib), copy=True)
+    assert len(out) == 600 and all(a is out[0] for a in out)
+    assert out[0].flags.owndata and out[0].flags.writeable
+    # What pack writes for a tensor referenced twice decodes shared, as the sender had it.
+    a = np.arange(3)
+    packed = pack({"a": a, "c": [a]})
+    for copy in (False, True):
+        back = unpack(packed.header, packed.to_bytes(), copy=copy)
+        assert back["a"] is back["c"][0]
+
+
+@pytest.mark.parametrize("copy", [False, True])
+def test_overlapping_placeholders_past_the_buffer_are_refused(copy):
+    mib = 1 << 20
+    phs = [
+        placeholder("numpy", "uint8", (mib - 64 * i,), 64 * i, mib - 64 * i) for i in range(1500)
+    ]
+    with pytest.raises(PayloadError, match="claim over 2097088 bytes of a 1048576-byte buffer"):
+        unpack(msgpack.packb([1, mib, phs]), bytes(mib), copy=copy)
+    # Within the buffer but past the header's nbytes: refused too (pack never writes it).
+    two = [placeholder("numpy", "uint8", (8,), 0, 8), placeholder("numpy", "uint8", (4,), 4, 4)]
+    with pytest.raises(PayloadError, match="claim 12 bytes, more than the header's 8"):
+        unpack(msgpack.packb([1, 8, two]), bytes(16), copy=copy)
+
+
+def raw_map_of_repeats(entries: int) -> bytes:
+    # map32 whose every entry is 0: 0 (a dict of one entry, after all of them are read)
+    return b"\xdf" + entries.to_bytes(4, "big") + b"\x00\x00" * entries
+
+
+@pytest.mark.parametrize(
+    ("tree_bytes", "message"),
+    [
+        # 32 MiB of empty tuples: ~10 s of an event loop before.
+        (msgpack.packb([[ext_tuple([])] * 1000] * 11_000), "more than 65536 containers"),
+        (msgpack.packb([ext_tuple([])] * (3 << 20)), "exceeds max_array_len"),
+        (msgpack.packb([[0] * 100_000] * 300), f"more than {MAX_ITEMS} items"),
+        (msgpack.packb([[[]] * 1000] * 30_000), "more than 65536 containers"),
+        (msgpack.packb([[{}] * 1000] * 30_000), "more than 65536 containers"),
+        (b"\xdc\x00\x03" + raw_map_of_repeats(MAX_ITEMS // 2) * 3, f"more than {MAX_ITEMS} items"),
+        (
+            msgpack.packb([placeholder("numpy", "uint8", (0, i), 0, 0) for i in range(20_000)]),
+            f"more than {MAX_TENSORS} tensors",
+        ),
+    ],
+    ids=["tuples", "one-long-array", "ints", "lists", "dicts", "repeated-keys", "tensors"],
+)
+def test_huge_headers_are_refused_before_the_work(tree_bytes, message):
+    header = b"\x93\x01\x00" + tree_bytes  # [1, 0, tree]
+    start = time.perf_counter()
+    with pytest.raises(PayloadError, match=re.escape(message)):
+        unpack(header, b"")
+    # ~0.05 s here; the bound only catches a return to the old seconds on a busy host.
+    assert time.perf_counter() - start < 2.0
+
+
+def test_tuple_nesting_is_bounded_by_both_sides():
+    # A tuple's ext data repeats its contents: 20 levels around 4 MiB were 80 MiB of copies.
+    data = msgpack.packb(["x" * (4 << 20)])
+    for _ in range(20):
+        data = msgpack.packb([msgpack.ExtType(2, data)])
+    with pytest.raises(PayloadError, match=f"tuple nesting deeper than {MAX_TUPLE_DEPTH}"):
+        unpack(msgpack.packb([1, 0, msgpack.ExtType(2, data)]), None)
+    deepest = nested_tuples(MAX_TUPLE_DEPTH)
+    assert roundtrip(deepest) == deepest
+
+
+@pytest.mark.parametrize(
+    ("value", "n"),
+    [
+        # The envelope is one array of three items; the list is one more container.
+        (lambda n: [0] * n, MAX_ITEMS - 3),
+        (lambda n: [[]] * n, MAX_CONTAINERS - 2),
+        (lambda n: [np.zeros(0)] * n, MAX_TENSORS),
+    ],
+    ids=["items", "containers", "tensors"],
+)
+def test_pack_refuses_exactly_what_unpack_refuses(value, n):
+    ok = value(n)
+    assert len(roundtrip(ok)) == n
+    with pytest.raises(PayloadError) as packing:
+        pack(value(n + 1))
+    # The header pack would have written, made by msgpack: refused for the same reason.
+    first = msgpack.unpackb(pack(ok).header, raw=False)[2][0]  # 0, [] or a placeholder
+    with pytest.raises(PayloadError) as unpacking:
+        unpack(msgpack.packb([1, 0, [first] * (n + 1)]), b"")
+    assert packing.value.reason == unpacking.value.reason
+
+
+@pytest.mark.parametrize(
+    ("ext", "message"),
+    [
+        (
+            msgpack.ExtType(1, msgpack.packb(["numpy", "uint8", [0], 0, 0, "x" * 600])),
+            "tensor placeholder of 620 bytes",
+        ),
+        (
+            msgpack.ExtType(1, msgpack.packb(["numpy", "uint8", [1] * 33, 0, 1])),
+            "tensor of 33 dimensions, more than 32",
+        ),
+        (
+            msgpack.ExtType(1, msgpack.packb(["numpy", "float32", [0, 2**62, 2**62], 0, 0])),
+            "is too large",
+        ),
+        (msgpack.ExtType(3, msgpack.packb([1.0, 2.0, [0] * 100])), "complex ext of"),
+    ],
+)
+def test_placeholders_and_exts_past_their_limits_are_refused(ext, message):
+    with pytest.raises(PayloadError, match=re.escape(message)):
+        unpack(msgpack.packb([1, 0, [ext]]), b"")
+
+
+def test_unpack_raises_only_payload_error():
+    for header, buffer in [
+        (None, b""),
+        ("text", b""),
+        (b"\x93\x01\x00\xc0", 5),
+        (memoryview(b"\x93"), b""),
+    ]:
+        with pytest.raises(PayloadError):
+            unpack(header, buffer)  # type: ignore[arg-type]
 
 
 def test_unpack_accepts_memoryview_of_other_formats():
