@@ -37,7 +37,9 @@ def parse_inputs(request: client_pb2.GenerateRequest, max_bytes: int) -> dict[st
     if request.inputs.HasField("relay"):
         raise invalid("inputs: relay descriptors are not accepted from clients; send inline")
     try:
-        inputs = decode_inline(request.inputs, copy=False)
+        # numpy only: a client's "torch" placeholder must not make the coordinator import
+        # torch (seconds of its event loop, once); hooks here see numpy arrays.
+        inputs = decode_inline(request.inputs, copy=False, numpy_only=True)
     except PayloadError as exc:
         raise invalid(f"inputs: {exc}") from None
     if not isinstance(inputs, dict) or not all(isinstance(k, str) for k in inputs):

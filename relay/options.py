@@ -37,7 +37,7 @@ RELAY_FIELDS = frozenset(
 class RelayOptions(BaseModel):
     """Base of every backend's options: strict types, unknown keys refused, immutable."""
 
-    model_config = ConfigDict(extra="forbid", strict=True, frozen=True)
+    model_config = ConfigDict(extra="forbid", strict=True, frozen=True, allow_inf_nan=False)
 
 
 class InlineOptions(RelayOptions):

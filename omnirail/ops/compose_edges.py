@@ -16,6 +16,7 @@ from typing import Any
 import yaml
 
 from omnirail.config import ConfigError, PipelineConfig
+from omnirail.config.yaml_loader import read_yaml
 from omnirail.ops.compose_groups import ComposeError
 from omnirail.ops.compose_models import ModelMount, point_at_mounts
 
@@ -123,7 +124,7 @@ def _check_edge(cfg: PipelineConfig, edge: EdgeRelay) -> None:
 def _raw_pipeline(cfg: PipelineConfig, source: Path) -> dict[str, Any]:
     """The pipeline as authored: the YAML itself, or the loaded config of a .py file."""
     if source.suffix.lower() in (".yaml", ".yml"):
-        return yaml.safe_load(source.read_text(encoding="utf-8"))
+        return read_yaml(source)  # the bounded loader load_pipeline used
     try:
         return cfg.model_dump(mode="json", exclude_unset=True)
     except ValueError as exc:  # pydantic's serialization error is a ValueError

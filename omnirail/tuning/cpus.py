@@ -19,21 +19,32 @@ class CpuError(ValueError):
     """A CPU list that cannot be parsed or applied."""
 
 
+# Linux builds for at most 8,192 CPUs (NR_CPUS with x86-64 MAXSMP); checked before a range
+# is expanded, so "0-20000000" costs nothing (omnirail.config.limits says the same).
+MAX_CPU_ID = 8191
+
+
 def parse_cpus(text: str) -> list[int]:
     """CPU ids from a list like `taskset -c` takes: "0", "0,2", "0-3,6"."""
     cpus: set[int] = set()
+    if len(text) > 65536:
+        raise CpuError(f"bad CPU list: {len(text)} characters")
     for part in text.split(","):
         part = part.strip()
         if not part:
-            raise CpuError(f"bad CPU list {text!r}: empty item")
+            raise CpuError(f"bad CPU list {text[:80]!r}: empty item")
         lo, sep, hi = part.partition("-")
         try:
             first = int(lo)
             last = int(hi) if sep else first
         except ValueError:
-            raise CpuError(f"bad CPU list {text!r}: {part!r} is not a CPU id or range") from None
+            raise CpuError(
+                f"bad CPU list {text[:80]!r}: {part[:40]!r} is not a CPU id or range"
+            ) from None
         if first < 0 or last < first:
-            raise CpuError(f"bad CPU list {text!r}: {part!r} is not a CPU id or range")
+            raise CpuError(f"bad CPU list {text[:80]!r}: {part[:40]!r} is not a CPU id or range")
+        if last > MAX_CPU_ID:
+            raise CpuError(f"bad CPU list {text[:80]!r}: CPU ids go up to {MAX_CPU_ID}")
         cpus.update(range(first, last + 1))
     return sorted(cpus)
 

@@ -94,6 +94,8 @@ UNKNOWN = "unknown option for backend 'x'"
         (UcxOptions, {"ucx_config": {"TLS": ["tcp"]}}, "input should be a valid string"),
         (TorchdistOptions, {"init_method": "env://"}, "want 'tcp://host:port', got 'env://'"),
         (TorchdistOptions, {"timeout_s": 0}, "input should be greater than 0"),
+        (TorchdistOptions, {"timeout_s": float("inf")}, "input should be a finite number"),
+        (NixlOptions, {"fetch_timeout_s": float("nan")}, "input should be a finite number"),
         (TorchdistOptions, {"rank": 1}, UNKNOWN + " (rank is a relay field, not an option)"),
         (InlineOptions, {"copy_threads": 1}, UNKNOWN + " (it takes no options)"),
     ],

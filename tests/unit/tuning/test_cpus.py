@@ -74,3 +74,10 @@ print(len(masks), all(m == {cpu} for m in masks.values()))
 
 def test_available_cpus_is_this_process_mask():
     assert available_cpus() == sorted(os.sched_getaffinity(0))
+
+
+def test_a_huge_range_is_refused_before_it_is_expanded() -> None:
+    with pytest.raises(CpuError, match="CPU ids go up to 8191"):
+        parse_cpus("0-20000000")
+    with pytest.raises(CpuError, match="characters"):
+        parse_cpus("0," * 40000)
