@@ -277,7 +277,9 @@ def mappings() -> tuple[int, set[str]]:
         for line in f:
             count += 1
             at = line.find(SHM_DIR + "/")
-            if at >= 0:
+            # sem.*: POSIX semaphores other code in this process makes (multiprocessing,
+            # torch, earlier test modules' threads), never a relay's.
+            if at >= 0 and not line.startswith(SHM_DIR + "/sem.", at):
                 shm.add(line[at:].rstrip("\n").removesuffix(" (deleted)"))
     return count, shm
 
