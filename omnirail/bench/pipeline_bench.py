@@ -281,7 +281,6 @@ def _compare_fused(
     if tracing not in TRACING_ENV:
         raise ValueError(f"tracing must be off or on with --fused, not {tracing!r}")
     env = TRACING_ENV[tracing]
-    kinds = ("separate", "fused")
     with (
         pipeline_file(pipeline_yaml(stages, payload_bytes, stage_ms)) as separate_path,
         pipeline_file(pipeline_yaml(stages, payload_bytes, stage_ms, fused=True)) as fused_path,
@@ -289,16 +288,9 @@ def _compare_fused(
         Mesh(fused_path, progress=progress, env=env, pin=pin) as fused,
     ):
         meshes = {"separate": separate, "fused": fused}
-        p50: dict[str, list[float]] = {k: [] for k in kinds}
-        p99: dict[str, list[float]] = {k: [] for k in kinds}
-        rps: dict[str, list[float]] = {k: [] for k in kinds}
-        for r in range(rounds):
-            for kind in kinds if r % 2 == 0 else kinds[::-1]:
-                address = meshes[kind].address
-                assert address is not None
-                figures = _round(address, requests, payload_bytes, throughput_requests, concurrency)
-                for series, value in zip((p50, p99, rps), figures, strict=True):
-                    series[kind].append(value)
+        sides = interleaved_rounds(
+            meshes, rounds, requests, payload_bytes, throughput_requests, concurrency
+        )
         processes = {k: len(m.processes()) for k, m in meshes.items()}
     report: dict[str, Any] = {
         "stages": stages,
@@ -308,23 +300,61 @@ def _compare_fused(
         "throughput_requests": throughput_requests,
         "rounds": rounds,
         "processes": processes,
-    }
-    for kind in kinds:
-        report[kind] = {
-            "latency_p50_ms": statistics.median(p50[kind]),
-            "latency_p99_ms": statistics.median(p99[kind]),
-            "throughput_rps": statistics.median(rps[kind]),
-            "rounds_latency_p50_ms": p50[kind],
-            "rounds_throughput_rps": rps[kind],
-        }
-    f, s = report["fused"], report["separate"]
-    report["fused_over_separate"] = {
-        "latency_p50": round(f["latency_p50_ms"] / s["latency_p50_ms"], 3),
-        "latency_p99": round(f["latency_p99_ms"] / s["latency_p99_ms"], 3),
-        "throughput": round(f["throughput_rps"] / s["throughput_rps"], 3),
+        **sides,
+        "fused_over_separate": ratios(sides["fused"], sides["separate"]),
     }
     if stage_ms:
         report["stage_ms"] = stage_ms
     report["tracing"] = tracing
     report["pinned"] = pin
     return report
+
+
+def interleaved_rounds(
+    meshes: dict[str, Any],
+    rounds: int,
+    requests: int,
+    payload_bytes: int,
+    throughput_requests: int,
+    concurrency: int,
+) -> dict[str, dict[str, Any]]:
+    """`rounds` rounds (`_round`) on each of `meshes`, their order reversed every other
+    round so all see the same machine load; per mesh, the medians and every round's figure.
+    Each mesh is dialled with its own `client_options()` (TLS and a token when secured)."""
+    kinds = list(meshes)
+    p50: dict[str, list[float]] = {k: [] for k in kinds}
+    p99: dict[str, list[float]] = {k: [] for k in kinds}
+    rps: dict[str, list[float]] = {k: [] for k in kinds}
+    for r in range(rounds):
+        for kind in kinds if r % 2 == 0 else kinds[::-1]:
+            mesh = meshes[kind]
+            assert mesh.address is not None
+            figures = _round(
+                mesh.address,
+                requests,
+                payload_bytes,
+                throughput_requests,
+                concurrency,
+                mesh.client_options(),
+            )
+            for series, value in zip((p50, p99, rps), figures, strict=True):
+                series[kind].append(value)
+    return {
+        kind: {
+            "latency_p50_ms": statistics.median(p50[kind]),
+            "latency_p99_ms": statistics.median(p99[kind]),
+            "throughput_rps": statistics.median(rps[kind]),
+            "rounds_latency_p50_ms": p50[kind],
+            "rounds_throughput_rps": rps[kind],
+        }
+        for kind in kinds
+    }
+
+
+def ratios(a: dict[str, Any], b: dict[str, Any]) -> dict[str, float]:
+    """`a`'s medians over `b`'s (from `interleaved_rounds`)."""
+    return {
+        "latency_p50": round(a["latency_p50_ms"] / b["latency_p50_ms"], 3),
+        "latency_p99": round(a["latency_p99_ms"] / b["latency_p99_ms"], 3),
+        "throughput": round(a["throughput_rps"] / b["throughput_rps"], 3),
+    }

@@ -10,14 +10,13 @@ and the secured-over-plaintext ratios.
 from __future__ import annotations
 
 import secrets
-import statistics
 import tempfile
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 from omnirail.bench import pipeline_file
-from omnirail.bench.pipeline_bench import TRACING_ENV, _round, pipeline_yaml
+from omnirail.bench.pipeline_bench import TRACING_ENV, interleaved_rounds, pipeline_yaml, ratios
 from omnirail.config.security import ENV_TOKENS_FILE
 
 
@@ -36,7 +35,6 @@ def run_tls_bench(
 ) -> dict[str, Any]:
     from omnirail.ops.launcher import Mesh
 
-    kinds = ("plaintext", "tls")
     transport = "tcp" if tcp else None
     with tempfile.TemporaryDirectory(prefix="omnirail-tls-bench-") as tmp:
         tokens = Path(tmp) / "tokens"
@@ -52,25 +50,15 @@ def run_tls_bench(
                 path, progress=progress, env=secured_env, pin=pin, transport=transport, tls="auto"
             ) as secured,
         ):
-            meshes = {"plaintext": plain, "tls": secured}
-            p50: dict[str, list[float]] = {k: [] for k in kinds}
-            p99: dict[str, list[float]] = {k: [] for k in kinds}
-            rps: dict[str, list[float]] = {k: [] for k in kinds}
-            for r in range(rounds):
-                for kind in kinds if r % 2 == 0 else kinds[::-1]:
-                    mesh = meshes[kind]
-                    assert mesh.address is not None
-                    figures = _round(
-                        mesh.address,
-                        requests,
-                        payload_bytes,
-                        throughput_requests,
-                        concurrency,
-                        mesh.client_options(),
-                    )
-                    for series, value in zip((p50, p99, rps), figures, strict=True):
-                        series[kind].append(value)
-    report: dict[str, Any] = {
+            sides = interleaved_rounds(
+                {"plaintext": plain, "tls": secured},
+                rounds,
+                requests,
+                payload_bytes,
+                throughput_requests,
+                concurrency,
+            )
+    return {
         "stages": stages,
         "payload_bytes": payload_bytes,
         "requests": requests,
@@ -79,20 +67,7 @@ def run_tls_bench(
         "rounds": rounds,
         "transport": "tcp" if tcp else "unix",
         "secured_with": "--tls auto (TLS on every hop, mutual at stages, mesh secret) + a token",
+        **sides,
+        "tls_over_plaintext": ratios(sides["tls"], sides["plaintext"]),
+        "pinned": pin,
     }
-    for kind in kinds:
-        report[kind] = {
-            "latency_p50_ms": statistics.median(p50[kind]),
-            "latency_p99_ms": statistics.median(p99[kind]),
-            "throughput_rps": statistics.median(rps[kind]),
-            "rounds_latency_p50_ms": p50[kind],
-            "rounds_throughput_rps": rps[kind],
-        }
-    t, p = report["tls"], report["plaintext"]
-    report["tls_over_plaintext"] = {
-        "latency_p50": round(t["latency_p50_ms"] / p["latency_p50_ms"], 3),
-        "latency_p99": round(t["latency_p99_ms"] / p["latency_p99_ms"], 3),
-        "throughput": round(t["throughput_rps"] / p["throughput_rps"], 3),
-    }
-    report["pinned"] = pin
-    return report

@@ -115,6 +115,8 @@ class MeshSecurity:
         tokens: list[bytes] = []
         if config.tokens_file:
             tokens += _secrets(config.tokens_file, "tokens_file")
+        # This process's own client calls (the CLI's) use the file's first token.
+        self._client_token = tokens[0].decode() if tokens else None
         if config.tokens_env:
             value = environ.get(config.tokens_env, "").strip()
             if not value:
@@ -186,11 +188,9 @@ class MeshSecurity:
 
     def client_token(self) -> str | None:
         """A token for this process's own client calls (the CLI's), if tokens are set."""
-        if self.config.tokens_file:
-            return _secrets(self.config.tokens_file, "tokens_file")[0].decode()
-        if self.config.tokens_env:
+        if self._client_token is None and self.config.tokens_env:
             return os.environ.get(self.config.tokens_env) or None
-        return None
+        return self._client_token
 
 
 def secure_channel(
