@@ -35,12 +35,12 @@ from hypothesis import given, note
 from hypothesis import strategies as st
 
 from omnirail.relay.base import Received, Relay, RelayError, RelaySettings, create_relay
-from omnirail.relay.host_pool import HostExtent
 from omnirail.relay.pull import PullRelay
 from omnirail.relay.shm import ShmRelay, sweep_segments
 from omnirail.relay.shm_pool import MARK_SLOTS, SHM_DIR, marks_name
 from omnirail.v1 import common_pb2
 from omnirail.wire.payload import pack
+from tests.unit.relay.fake_pull import FakePull
 
 Descriptor = common_pb2.RelayDescriptor
 U64 = 2**64 - 1
@@ -556,30 +556,6 @@ def test_shm_fuzz_touched_nothing_foreign(shm_env: ShmEnv) -> None:
 
 
 # ----------------------------------------------------------------------------- pulled
-
-
-class FakePull(PullRelay):
-    """The shared receiver-pulled core with an in-process fetch (the sender's `source`)."""
-
-    name = "fakepull"
-    by_id: dict[str, FakePull] = {}
-
-    def __init__(self, settings: RelaySettings | None = None) -> None:
-        super().__init__(settings)
-        FakePull.by_id[self.peer_id] = self
-
-    def _add_peer(self, peer_id: str, info: dict[str, Any]) -> FakePull:
-        return FakePull.by_id[peer_id]  # KeyError: a malformed info, ignored by set_peers
-
-    async def _fetch(self, peer: Any, descriptor: Descriptor, target: HostExtent) -> None:
-        tid, nbytes = descriptor.transfer_id, descriptor.nbytes
-        src = peer.source(tid, descriptor.offset, nbytes)
-        if src is None:
-            raise RelayError(f"transfer {tid} is not live")
-        try:
-            target.view(nbytes)[:] = src
-        finally:
-            peer.end_send(tid)
 
 
 @dataclass

@@ -17,39 +17,12 @@ import pytest
 
 from omnirail.relay.base import RelayError, RelaySettings, check_descriptor
 from omnirail.relay.host_pool import HostExtent, HostPool
-from omnirail.relay.pull import PullRelay
 from omnirail.v1 import common_pb2
 from omnirail.wire.payload import pack
+from tests.unit.relay.fake_pull import FakePull
 
 MiB = 1 << 20
 Descriptor = common_pb2.RelayDescriptor
-
-
-class FakePull(PullRelay):
-    """Fetches straight from a sender relay of this process (its `source`)."""
-
-    name = "fakepull"
-    by_id: dict[str, FakePull] = {}
-
-    def __init__(self, settings: RelaySettings | None = None) -> None:
-        super().__init__(settings)
-        FakePull.by_id[self.peer_id] = self
-
-    def _add_peer(self, peer_id: str, info: dict[str, Any]) -> FakePull:
-        sender = FakePull.by_id.get(peer_id)
-        if sender is None:
-            raise ValueError("not in this process")
-        return sender
-
-    async def _fetch(self, peer: Any, descriptor: Descriptor, target: HostExtent) -> None:
-        tid, nbytes = descriptor.transfer_id, descriptor.nbytes
-        src = peer.source(tid, descriptor.offset, nbytes)
-        if src is None:
-            raise RelayError(f"transfer {tid} is not live")
-        try:
-            target.view(nbytes)[:] = src
-        finally:
-            peer.end_send(tid)
 
 
 @pytest.fixture
