@@ -8,7 +8,6 @@ passed as file paths: a token on a command line is visible to every user in `ps`
 from __future__ import annotations
 
 import argparse
-import os
 from pathlib import Path
 from typing import Any
 
@@ -103,19 +102,19 @@ def add_client_flags(parser: argparse.ArgumentParser) -> None:
 def client_options(args: argparse.Namespace) -> dict[str, Any]:
     """`Client` keyword arguments from the client flags."""
     tls: bool | str | None = args.tls_ca or (True if args.tls else None)
-    token = None
+    token = None  # None: the SDK falls back to $OMNIRAIL_TOKEN
     if args.token_file:
+        from omnirail.transport.security import secret_lines  # grpc: only when used
+
         try:
-            text = Path(args.token_file).read_text()
+            lines = secret_lines(Path(args.token_file).read_bytes())
         except OSError as exc:
             raise ValueError(f"--token-file {args.token_file}: {exc.strerror}") from None
-        lines = [line.strip() for line in text.splitlines()]
-        lines = [line for line in lines if line and not line.startswith("#")]
         if not lines:
             raise ValueError(f"--token-file {args.token_file}: no token in it")
-        token = lines[0]
+        token = lines[0].decode()
     return {
         "tls": tls,
-        "token": token or os.environ.get("OMNIRAIL_TOKEN") or None,
+        "token": token,
         "server_name": args.server_name,
     }

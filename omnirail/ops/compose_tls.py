@@ -89,11 +89,11 @@ def secure(
 
 
 def check_tokens_file(path: Path) -> None:
+    from omnirail.transport.security import secret_lines  # the tokens files' one format
+
     if not path.is_file():
         raise ComposeError(f"--tokens-file {path}: not a file")
-    if not any(
-        line.strip() and not line.strip().startswith("#") for line in path.read_text().splitlines()
-    ):
+    if not secret_lines(path.read_bytes()):
         raise ComposeError(f"--tokens-file {path}: no token in it")
     st = os.stat(path)
     if st.st_mode & 0o004:

@@ -65,13 +65,16 @@ def _digest(secret: str | bytes) -> bytes:
     return hashlib.sha256(raw).digest()
 
 
+def secret_lines(data: bytes) -> list[bytes]:
+    """The secrets of a tokens or secret file: one per line, blank lines and # comments
+    skipped (the one format for every reader of such files)."""
+    return [
+        line for raw in data.splitlines() if (line := raw.strip()) and not line.startswith(b"#")
+    ]
+
+
 def _lines(data: bytes, what: str, path: str) -> list[bytes]:
-    """The secrets of a file: one per line, blank lines and # comments skipped."""
-    out = []
-    for line in data.splitlines():
-        line = line.strip()
-        if line and not line.startswith(b"#"):
-            out.append(line)
+    out = secret_lines(data)
     if not out:
         raise SecurityError(f"{what} {path!r}: no secret in it (only blank or # lines)")
     return out
