@@ -14,7 +14,7 @@ from collections.abc import Callable
 import grpc
 
 from omnirail.transport.deliver import channel_options
-from omnirail.transport.security import MeshSecurity, secure_channel
+from omnirail.transport.security import MeshSecurity, mesh_channel
 from omnirail.v1 import common_pb2, mesh_pb2, mesh_pb2_grpc
 from omnirail.wire.errors import OmniError
 
@@ -113,13 +113,10 @@ class AttachClient:
             delay = min(delay * 2, 1.0)
 
     async def _attach_once(self) -> None:
-        options = channel_options(self._max_message_bytes)
-        credentials, metadata = None, ()
-        if self._security is not None:
-            options += self._security.channel_options()
-            credentials = self._security.channel_credentials()
-            metadata = self._security.mesh_metadata()
-        async with secure_channel(self._address, credentials, options, aio=True) as channel:
+        channel, metadata = mesh_channel(
+            self._security, self._address, channel_options(self._max_message_bytes), aio=True
+        )
+        async with channel:
             stub = mesh_pb2_grpc.CoordinatorStub(channel)
             call = stub.Attach(wait_for_ready=True, metadata=metadata)
             await call.write(mesh_pb2.StageEvent(register=self._register))

@@ -11,7 +11,7 @@ from typing import Literal
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from omnirail.transport.security import MeshSecurity, secure_channel
+from omnirail.transport.security import MeshSecurity, mesh_channel
 
 DEFAULT_ADDRESS = "localhost:50051"
 ADDRESS_ENV = "OMNIRAIL_HEALTH_ADDRESS"
@@ -51,9 +51,8 @@ def check_health(
     every stage has a live replica). With `security`, TLS as the mesh's own processes
     dial (its CA, and its certificate where the mesh is mutual).
     """
-    credentials = security.channel_credentials() if security is not None else None
-    options = security.channel_options() if security is not None else []
-    with secure_channel(address, credentials, options, aio=False) as channel:
+    channel, _ = mesh_channel(security, address, [], aio=False)
+    with channel:
         stub = health_pb2_grpc.HealthStub(channel)
         try:
             reply = stub.Check(health_pb2.HealthCheckRequest(service=service), timeout=timeout)

@@ -18,7 +18,7 @@ from typing import Any, Protocol
 
 import grpc
 
-from omnirail.transport.security import MeshSecurity, secure_channel
+from omnirail.transport.security import MeshSecurity, mesh_channel
 from omnirail.v1 import common_pb2, mesh_pb2, mesh_pb2_grpc
 
 log = logging.getLogger(__name__)
@@ -154,16 +154,9 @@ class DeliverChannel:
                 await asyncio.sleep(0.05)
 
     async def _stream_once(self) -> None:
-        security = self._security
-        options = channel_options(self._max_message_bytes)
-        if security is None:
-            self._channel = grpc.aio.insecure_channel(self.address, options=options)
-            metadata: tuple[tuple[str, str], ...] = ()
-        else:
-            options += security.channel_options()
-            credentials = security.channel_credentials()
-            self._channel = secure_channel(self.address, credentials, options, aio=True)
-            metadata = security.mesh_metadata()
+        self._channel, metadata = mesh_channel(
+            self._security, self.address, channel_options(self._max_message_bytes), aio=True
+        )
         stub = mesh_pb2_grpc.StageStub(self._channel)
         call = stub.Deliver(metadata=metadata)
         acks = asyncio.get_running_loop().create_task(self._read_acks(call))

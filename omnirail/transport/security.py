@@ -215,6 +215,18 @@ def secure_channel(
     return module.secure_channel(address, credentials, options=options)
 
 
+def mesh_channel(
+    security: MeshSecurity | None, address: str, options: Sequence[tuple[str, Any]], *, aio: bool
+) -> tuple[Any, tuple[tuple[str, str], ...]]:
+    """A channel to another process of the mesh, dialled as the mesh's own processes dial
+    (its TLS, its certificate where mutual), and the metadata that shows membership."""
+    if security is None:
+        return secure_channel(address, None, options, aio=aio), ()
+    options = [*options, *security.channel_options()]
+    channel = secure_channel(address, security.channel_credentials(), options, aio=aio)
+    return channel, security.mesh_metadata()
+
+
 class _Throttled:
     """At most one log line a second per kind of refusal; the rest are counted."""
 
