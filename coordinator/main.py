@@ -7,7 +7,9 @@ import logging
 import signal
 
 from omnirail.config import PipelineConfig
+from omnirail.coordinator.kserve import KSERVE_SERVICE, KServe
 from omnirail.coordinator.service import Coordinator
+from omnirail.kserve import grpc_predict_v2_pb2_grpc as pb_grpc
 from omnirail.telemetry import setup_tracing
 from omnirail.telemetry.metrics import (
     CoordinatorMetrics,
@@ -35,7 +37,11 @@ async def serve(
     for warning in security.warnings(listen):
         log.warning("security: %s", warning)
     server, health = create_server(
-        [PIPELINE_SERVICE, mesh_pb2.DESCRIPTOR.services_by_name["Coordinator"].full_name],
+        [
+            PIPELINE_SERVICE,
+            mesh_pb2.DESCRIPTOR.services_by_name["Coordinator"].full_name,
+            KSERVE_SERVICE,
+        ],
         max_message_bytes=pipeline.endpoints.max_message_mb << 20,
         security=security,
     )
@@ -49,6 +55,8 @@ async def serve(
         log.info("coordinator metrics at http://%s/metrics", coordinator.metrics_address)
     client_pb2_grpc.add_OmnirailServicer_to_server(coordinator, server)
     mesh_pb2_grpc.add_CoordinatorServicer_to_server(coordinator, server)
+    # The Open Inference Protocol beside the native API, on the same port.
+    pb_grpc.add_GRPCInferenceServiceServicer_to_server(KServe(coordinator), server)
     address = bind(server, listen, security.server_credentials(internal=False))
     await server.start()
     await health.set("", SERVING)

@@ -63,6 +63,7 @@ def cmd_up(args: argparse.Namespace) -> int:
         cpu_wake_latency_us=args.cpu_wake_latency_us,
         env=mesh_env(args),
         tls=args.tls,
+        http=args.http,
     )
     name = args.name or mesh.pipeline.name or "pipeline"
     if name in read_states():
@@ -85,6 +86,7 @@ def cmd_up(args: argparse.Namespace) -> int:
                 "address": address,
                 "pipeline": mesh.pipeline_path,
                 "run_dir": str(mesh.run_dir),
+                "http": mesh.http_address,
                 # How clients reach it: paths only (the CA, where tokens are), no secrets.
                 "security": mesh.client_state(),
             },
@@ -140,6 +142,8 @@ def _up_detached(args: argparse.Namespace) -> int:
         argv += ["--tcp", "--host", args.host or "127.0.0.1", "--port", str(args.port)]
     if args.run_dir:
         argv += ["--run-dir", args.run_dir]
+    if args.http:
+        argv += ["--http", args.http]
     if args.pin:
         argv.append("--pin")
     if args.cpu_wake_latency_us is not None:
@@ -299,6 +303,15 @@ def cmd_coordinator(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_gateway(args: argparse.Namespace) -> int:
+    from omnirail.gateway.server import serve
+
+    _setup_logging(args.log_level)
+    cfg = load_pipeline(args.pipeline)
+    aio.run(serve(cfg, args.coordinator, args.listen, args.ready_file))
+    return 0
+
+
 def cmd_stage(args: argparse.Namespace) -> int:
     from omnirail.stage_service.main import serve
 
@@ -432,6 +445,12 @@ def build_parser() -> argparse.ArgumentParser:
     )
     u.add_argument("--name", default=None, help="mesh name (default: the pipeline's name)")
     u.add_argument("--run-dir", default=None, help="sockets and logs (default: a new temp dir)")
+    u.add_argument(
+        "--http",
+        default=None,
+        metavar="HOST:PORT",
+        help="also serve the OpenAI-compatible HTTP gateway there (the pipeline's api.openai)",
+    )
     u.set_defaults(fn=cmd_up)
 
     d = sub.add_parser("down", help="stop a detached mesh")
@@ -470,6 +489,14 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--request-id", default=None)
     g.add_argument("--traceparent", default=None, help="W3C traceparent of the caller")
     g.set_defaults(fn=cmd_generate)
+
+    gw = sub.add_parser("gateway", help="run the OpenAI-compatible HTTP gateway of a mesh")
+    gw.add_argument("--pipeline", required=True)
+    gw.add_argument("--coordinator", required=True, help="unix:///path or host:port")
+    gw.add_argument("--listen", default="127.0.0.1:8000", help="HOST:PORT (port 0: any free one)")
+    gw.add_argument("--ready-file", default=None, help="write the URL here once serving")
+    gw.add_argument("--log-level", default="INFO")
+    gw.set_defaults(fn=cmd_gateway)
 
     c = sub.add_parser("coordinator", help="run the coordinator service alone")
     c.add_argument("--pipeline", required=True)
@@ -566,7 +593,7 @@ def main(argv: list[str] | None = None) -> int:
     if os.getcwd() not in sys.path and "" not in sys.path:
         sys.path.insert(0, os.getcwd())
     args = build_parser().parse_args(argv)
-    if args.command in ("coordinator", "stage"):
+    if args.command in ("coordinator", "stage", "gateway"):
         from omnirail.ops.launcher import die_with_parent
 
         die_with_parent()

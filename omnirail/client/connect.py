@@ -15,7 +15,7 @@ import grpc
 
 from omnirail.config.security import ENV_CA, ENV_SERVER_NAME
 from omnirail.transport.deliver import channel_options
-from omnirail.transport.security import secure_channel, token_metadata
+from omnirail.transport.security import MeshSecurity, secure_channel, token_metadata
 
 TOKEN_ENV = "OMNIRAIL_TOKEN"
 
@@ -57,3 +57,13 @@ def client_channel(
         raise ValueError("token: must be non-empty and on one line")
     channel = secure_channel(address, credentials, options, aio=aio)
     return channel, token_metadata(token)
+
+
+def client_options(security: MeshSecurity) -> dict[str, Any]:
+    """`Client` arguments for a mesh secured by `security`: its CA, a token, its name."""
+    tls = security.config.tls
+    return {
+        "tls": (tls.ca or True) if tls is not None else False,
+        "token": security.client_token(),
+        "server_name": tls.server_name if tls is not None else None,
+    }

@@ -22,6 +22,7 @@ from pydantic import (
 )
 
 from omnirail.config import dotted
+from omnirail.config.api import ApiConfig
 from omnirail.config.errors import NAME_RE, ConfigError, clip, short, stage_label
 from omnirail.config.graph import join_groups, walk_graph
 from omnirail.config.limits import (
@@ -309,6 +310,8 @@ class PipelineConfig(_Model):
     metrics: MetricsConfig = Field(default_factory=MetricsConfig)
     # TLS, client tokens, mesh membership (omnirail/config/security.py).
     security: SecurityConfig = Field(default_factory=SecurityConfig)
+    # What the KServe v2 and OpenAI front doors show (omnirail.config.api).
+    api: ApiConfig = Field(default_factory=ApiConfig)
     terminal_stages_fn: str | None = None
     default_timeout_s: float = Field(60.0, gt=0, le=MAX_SECONDS)
     # Inputs arrive in one gRPC message: the same bound as endpoints.max_message_mb.
@@ -413,6 +416,11 @@ class PipelineConfig(_Model):
         cfg.source_dir = source_dir
         validate(cfg, resolve=resolve)
         return cfg
+
+    @property
+    def model_name(self) -> str:
+        """The model name the KServe and OpenAI front doors serve this pipeline as."""
+        return self.api.model or _model_name(self.name or "pipeline")
 
     @property
     def source_dir(self) -> str | None:
@@ -606,3 +614,8 @@ def validation_error_lines(exc: ValidationError, data: Any = None) -> list[str]:
         if line not in out:
             out.append(line)
     return out
+
+
+def _model_name(name: str) -> str:
+    # A pipeline named after its model_path ("/models/X") is served as "X".
+    return name.rstrip("/").rsplit("/", 1)[-1] or "pipeline"

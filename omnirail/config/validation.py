@@ -9,6 +9,7 @@ from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any
 
 from omnirail.config import dotted
+from omnirail.config.api import api_problems
 from omnirail.config.errors import ConfigError, clip, join_bounded, short
 from omnirail.config.graph import StageIndex, walk_graph
 
@@ -68,6 +69,8 @@ def validate(cfg: PipelineConfig, resolve: bool = True) -> None:
     _check_relay_devices(cfg, by_name, err)
     _check_process_relays(cfg, index, err)
     _check_dotted(cfg, by_name, resolve, err)
+    for problem in api_problems(cfg.api, set(cfg.terminal_stages)):
+        err(problem)
     if errors:
         # One line per problem: a repeated list entry would otherwise repeat its lines.
         raise ConfigError(list(dict.fromkeys(errors)))

@@ -24,6 +24,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from omnirail.client.connect import client_options
 from omnirail.config import PipelineConfig, load_pipeline
 from omnirail.ops.plan import StageProcess, plan_processes
 from omnirail.ops.supervise import Supervisor
@@ -34,7 +35,6 @@ from omnirail.wire.errors import Code, OmniError
 
 if TYPE_CHECKING:
     from omnirail.client.sdk import Client
-    from omnirail.transport.security import MeshSecurity
 
 _PR_SET_PDEATHSIG = 1
 
@@ -95,13 +95,16 @@ class Mesh:
         pin: bool = False,
         cpu_wake_latency_us: int | None = None,
         tls: str | None = None,
+        http: str | None = None,
     ) -> None:
         """`pin`: each process whose stages (or coordinator) configure no `cpus` is pinned
         to one CPU, round-robin over the CPUs this process may use.
         `cpu_wake_latency_us`: overrides the pipeline's (see omnirail/cpu_latency.py).
         `tls="auto"`: a throwaway CA, mesh certificate and mesh secret in the run folder
         (mutual TLS on mesh-internal hops); otherwise the pipeline's `security:` and the
-        OMNIRAIL_TLS_* environment decide."""
+        OMNIRAIL_TLS_* environment decide.
+        `http="HOST:PORT"`: also an `omnirail gateway` (OpenAI HTTP) there, once the mesh
+        is ready; its URL is `http_address`."""
         if tls not in (None, "auto"):
             raise ValueError(f"tls must be 'auto' or None, not {tls!r}")
         self._extra_env = dict(env or {})
@@ -141,6 +144,13 @@ class Mesh:
         )
         self._stage_flags: dict[str, list[str]] = {}
         self.address: str | None = None
+        if http is not None and self.pipeline.api.openai is None:
+            raise ValueError(
+                f"--http: pipeline {self.pipeline.name!r} has no api.openai section "
+                '(see README, "Front doors")'
+            )
+        self.http = http
+        self.http_address: str | None = None
 
     def __enter__(self) -> Mesh:
         self.start()
@@ -254,9 +264,38 @@ class Mesh:
             policy = self.pipeline.stage(members[0].stages[0]).restart
             self._supervisor.start_unit(f"stage-{name}", members, policy)
         self._wait_ready(deadline)
+        if self.http is not None:
+            self._start_gateway(deadline, timeout)
         self._supervisor.watch()
         self._write_status()
         return self.address
+
+    def _start_gateway(self, deadline: float, timeout: float) -> None:
+        assert self.http is not None and self.address is not None
+        ready_file = self.run_dir / "gateway.addr"
+        ready_file.unlink(missing_ok=True)
+        self._progress(f"starting gateway ({self.http})")
+        gateway = self._spawn(
+            "gateway",
+            [
+                "gateway",
+                "--pipeline",
+                self.pipeline_path,
+                "--coordinator",
+                self.address,
+                "--listen",
+                self.http,
+                "--ready-file",
+                str(ready_file),
+            ],
+        )
+        while not ready_file.exists() or not ready_file.read_text():
+            self._check_alive(gateway)
+            if time.monotonic() > deadline:
+                raise OmniError(Code.UNAVAILABLE, f"gateway did not start in {timeout:g}s")
+            time.sleep(0.02)
+        self.http_address = ready_file.read_text().strip()
+        self._progress(f"gateway at {self.http_address}")
 
     @property
     def status_file(self) -> Path:
@@ -371,7 +410,7 @@ class Mesh:
         return {c.name: c.proc.pid for c in self._children}
 
     def poll_exited(self) -> list[tuple[str, int]]:
-        """Processes that exited and are nobody's to restart: the coordinator (stage
+        """Processes that exited and are nobody's to restart: the coordinator and the gateway (stage
         processes are the supervisor's, which restarts them or, past their budget, leaves
         them down while the rest serves)."""
         with self._supervisor.lock:
@@ -446,12 +485,15 @@ class Mesh:
         (the coordinator, `drain_s` more) before SIGKILL. Returns each process's exit
         code (those that needed SIGKILL are reported and show -9)."""
         self._supervisor.stop()  # no restarts while everything stops
+        front = [c for c in self._children if c.name == "gateway"]
         coordinator = [c for c in self._children if c.name == "coordinator"]
-        stages = [c for c in self._children if c.name != "coordinator"]
+        stages = [c for c in self._children if c.name not in ("coordinator", "gateway")]
         exits: dict[str, int] = {}
-        # Stages drain too on SIGTERM (idle by then: the coordinator drained first).
+        # Stages drain too on SIGTERM (idle by then: the coordinator drained first), and
+        # the coordinator after the gateway finished its HTTP responses.
         drain = self.pipeline.drain_s
-        for batch, wait in ((coordinator, grace + drain), (stages, grace + drain)):
+        batches = ((front, grace + drain), (coordinator, grace + drain), (stages, grace + drain))
+        for batch, wait in batches:
             for child in batch:
                 if child.proc.poll() is None:
                     child.proc.send_signal(signal.SIGTERM)
@@ -475,16 +517,6 @@ class Mesh:
         if self._own_run_dir:
             shutil.rmtree(self.run_dir, ignore_errors=True)
         return exits
-
-
-def client_options(security: MeshSecurity) -> dict[str, Any]:
-    """`Client` arguments for a mesh secured by `security`: its CA, a token, its name."""
-    tls = security.config.tls
-    return {
-        "tls": (tls.ca or True) if tls is not None else False,
-        "token": security.client_token(),
-        "server_name": tls.server_name if tls is not None else None,
-    }
 
 
 def write_state(name: str, data: dict[str, object]) -> Path:

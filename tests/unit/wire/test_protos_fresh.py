@@ -1,4 +1,5 @@
-"""The committed gRPC stubs in omnirail/v1/ match what scripts/gen_protos.sh generates."""
+"""The committed gRPC stubs (omnirail/v1/, omnirail/kserve/) match what scripts/gen_protos.sh
+generates."""
 
 from __future__ import annotations
 
@@ -12,8 +13,8 @@ from pathlib import Path
 import pytest
 
 REPO = Path(__file__).resolve().parents[3]
-COMMITTED = REPO / "omnirail" / "v1"
-HINT = "generated stubs are stale; run scripts/gen_protos.sh and commit omnirail/v1/"
+PACKAGES = ("v1", "kserve")
+HINT = "generated stubs are stale; run scripts/gen_protos.sh and commit omnirail/{}/"
 
 # Probed, not imported: grpc_tools' bundled protobuf/abseil clash with nixl's native
 # libraries when both load into one process (nixl then aborts the test run on import).
@@ -43,33 +44,40 @@ def regenerated(tmp_path_factory: pytest.TempPathFactory) -> Path:
         timeout=120,
     )
     assert proc.returncode == 0, f"scripts/gen_protos.sh failed:\n{proc.stdout}\n{proc.stderr}"
-    generated = out / "omnirail" / "v1"
-    assert generated.is_dir(), f"scripts/gen_protos.sh wrote nothing under {generated}"
-    return generated
+    for package in PACKAGES:
+        generated = out / "omnirail" / package
+        assert generated.is_dir(), f"scripts/gen_protos.sh wrote nothing under {generated}"
+    return out / "omnirail"
 
 
-def test_generated_files_match_committed(regenerated: Path) -> None:
-    fresh = _generated_files(regenerated)
+@pytest.mark.parametrize("package", PACKAGES)
+def test_generated_files_match_committed(regenerated: Path, package: str) -> None:
+    committed_dir = REPO / "omnirail" / package
+    hint = HINT.format(package)
+    fresh = _generated_files(regenerated / package)
     assert fresh, "scripts/gen_protos.sh generated no files"
-    missing = sorted(name for name in fresh if not (COMMITTED / name).is_file())
+    missing = sorted(name for name in fresh if not (committed_dir / name).is_file())
     differ = sorted(
         name
         for name, data in fresh.items()
-        if (COMMITTED / name).is_file() and (COMMITTED / name).read_bytes() != data
+        if (committed_dir / name).is_file() and (committed_dir / name).read_bytes() != data
     )
-    assert not missing, f"{HINT} (not committed: {missing})"
-    assert not differ, f"{HINT} (differ from the committed files: {differ})"
+    assert not missing, f"{hint} (not committed: {missing})"
+    assert not differ, f"{hint} (differ from the committed files: {differ})"
 
 
-def test_no_committed_stub_is_orphaned(regenerated: Path) -> None:
+@pytest.mark.parametrize("package", PACKAGES)
+def test_no_committed_stub_is_orphaned(regenerated: Path, package: str) -> None:
+    committed_dir = REPO / "omnirail" / package
+    hint = HINT.format(package)
     committed = {
         p.name
         for pattern in ("*_pb2*.py", "*_pb2*.pyi")
-        for p in COMMITTED.glob(pattern)
+        for p in committed_dir.glob(pattern)
         if p.is_file()
     }
-    assert committed, f"no committed stubs found in {COMMITTED}"
-    orphaned = sorted(committed - set(_generated_files(regenerated)))
+    assert committed, f"no committed stubs found in {committed_dir}"
+    orphaned = sorted(committed - set(_generated_files(regenerated / package)))
     assert not orphaned, (
-        f"{HINT} (committed but no longer generated, e.g. from a removed .proto: {orphaned})"
+        f"{hint} (committed but no longer generated, e.g. from a removed .proto: {orphaned})"
     )

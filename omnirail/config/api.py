@@ -1,0 +1,230 @@
+"""`api:`, what a pipeline shows the standard front doors (KServe v2 gRPC, OpenAI HTTP).
+
+    api:
+      model: omni-demo                # the model name clients ask for (default: the pipeline's)
+      inputs:                         # request fields as named tensors
+        - {name: text, datatype: BYTES, shape: [1]}            # [1]: a scalar (here a str)
+        - {name: max_new_tokens, datatype: INT64, shape: [1], optional: true}
+        - {name: audio, datatype: FP32, shape: [-1], optional: true}  # -1: any length
+      outputs:                        # what comes back, from the terminal stages
+        - {name: text, datatype: BYTES, shape: [1], stage: decode, result: text, chunks: "."}
+        - {name: audio, datatype: FP32, shape: [-1], stage: code2wav, chunks: pcm}
+      openai:                         # how OpenAI requests map onto those inputs and outputs
+        text_input: text              # the chat's text, joined ("messages_input" passes the chat)
+        max_tokens_input: max_new_tokens
+        text_output: text
+        audio_output: audio
+        sample_rate: 16000
+        voices: {default: {}}         # voice -> extra inputs it sets
+
+An output takes a field of its stage's result (`result: FIELD`) and/or of each of its stream
+chunks (`chunks: FIELD`); "." is the whole value. A unary call answers with the result field,
+or with the chunks' fields concatenated when it has none; a stream sends each chunk as it
+comes and ends with the outputs that have only a result field. BYTES carry text (str as
+UTF-8), raw bytes, or JSON (`format: json`) for anything else.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+
+from omnirail.config.errors import NAME_RE, short
+from omnirail.wire.errors import internal
+
+# KServe v2 datatypes -> numpy dtype names ("BYTES" holds text, bytes or JSON).
+DATATYPES: dict[str, str] = {
+    "BOOL": "bool",
+    "UINT8": "uint8",
+    "UINT16": "uint16",
+    "UINT32": "uint32",
+    "UINT64": "uint64",
+    "INT8": "int8",
+    "INT16": "int16",
+    "INT32": "int32",
+    "INT64": "int64",
+    "FP16": "float16",
+    "FP32": "float32",
+    "FP64": "float64",
+    "BYTES": "object",
+}
+WHOLE = "."  # `result:` / `chunks:` value meaning the whole result or chunk
+MAX_DIMS = 8
+AUDIO_FORMATS = ("wav", "pcm16")
+
+
+class _Model(BaseModel):
+    model_config = ConfigDict(extra="forbid", allow_inf_nan=False)
+
+
+class TensorSpec(_Model):
+    name: str = Field(min_length=1, max_length=63)
+    datatype: Literal[
+        "BOOL", "UINT8", "UINT16", "UINT32", "UINT64", "INT8", "INT16", "INT32", "INT64",
+        "FP16", "FP32", "FP64", "BYTES",
+    ]  # fmt: skip
+    # -1: any size along that axis; [1] is a scalar on the pipeline's side.
+    shape: list[int] = Field(min_length=1, max_length=MAX_DIMS)
+    # BYTES only: how the bytes read ("text": UTF-8, "json": a JSON document, "bytes").
+    format: Literal["text", "json", "bytes"] = "text"
+
+    @field_validator("name")
+    @classmethod
+    def _check_name(cls, v: str) -> str:
+        if not NAME_RE.match(v):
+            raise ValueError(f"invalid tensor name {short(v)}: letters, digits, '_' or '-'")
+        return v
+
+    @field_validator("shape")
+    @classmethod
+    def _check_shape(cls, v: list[int]) -> list[int]:
+        bad = [d for d in v if d < -1 or d > 1 << 40]
+        if bad:
+            raise ValueError(f"dimensions are -1 (any) or a size >= 0, got {bad[0]}")
+        return v
+
+    @model_validator(mode="after")
+    def _format_for_bytes(self) -> TensorSpec:
+        if self.datatype != "BYTES" and "format" in self.model_fields_set:
+            raise ValueError(f"format: only BYTES tensors have one, not {self.datatype}")
+        return self
+
+    @property
+    def scalar(self) -> bool:
+        """A one-element tensor that is a plain value (str, int, ...) on the pipeline side."""
+        return self.shape == [1]
+
+
+class InputSpec(TensorSpec):
+    optional: bool = False
+
+
+class OutputSpec(TensorSpec):
+    stage: str
+    result: str | None = None
+    chunks: str | None = None
+
+    @model_validator(mode="after")
+    def _has_source(self) -> OutputSpec:
+        if self.result is None and self.chunks is None:
+            raise ValueError("set result: FIELD and/or chunks: FIELD ('.' for the whole value)")
+        return self
+
+
+class OpenAIConfig(_Model):
+    # Where the chat goes: the whole conversation (`messages_input`: a list of
+    # {role, content: [{type: text|image|audio, ...}]}) or its text joined by newlines.
+    messages_input: str | None = None
+    text_input: str | None = None
+    # The first image (HxWx3 uint8) and audio (float32 PCM at `sample_rate`) of the chat,
+    # for `text_input` pipelines.
+    image_input: str | None = None
+    audio_input: str | None = None
+    max_tokens_input: str | None = None
+    seed_input: str | None = None
+    temperature_input: str | None = None
+    # Set to false when a request does not ask for audio (so no talker runs for it).
+    speak_input: str | None = None
+    text_output: str | None = None
+    audio_output: str | None = None
+    # Output audio's rate when its chunks do not say (a `sample_rate` field beside the PCM).
+    sample_rate: int = Field(16000, gt=0, le=384000)
+    # The rate input audio must have (WAV in `input_audio` parts).
+    input_sample_rate: int = Field(16000, gt=0, le=384000)
+    # Voice name -> extra inputs it sets; the first is the default.
+    voices: dict[str, dict[str, Any]] = {"default": {}}
+    # `/v1/audio/speech`: the text to speak becomes `speech_template` with {input} filled.
+    speech_template: str = "{input}"
+
+    @model_validator(mode="after")
+    def _one_chat_input(self) -> OpenAIConfig:
+        if (self.messages_input is None) == (self.text_input is None):
+            raise ValueError("set exactly one of messages_input and text_input")
+        if not self.voices:
+            raise ValueError("voices: at least one")
+        if "{input}" not in self.speech_template:
+            raise ValueError("speech_template: must contain {input}")
+        return self
+
+
+class ApiConfig(_Model):
+    model: str | None = Field(None, min_length=1, max_length=63)
+    inputs: list[InputSpec] = Field(default_factory=list, max_length=256)
+    outputs: list[OutputSpec] = Field(default_factory=list, max_length=256)
+    openai: OpenAIConfig | None = None
+
+    @field_validator("model")
+    @classmethod
+    def _check_model(cls, v: str | None) -> str | None:
+        if v is not None and not NAME_RE.match(v):
+            raise ValueError(f"invalid model name {short(v)}: letters, digits, '_' or '-'")
+        return v
+
+    def input(self, name: str) -> InputSpec | None:
+        return next((i for i in self.inputs if i.name == name), None)
+
+    def output(self, name: str) -> OutputSpec | None:
+        return next((o for o in self.outputs if o.name == name), None)
+
+
+def api_problems(api: ApiConfig, terminals: set[str]) -> list[str]:
+    """Cross-field rules (names unique, outputs from terminal stages, OpenAI references)."""
+    out: list[str] = []
+    for kind, specs in (("inputs", api.inputs), ("outputs", api.outputs)):
+        seen: set[str] = set()
+        for spec in specs:
+            if spec.name in seen:
+                out.append(f"pipeline.api.{kind}[{spec.name}]: duplicate name")
+            seen.add(spec.name)
+    for spec in api.outputs:
+        if spec.stage not in terminals:
+            out.append(
+                f"pipeline.api.outputs[{spec.name}].stage: {short(spec.stage)} is not a "
+                f"terminal stage (terminal: {sorted(terminals)})"
+            )
+    oa = api.openai
+    if oa is None:
+        return out
+    for field in (
+        "messages_input", "text_input", "image_input", "audio_input", "max_tokens_input",
+        "seed_input", "temperature_input", "speak_input",
+    ):  # fmt: skip
+        name = getattr(oa, field)
+        if name is not None and api.input(name) is None:
+            out.append(f"pipeline.api.openai.{field}: {short(name)} is not one of api.inputs")
+    for field in ("text_output", "audio_output"):
+        name = getattr(oa, field)
+        if name is not None and api.output(name) is None:
+            out.append(f"pipeline.api.openai.{field}: {short(name)} is not one of api.outputs")
+    if oa.text_output is None and oa.audio_output is None:
+        out.append("pipeline.api.openai: set text_output and/or audio_output")
+    audio = api.output(oa.audio_output) if oa.audio_output else None
+    if audio is not None and (audio.datatype not in ("FP32", "FP16", "FP64", "INT16")):
+        out.append(
+            f"pipeline.api.openai.audio_output: {audio.name} must be FP32/FP16/FP64 PCM "
+            f"in [-1, 1] or INT16, not {audio.datatype}"
+        )
+    text = api.output(oa.text_output) if oa.text_output else None
+    if text is not None and text.datatype != "BYTES":
+        out.append(f"pipeline.api.openai.text_output: {text.name} must be BYTES")
+    for voice, extra in oa.voices.items():
+        for key in extra:
+            if api.input(key) is None:
+                out.append(
+                    f"pipeline.api.openai.voices[{short(voice)}]: {short(key)} is not one of "
+                    "api.inputs"
+                )
+    return out
+
+
+def pick(value: Any, field: str, where: str) -> Any:
+    """`field` of a stage's result or chunk ("." the whole value); raises INTERNAL (the
+    pipeline does not make what its `api:` declares)."""
+    if field == WHOLE:
+        return value
+    if isinstance(value, Mapping) and field in value:
+        return value[field]
+    got = sorted(map(str, value))[:8] if isinstance(value, Mapping) else type(value).__name__
+    raise internal(f"{where}: has no field {field!r} (got {got}); check the pipeline's api")

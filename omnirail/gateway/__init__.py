@@ -1,0 +1,9 @@
+"""`omnirail gateway`: the OpenAI-compatible HTTP front door of a mesh.
+
+A separate process (FastAPI on uvicorn) that is a client of the coordinator's native API
+over one Session stream, so HTTP parsing, JSON and base64 work never run on the
+coordinator's event loop, gateways scale and restart on their own, and every request is
+admitted, traced and counted as a native one. Routes: `/v1/models`,
+`/v1/chat/completions` (text and audio, SSE streaming), `/v1/audio/speech`, `/health`,
+`/metrics`. How requests map onto the pipeline is its `api.openai` section.
+"""
