@@ -7,7 +7,7 @@ import logging
 import signal
 
 from omnirail.config import PipelineConfig
-from omnirail.coordinator.kserve import KSERVE_SERVICE, KServe
+from omnirail.coordinator.kserve import KServe
 from omnirail.coordinator.service import Coordinator
 from omnirail.kserve import grpc_predict_v2_pb2_grpc as pb_grpc
 from omnirail.telemetry import setup_tracing
@@ -37,11 +37,10 @@ async def serve(
     for warning in security.warnings(listen):
         log.warning("security: %s", warning)
     server, health = create_server(
-        [
-            PIPELINE_SERVICE,
-            mesh_pb2.DESCRIPTOR.services_by_name["Coordinator"].full_name,
-            KSERVE_SERVICE,
-        ],
+        # Not the KServe service: its descriptors live outside the default pool (see
+        # scripts/gen_protos.sh), which is all reflection can serve; clients of the Open
+        # Inference Protocol bring its proto.
+        [PIPELINE_SERVICE, mesh_pb2.DESCRIPTOR.services_by_name["Coordinator"].full_name],
         max_message_bytes=pipeline.endpoints.max_message_mb << 20,
         security=security,
     )
