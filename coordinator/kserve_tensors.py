@@ -85,18 +85,19 @@ def _input_value(spec: InputSpec, tensor: Any, raw: bytes | None, budget: int) -
     if any(d < 0 for d in shape):
         raise invalid(f"{at}: shape {shape[:10]} has a negative dimension")
     count = math.prod(shape)
-    itemsize = 1 if spec.datatype == "BYTES" else np.dtype(DATATYPES[spec.datatype]).itemsize
-    if count * itemsize > budget:
+    if spec.datatype == "BYTES":  # what the elements really hold, before any is decoded
+        size = len(raw) if raw is not None else sum(map(len, tensor.contents.bytes_contents))
+    else:
+        size = count * np.dtype(DATATYPES[spec.datatype]).itemsize
+    if size > budget:
         raise OmniError(
             Code.RESOURCE_EXHAUSTED,
-            f"{at}: {count * itemsize} bytes exceed what the pipeline takes (max_input_mb)",
+            f"{at}: {size} bytes exceed what the pipeline takes (max_input_mb)",
         )
     if raw is not None:
         array = _from_raw(spec, at, raw, count)
-        size = len(raw)
     else:
         array = _from_contents(spec, at, tensor.contents, count)
-        size = count * itemsize
     array = array.reshape(shape)
     if spec.datatype == "BYTES":
         return _bytes_value(spec, at, array), size
@@ -141,12 +142,14 @@ def _from_contents(spec: InputSpec, at: str, contents: Any, count: int) -> np.nd
     field = _CONTENTS.get(spec.datatype)
     if field is None:
         raise invalid(f"{at}: {spec.datatype} travels as raw_input_contents only")
+    others = [f.name for f, _ in contents.ListFields() if f.name != field]
+    if others:
+        raise invalid(
+            f"{at}: contents.{others[0]} does not hold {spec.datatype} data (contents.{field} does)"
+        )
     values = getattr(contents, field)
     if len(values) != count:
         raise invalid(f"{at}: {len(values)} elements in contents.{field}; the shape needs {count}")
-    others = [f.name for f, _ in contents.ListFields() if f.name != field]
-    if others:
-        raise invalid(f"{at}: contents.{others[0]} does not hold {spec.datatype} data")
     if spec.datatype == "BYTES":
         return np.array(list(values), dtype=object)
     dtype = np.dtype(DATATYPES[spec.datatype])
@@ -190,7 +193,7 @@ def to_array(spec: OutputSpec, value: Any) -> np.ndarray:
     else:
         try:
             array = np.asarray(value, dtype=DATATYPES[spec.datatype])
-        except (TypeError, ValueError) as exc:
+        except (TypeError, ValueError, OverflowError) as exc:
             raise internal(f"{at}: {type(value).__name__} is not {spec.datatype}: {exc}") from None
         if array.ndim == 0:
             array = array.reshape(1)

@@ -6,14 +6,25 @@ on a mesh it starts itself or on a running one (`--address`, e.g. a compose depl
 and reports per run: time to the first text and first audio chunk, total time, seconds of
 audio, and the real-time factor (total time / audio seconds; below 1 is faster than real
 time). With `concurrency > 1` that many streams run at once, each run timed on its own.
+
+`via="http"` measures the OpenAI gateway against the native gRPC SDK in one run: the mesh
+starts with `--http`, and each run streams the same request both ways (a chat completion
+with audio over SSE, and the SDK's stream), alternating which goes first, so the report's
+`http_overhead_ms` (the medians' differences) is what the gateway adds to time to first
+text and first audio.
 """
 
 from __future__ import annotations
 
+import base64
+import http.client
+import json
+import socket
 import statistics
 import threading
 import time
-from collections.abc import Callable
+import urllib.parse
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -56,15 +67,102 @@ def _one(client: Any, inputs: dict[str, Any]) -> dict[str, float]:
     }
 
 
-def _batch(client: Any, inputs: dict[str, Any], concurrency: int) -> list[dict[str, float]]:
+def chat_body(inputs: dict[str, Any], model: str) -> dict[str, Any]:
+    """The OpenAI chat request equal to the omni demo's `inputs` (text in, text and PCM out)."""
+    body: dict[str, Any] = {
+        "model": model,
+        "messages": [{"role": "user", "content": inputs["text"]}],
+        "modalities": ["text", "audio"],
+        "audio": {"voice": "default", "format": "pcm16"},
+        "stream": True,
+    }
+    if "max_new_tokens" in inputs:
+        body["max_tokens"] = inputs["max_new_tokens"]
+    if "seed" in inputs:
+        body["seed"] = inputs["seed"]
+    return body
+
+
+class HttpStreams:
+    """Keep-alive HTTP/1.1 connections to the gateway (stdlib `http.client`: the leanest
+    client there is, so the figures are the gateway's, not a client library's), one per
+    stream in flight, as the SDK keeps one channel."""
+
+    def __init__(self, base_url: str, path: str) -> None:
+        parts = urllib.parse.urlsplit(base_url)
+        self.host, self.port, self.path = parts.hostname or "", parts.port or 80, path
+        self._idle: list[http.client.HTTPConnection] = []
+        self._lock = threading.Lock()
+
+    def _connection(self) -> http.client.HTTPConnection:
+        with self._lock:
+            if self._idle:
+                return self._idle.pop()
+        conn = http.client.HTTPConnection(self.host, self.port, timeout=120)
+        conn.connect()
+        assert conn.sock is not None
+        conn.sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        return conn
+
+    def lines(self, body: dict[str, Any]) -> Iterator[bytes]:
+        conn = self._connection()
+        data = json.dumps(body).encode()
+        conn.request("POST", self.path, data, {"Content-Type": "application/json"})
+        response = conn.getresponse()
+        if response.status != 200:
+            raise RuntimeError(f"gateway answered {response.status}: {response.read()!r}")
+        while line := response.readline():
+            yield line.rstrip(b"\n")
+        with self._lock:
+            self._idle.append(conn)
+
+    def close(self) -> None:
+        for conn in self._idle:
+            conn.close()
+
+
+def _one_http(http: HttpStreams, body: dict[str, Any], rate: int) -> dict[str, float]:
+    """`_one` over the gateway: first text and first audio are the first SSE deltas that
+    carry them (the role-only preamble does not count)."""
+    t0 = time.perf_counter()
+    first: dict[str, float] = {}
+    audio_s = 0.0
+    for line in http.lines(body):
+        if not line.startswith(b"data: ") or line == b"data: [DONE]":
+            continue
+        event = json.loads(line[6:])
+        if "error" in event:
+            raise RuntimeError(f"gateway stream failed: {event['error']}")
+        delta = event["choices"][0]["delta"]
+        if delta.get("content"):
+            first.setdefault("text", (time.perf_counter() - t0) * 1000)
+        if delta.get("audio"):
+            first.setdefault("audio", (time.perf_counter() - t0) * 1000)
+            audio_s += len(base64.b64decode(delta["audio"]["data"])) / 2 / rate
+    total_ms = (time.perf_counter() - t0) * 1000
+    if "audio" not in first:
+        raise RuntimeError("the gateway streamed no audio")
+    return {
+        "ttft_ms": first.get("text", float("nan")),
+        "ttfa_ms": first["audio"],
+        "total_ms": total_ms,
+        "audio_s": audio_s,
+        "rtf": total_ms / 1000 / audio_s,
+    }
+
+
+def _batch(
+    client: Any, inputs: dict[str, Any], concurrency: int, one: Callable[..., Any] | None = None
+) -> list[dict[str, float]]:
+    one = one or _one
     if concurrency == 1:
-        return [_one(client, inputs)]
+        return [one(client, inputs)]
     out: list[dict[str, float]] = []
     errors: list[BaseException] = []
 
     def run(i: int) -> None:
         try:
-            out.append(_one(client, {**inputs, "seed": int(inputs.get("seed", 0)) + i}))
+            out.append(one(client, {**inputs, "seed": int(inputs.get("seed", 0)) + i}))
         except BaseException as exc:  # reported below, in the caller's thread
             errors.append(exc)
 
@@ -85,6 +183,7 @@ def run_demo_bench(
     inputs: dict[str, Any] | None = None,
     runs: int = 5,
     concurrency: int = 1,
+    via: str = "grpc",
     progress: Callable[[str], None] | None = None,
 ) -> dict[str, Any]:
     from omnirail.client.sdk import Client
@@ -92,7 +191,13 @@ def run_demo_bench(
 
     if runs < 1 or concurrency < 1:
         raise ValueError("runs and concurrency must be at least 1")
+    if via not in ("grpc", "http"):
+        raise ValueError(f"via must be 'grpc' or 'http', not {via!r}")
     inputs = dict(inputs or DEFAULT_INPUT)
+    if via == "http":
+        if address is not None:
+            raise ValueError("--via http starts its own mesh and gateway; drop --address")
+        return _http_vs_grpc(pipeline, inputs, runs, concurrency, progress)
 
     def measure(addr: str) -> list[dict[str, float]]:
         # numpy: the timing must not include importing torch in this process.
@@ -121,4 +226,75 @@ def run_demo_bench(
         values = [s[key] for s in samples]
         report[key] = round(statistics.median(values), 3)
         report[f"{key}_runs"] = [round(v, 3) for v in values]
+    return report
+
+
+def _summary(samples: list[dict[str, float]]) -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    for key in ("ttft_ms", "ttfa_ms", "total_ms", "audio_s", "rtf"):
+        values = [s[key] for s in samples]
+        out[key] = round(statistics.median(values), 3)
+        out[f"{key}_runs"] = [round(v, 3) for v in values]
+    return out
+
+
+def _http_vs_grpc(
+    pipeline: str | None,
+    inputs: dict[str, Any],
+    runs: int,
+    concurrency: int,
+    progress: Callable[[str], None] | None,
+) -> dict[str, Any]:
+    from omnirail.client.sdk import Client
+    from omnirail.ops.launcher import Mesh
+
+    with Mesh(pipeline or DEMO, progress=progress, http="127.0.0.1:0") as mesh:
+        assert mesh.address is not None and mesh.http_address is not None
+        oa = mesh.pipeline.api.openai
+        assert oa is not None  # Mesh refuses --http without it
+        model = mesh.pipeline.model_name
+        http = HttpStreams(mesh.http_address, "/v1/chat/completions")
+        with Client(mesh.address, timeout=120, tensors="numpy") as client:
+
+            def over_http(_: Any, request: dict[str, Any]) -> dict[str, float]:
+                return _one_http(http, chat_body(request, model), oa.sample_rate)
+
+            sides: dict[str, tuple[Any, Callable[..., Any]]] = {
+                "grpc": (client, _one),
+                "http": (None, over_http),
+            }
+            for target, one in sides.values():  # warm both paths
+                one(target, inputs)
+            samples: dict[str, list[dict[str, float]]] = {"grpc": [], "http": []}
+            for r in range(runs):
+                order = ["grpc", "http"] if r % 2 == 0 else ["http", "grpc"]
+                for side in order:
+                    target, one = sides[side]
+                    samples[side].extend(_batch(target, inputs, concurrency, one))
+        http.close()
+    report: dict[str, Any] = {
+        "mesh": "local processes",
+        "pipeline": str(pipeline or DEMO),
+        "via": "http",
+        "runs": runs,
+        "concurrency": concurrency,
+        "grpc": _summary(samples["grpc"]),
+        "http": _summary(samples["http"]),
+    }
+    # Each run's HTTP figure minus the gRPC figure of the same run (they ran back to back),
+    # then the median: steadier than the difference of the medians on a noisy host.
+    report["http_overhead_ms"] = {
+        key: round(
+            statistics.median(
+                h[f"{key}_ms"] - g[f"{key}_ms"]
+                for h, g in zip(samples["http"], samples["grpc"], strict=True)
+            ),
+            3,
+        )
+        for key in ("ttft", "ttfa")
+    }
+    report["http_overhead_of_medians_ms"] = {
+        key: round(report["http"][f"{key}_ms"] - report["grpc"][f"{key}_ms"], 3)
+        for key in ("ttft", "ttfa")
+    }
     return report

@@ -89,6 +89,7 @@ def _run(args: argparse.Namespace) -> dict[str, Any]:
             inputs=read_inputs(args) if (args.input or args.input_file) else None,
             runs=args.runs,
             concurrency=_one_level(args, 1),
+            via=args.via,
             progress=progress(args.json),
         )
     elif args.what == "omni":
@@ -250,6 +251,13 @@ def add_bench_parser(sub: Any) -> None:
         help="pipeline: repeat the latency and throughput runs on one mesh; medians reported",
     )
     b.add_argument("--address", default=None, help="demo: a running mesh (default: start one)")
+    b.add_argument(
+        "--via",
+        choices=["grpc", "http"],
+        default="grpc",
+        help="demo: http also streams each request through the OpenAI gateway, against the "
+        "SDK in the same run (what the gateway adds to time to first text and audio)",
+    )
     b.add_argument("--pipeline", default=None, help="demo: pipeline file (default: omni demo)")
     b.add_argument("--input", default=None, help="demo: JSON object of inputs")
     b.add_argument("--input-file", default=None, help="demo: file holding the JSON object")

@@ -1,6 +1,6 @@
 """`omnirail gateway`: the OpenAI-compatible HTTP front door of a mesh.
 
-A separate process (FastAPI on uvicorn) that is a client of the coordinator's native API
+A separate process (Starlette on uvicorn) that is a client of the coordinator's native API
 over one Session stream, so HTTP parsing, JSON and base64 work never run on the
 coordinator's event loop, gateways scale and restart on their own, and every request is
 admitted, traced and counted as a native one. Routes: `/v1/models`,

@@ -151,8 +151,10 @@ class RequestMapper:
 
     def _sampling(self, body: dict[str, Any], inputs: dict[str, Any]) -> None:
         oa = self.oa
-        limit = body.get("max_completion_tokens", body.get("max_tokens"))
-        param = "max_completion_tokens" if "max_completion_tokens" in body else "max_tokens"
+        # max_tokens is the older name of max_completion_tokens (an explicit null is unset).
+        newer = body.get("max_completion_tokens")
+        limit = newer if newer is not None else body.get("max_tokens")
+        param = "max_completion_tokens" if newer is not None else "max_tokens"
         if limit is not None:
             if isinstance(limit, bool) or not isinstance(limit, int) or limit < 1:
                 raise bad(f"{param}: a positive integer", param)
@@ -168,7 +170,9 @@ class RequestMapper:
             if (
                 isinstance(temperature, bool)
                 or not isinstance(temperature, int | float)
-                or not (math.isfinite(temperature) and 0 <= temperature <= 2)
+                # A JSON integer can be any size: compared as it is, not made a float.
+                or not (0 <= temperature <= 2)
+                or (isinstance(temperature, float) and not math.isfinite(temperature))
             ):
                 raise bad("temperature: a number within 0..2", "temperature")
             if oa.temperature_input is not None:
@@ -206,7 +210,7 @@ class RequestMapper:
         if not isinstance(message, dict):
             raise bad(f"{at}: an object with role and content", at)
         role = message.get("role")
-        if role not in ROLES:
+        if not isinstance(role, str) or role not in ROLES:
             raise bad(
                 f"{at}.role: unsupported role {_echo(role)}; supported: {sorted(ROLES)}",
                 f"{at}.role",
@@ -309,6 +313,7 @@ def _image(at: str, url: Any) -> np.ndarray:
     raw = _b64(at, data)
     try:
         from PIL import Image, UnidentifiedImageError
+        from PIL.Image import DecompressionBombError
     except ImportError:
         raise ApiError(400, f"{at}: image input needs Pillow on the gateway", at) from None
     try:
@@ -316,6 +321,8 @@ def _image(at: str, url: Any) -> np.ndarray:
             if img.width * img.height > 64 << 20:
                 raise bad(f"{at}: {img.width}x{img.height} pixels is too large", at)
             return np.asarray(img.convert("RGB"), dtype=np.uint8)
+    except DecompressionBombError:
+        raise bad(f"{at}: the image is too large (a decompression bomb?)", at) from None
     except (UnidentifiedImageError, OSError, ValueError) as exc:
         raise bad(f"{at}: not a readable image ({str(exc)[:80]})", at) from None
 

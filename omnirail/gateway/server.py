@@ -17,7 +17,7 @@ import uvicorn
 from omnirail.client.connect import client_options
 from omnirail.client.sdk import AsyncClient
 from omnirail.config import PipelineConfig
-from omnirail.gateway.app import Gateway, create_app
+from omnirail.gateway.app import CountRequests, Gateway, create_app
 from omnirail.gateway.errors import ApiError
 from omnirail.telemetry import setup_tracing
 from omnirail.transport.security import SecretSet, mesh_security
@@ -90,7 +90,8 @@ async def serve(
         lambda: AsyncClient(coordinator, tensors="numpy", **options),
         tracer=telemetry.tracer,
     )
-    app = TokenAuth(create_app(gateway), security.tokens)
+    # Outermost: refusals are counted too.
+    app = CountRequests(TokenAuth(create_app(gateway), security.tokens), gateway.metrics)
     host, port = parse_listen(listen)
     family = socket.AF_INET6 if ":" in host else socket.AF_INET
     sock = socket.socket(family, socket.SOCK_STREAM)

@@ -242,7 +242,7 @@ def test_raw_contents_are_checked(demo: Mesh) -> None:
             contents=pb.InferTensorContents(fp32_contents=[1.0]),
         )
         err = infer(inputs=[typed])
-        assert "0 elements in contents.bytes_contents; the shape needs 1" in err.details()
+        assert "contents.fp32_contents does not hold BYTES data" in err.details()
         # Not a ModelInferRequest at all.
         raw = channel.unary_unary("/inference.GRPCInferenceService/ModelInfer")
         with pytest.raises(grpc.RpcError) as info:
