@@ -330,3 +330,25 @@ def test_traceparent_is_honoured(mesh: Mesh, tmp_path: Path) -> None:
         time.sleep(0.3)
     request = next(s for s in spans if s.get("name") == "omnirail.request")
     assert request["attributes"]["omnirail.request_id"] == rid
+    gateway = next(s for s in spans if s["name"] == "POST /v1/chat/completions")
+    assert gateway["parent_span_id"] == "00f067aa0ba902b7"
+    assert request["parent_span_id"] == gateway["span_id"]
+
+
+def test_counted_by_the_gateway_and_the_coordinator(mesh: Mesh, oai: Any) -> None:
+    with Client(mesh.address or "", timeout=30) as client:
+        coordinator = client.describe().metrics_address
+    gateway = f"{(mesh.http_address or '').removeprefix('http://')}"
+    route = {"route": "/v1/chat/completions", "code": "200"}
+    before = (
+        value(scrape(gateway), "omnirail_gateway_requests_total", **route),
+        value(scrape(coordinator), "omnirail_requests_total", state="completed"),
+    )
+    oai.chat.completions.create(
+        model=MODEL, messages=[{"role": "user", "content": "count me"}], max_tokens=2
+    )
+    after = (
+        value(scrape(gateway), "omnirail_gateway_requests_total", **route),
+        value(scrape(coordinator), "omnirail_requests_total", state="completed"),
+    )
+    assert after == (before[0] + 1, before[1] + 1)

@@ -9,6 +9,7 @@ that name the problem; a stream's failed request comes back as its error_message
 from __future__ import annotations
 
 import queue
+import time
 from collections.abc import Iterator
 from typing import Any
 
@@ -20,7 +21,9 @@ from omnirail.client.sdk import Chunk, Client
 from omnirail.kserve import grpc_predict_v2_pb2 as pb
 from omnirail.kserve import grpc_predict_v2_pb2_grpc as pb_grpc
 from omnirail.ops.launcher import Mesh
+from omnirail.telemetry.export import read_span_files
 from tests.integration.conftest import REPO
+from tests.integration.test_metrics import scrape, value
 
 tritonclient = pytest.importorskip("tritonclient.grpc")
 InferInput = tritonclient.InferInput
@@ -253,3 +256,28 @@ def test_raw_contents_are_checked(demo: Mesh) -> None:
         "omni-demo", [_text("text", "still here"), _int("max_new_tokens", 2)]
     )
     assert result.as_numpy("text")[0]
+
+
+def test_traced_and_counted_like_the_native_api(quickstart: Mesh) -> None:
+    """The caller's traceparent parents the mesh's spans; the coordinator counts the request."""
+    with Client(quickstart.address or "", timeout=30) as sdk:
+        metrics = sdk.describe().metrics_address
+    before = value(scrape(metrics), "omnirail_requests_total", state="completed")
+    trace_id = "0af7651916cd43dd8448eb211c80319c"
+    _triton(quickstart).infer(
+        "quickstart",
+        [_text("text", "trace me")],
+        headers={"traceparent": f"00-{trace_id}-b7ad6b7169203331-01"},
+    )
+    assert value(scrape(metrics), "omnirail_requests_total", state="completed") == before + 1
+    deadline = time.monotonic() + 20
+    while True:
+        files = sorted(quickstart.span_dir.glob("*.otlp"))
+        spans = [s for s in read_span_files(files) if s["trace_id"] == trace_id]
+        services = {s["service"] for s in spans}
+        if {"omnirail-coordinator", "omnirail-stage-fuse"} <= services:
+            break
+        assert time.monotonic() < deadline, services
+        time.sleep(0.3)
+    root = next(s for s in spans if s["name"] == "omnirail.request")
+    assert root["parent_span_id"] == "b7ad6b7169203331"
