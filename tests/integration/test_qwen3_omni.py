@@ -53,7 +53,8 @@ def tiny_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
 @pytest.fixture(scope="module")
 def mesh(tmp_path_factory: pytest.TempPathFactory, tiny_dir: Path) -> Iterator[Mesh]:
     path = pipeline_copy(tmp_path_factory.mktemp("pipeline"), tiny_dir)
-    mesh = Mesh(path, env={"HF_HUB_OFFLINE": "1"})
+    # With the OpenAI gateway: the front doors are checked on the real architecture too.
+    mesh = Mesh(path, env={"HF_HUB_OFFLINE": "1"}, http="127.0.0.1:0")
     mesh.start(timeout=300)
     yield mesh
     mesh.stop()
@@ -145,6 +146,58 @@ def test_concurrent_requests_each_get_what_they_get_alone(mesh: Mesh, tiny_dir: 
         want_tokens, want_codes = solo(case)
         assert tokens == want_tokens, case
         assert torch.equal(codes, want_codes), case
+
+
+def test_front_doors_answer_what_the_sdk_does(mesh: Mesh) -> None:
+    """A text+image turn through the OpenAI gateway (the chat passes through as `messages`,
+    the image as a PNG data URL) and through KServe (the shorthand `text` + `image`
+    tensors): the same text and audio as the native SDK's answer."""
+    import base64
+    import io
+
+    from PIL import Image
+
+    openai = pytest.importorskip("openai")
+    tritonclient = pytest.importorskip("tritonclient.grpc")
+    image = tiny_model.sample_image()
+    with Client(mesh.address or "", timeout=120, tensors="numpy") as client:
+        chunks, result = collect_stream(client.stream({"text": "Describe this.", "image": image}))
+    text = result.outputs["decode"]["text"]
+    pcm = np.concatenate([np.asarray(c.data["pcm"]) for c in chunks if c.modality == "audio"])
+
+    png = io.BytesIO()
+    Image.fromarray(image).save(png, format="PNG")
+    url = "data:image/png;base64," + base64.b64encode(png.getvalue()).decode()
+    oai = openai.OpenAI(base_url=f"{mesh.http_address}/v1", api_key="-", max_retries=0)
+    stream = oai.chat.completions.create(
+        model="qwen3-omni",
+        messages=[{"role": "user", "content": [
+            {"type": "image_url", "image_url": {"url": url}},
+            {"type": "text", "text": "Describe this."}]}],
+        modalities=["text", "audio"],
+        audio={"voice": "ethan", "format": "pcm16"},
+        stream=True,
+    )  # fmt: skip
+    pieces, audio = [], bytearray()
+    for chunk in stream:
+        delta = chunk.choices[0].delta
+        pieces.append(delta.content or "")
+        extra = (delta.model_extra or {}).get("audio") or getattr(delta, "audio", None)
+        if extra:
+            audio += base64.b64decode(extra["data"] if isinstance(extra, dict) else extra.data)
+    assert "".join(pieces) == text
+    want = np.rint(np.clip(pcm, -1, 1) * 32767).astype(np.int16)
+    np.testing.assert_array_equal(np.frombuffer(bytes(audio), "<i2"), want)
+
+    triton = tritonclient.InferenceServerClient(mesh.address or "")
+    inputs = [tritonclient.InferInput("text", [1], "BYTES"),
+              tritonclient.InferInput("image", list(image.shape), "UINT8")]  # fmt: skip
+    inputs[0].set_data_from_numpy(np.array([b"Describe this."], dtype=object))
+    inputs[1].set_data_from_numpy(image)
+    answer = triton.infer("qwen3-omni", inputs)
+    assert answer.as_numpy("text")[0].decode() == text
+    assert answer.as_numpy("token_ids").tolist() == result.outputs["decode"]["token_ids"]
+    np.testing.assert_array_equal(answer.as_numpy("audio"), pcm)
 
 
 def test_first_audio_arrives_before_the_last_text(mesh: Mesh) -> None:
