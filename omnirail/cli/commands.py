@@ -572,7 +572,8 @@ def build_parser() -> argparse.ArgumentParser:
     h.add_argument(
         "--address",
         default=None,
-        help="host:port or unix:///path (default: $OMNIRAIL_HEALTH_ADDRESS or localhost:50051)",
+        help="host:port, unix:///path or an http(s):// health URL (default: "
+        "$OMNIRAIL_HEALTH_ADDRESS or localhost:50051)",
     )
     h.add_argument(
         "--service",

@@ -29,6 +29,7 @@ def cmd_compose(args: argparse.Namespace) -> int:
         jaeger_image=args.jaeger_image,
         prometheus_image=args.prometheus_image,
         coordinator_port=args.coordinator_port,
+        http_port=args.http_port,
         depends_condition=args.depends_condition,
         edge_relays=tuple(EdgeRelay.parse(e) for e in args.edge_relay),
         build_context=context,
@@ -63,6 +64,13 @@ def add_compose_parser(sub: Any) -> None:
         type=int,
         default=_compose.GRPC_PORT,
         help="host port the coordinator is published on (default: %(default)s)",
+    )
+    k.add_argument(
+        "--http-port",
+        type=int,
+        default=_compose.HTTP_PORT,
+        help="host port of the OpenAI gateway, for pipelines with api.openai (0: no gateway; "
+        "default: %(default)s)",
     )
     for name, image in [
         ("image", _compose.IMAGE),

@@ -33,6 +33,7 @@ from omnirail.ops.compose_groups import (
 )
 from omnirail.ops.compose_models import MODEL_MOUNT, ModelDir, ModelMount, header_args, model_mounts
 from omnirail.ops.compose_tls import check_tokens_file, ensure_material, secure
+from omnirail.ops.health import ADDRESS_ENV
 
 __all__ = [
     "MODEL_MOUNT",
@@ -50,6 +51,7 @@ IMAGE = "omnirail:latest"
 JAEGER_IMAGE = "jaegertracing/all-in-one:1.62.0"
 PROMETHEUS_IMAGE = "prom/prometheus:v2.55.1"
 GRPC_PORT = 50051  # every omnirail service, in its own container (the image's HEALTHCHECK)
+HTTP_PORT = 8000  # the OpenAI gateway's, in its container
 METRICS_PORT = 9464
 PIPELINE_MOUNT = "/pipeline"
 DependsCondition = Literal["service_started", "service_healthy"]
@@ -61,6 +63,8 @@ class ComposeOptions:
     jaeger_image: str = JAEGER_IMAGE
     prometheus_image: str = PROMETHEUS_IMAGE
     coordinator_port: int = GRPC_PORT  # published on the host
+    # The OpenAI gateway's published port (pipelines with api.openai); 0: no gateway.
+    http_port: int = HTTP_PORT
     depends_condition: DependsCondition = "service_started"
     edge_relays: tuple[EdgeRelay, ...] = ()
     # Directory holding the Dockerfile; None: no service builds, the image must exist.
@@ -123,7 +127,10 @@ def generate(
     if clash:
         raise ComposeError(f"{clash.pop()}: would be overwritten by a generated side file")
     doc = _compose_doc(services, ipc_groups(cfg, services), mounts, paths, options)
-    hosts = ("coordinator", *(s.name for s in services))
+    if cfg.api.openai is not None and options.http_port:
+        doc["services"] = _with_gateway(doc["services"], paths, options)
+    front = ("gateway",) if "gateway" in doc["services"] else ()
+    hosts = ("coordinator", *front, *(s.name for s in services))
     if options.tls_dir is not None:
         tokens = options.tokens_file
         secure(
@@ -135,7 +142,7 @@ def generate(
     # A stopped service drains first (up to drain_s): SIGKILL must not cut that short.
     grace = f"{math.ceil(cfg.drain_s) + 5}s"
     for name, service in doc["services"].items():
-        if name == "coordinator" or name in {s.name for s in services}:
+        if name in ("coordinator", "gateway") or name in {s.name for s in services}:
             service["stop_grace_period"] = grace
     header = _header(source, output, options, base)
     text = header + yaml.safe_dump(doc, sort_keys=False, default_flow_style=False, width=100)
@@ -153,6 +160,8 @@ def _check_request(output: Path | None, options: ComposeOptions) -> None:
         raise ComposeError(f"--depends-condition {options.depends_condition!r}: not supported")
     if not 0 < options.coordinator_port < 65536:
         raise ComposeError(f"--coordinator-port {options.coordinator_port}: not in 1-65535")
+    if not 0 <= options.http_port < 65536:
+        raise ComposeError(f"--http-port {options.http_port}: not in 0-65535")
     if options.build_context is not None and not options.build_context.is_dir():
         raise ComposeError(f"--build-context {options.build_context}: not a directory")
     if options.tokens_file is not None:
@@ -235,6 +244,31 @@ def _compose_doc(
         "volumes": [_bind(paths.rel(paths.prometheus_file), "/etc/prometheus/prometheus.yml")],
     }
     return {"services": out}
+
+
+def _with_gateway(
+    services: dict[str, Any], paths: _Paths, options: ComposeOptions
+) -> dict[str, Any]:
+    """The services with the OpenAI gateway after the coordinator (a client of its API)."""
+    gateway = _omnirail_service("gateway", options, paths)
+    gateway["command"] = [
+        "gateway",
+        *("--pipeline", paths.in_container),
+        *("--coordinator", f"coordinator:{GRPC_PORT}"),
+        *("--listen", f"0.0.0.0:{HTTP_PORT}"),
+    ]
+    gateway["ports"] = [f"{options.http_port}:{HTTP_PORT}"]
+    # The image's health check (`omnirail health`) asks the gateway's /health, which says
+    # 200 once the mesh behind it is ready.
+    scheme = "https" if options.tls_dir is not None else "http"
+    gateway["environment"][ADDRESS_ENV] = f"{scheme}://localhost:{HTTP_PORT}/health"
+    gateway["depends_on"] = {"coordinator": {"condition": "service_started"}}
+    out: dict[str, Any] = {}
+    for name, service in services.items():
+        out[name] = service
+        if name == "coordinator":
+            out["gateway"] = _ordered(gateway)
+    return out
 
 
 def _stage_service(
@@ -344,6 +378,7 @@ def _header(source: Path, output: Path | None, options: ComposeOptions, base: Pa
         ("--jaeger-image", "jaeger_image"),
         ("--prometheus-image", "prometheus_image"),
         ("--coordinator-port", "coordinator_port"),
+        ("--http-port", "http_port"),
         ("--depends-condition", "depends_condition"),
     ]:
         if getattr(options, attr) != getattr(defaults, attr):

@@ -5,9 +5,9 @@ DIR holds the mesh's material (ops/certs.py); when it holds none, a fresh set is
 certificate names every service (the hosts peers dial inside the compose network) and
 localhost (health checks, the published port). It is bind-mounted read-only at
 /etc/omnirail/tls into every omnirail service, which read it through OMNIRAIL_TLS_*; the
-tokens file is mounted into the coordinator alone. The image runs as uid/gid 10001, and a
-bind mount shows the host's owners and modes: the key and the secret are made readable by
-group 10001 (which takes root here); otherwise the command says what to run.
+tokens file is mounted into the coordinator and the gateway alone. The image runs as uid/gid
+10001, and a bind mount shows the host's owners and modes: the key and the secret are made
+readable by group 10001 (which takes root here); otherwise the command says what to run.
 """
 
 from __future__ import annotations
@@ -83,9 +83,12 @@ def secure(
         service["environment"].update(env)
         service["volumes"].append(_bind(tls_source, TLS_MOUNT))
     if tokens_source is not None:
-        coordinator = services["coordinator"]
-        coordinator["environment"][security.ENV_TOKENS_FILE] = TOKENS_MOUNT
-        coordinator["volumes"].append(_bind(tokens_source, TOKENS_MOUNT))
+        # The coordinator checks clients' tokens; the gateway checks its callers' and shows
+        # the file's first token to the coordinator.
+        for name in ("coordinator", "gateway"):
+            if name in services:
+                services[name]["environment"][security.ENV_TOKENS_FILE] = TOKENS_MOUNT
+                services[name]["volumes"].append(_bind(tokens_source, TOKENS_MOUNT))
 
 
 def check_tokens_file(path: Path) -> None:

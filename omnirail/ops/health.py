@@ -1,4 +1,5 @@
-"""Asks a server's grpc.health.v1 whether it is SERVING (`omnirail health`, container checks).
+"""Asks a server's grpc.health.v1 whether it is SERVING (`omnirail health`, container checks),
+or an HTTP server's health URL whether it answers 200 (the gateway's `/health`).
 
 Needs only grpcio and grpcio-health-checking: no torch, no pipeline file.
 """
@@ -6,6 +7,9 @@ Needs only grpcio and grpcio-health-checking: no torch, no pipeline file.
 from __future__ import annotations
 
 import os
+import ssl
+import urllib.error
+import urllib.request
 from typing import Literal
 
 import grpc
@@ -45,12 +49,16 @@ def check_health(
 ) -> None:
     """Returns when `service` at `address` reports SERVING; raises HealthCheckError otherwise.
 
-    `address` is ``host:port`` or ``unix:///path``; `service` "" asks about the server as a
+    `address` is ``host:port`` or ``unix:///path`` (or an ``http(s)://`` URL: see
+    `check_http_health`); `service` "" asks about the server as a
     whole (every omnirail process sets it once it serves), a full service name such as
     ``omnirail.v1.Omnirail`` about that service (the coordinator reports it SERVING once
     every stage has a live replica). With `security`, TLS as the mesh's own processes
     dial (its CA, and its certificate where the mesh is mutual).
     """
+    if address.startswith(("http://", "https://")):
+        check_http_health(address, timeout, security)
+        return
     channel, _ = mesh_channel(security, address, [], aio=False)
     with channel:
         stub = health_pb2_grpc.HealthStub(channel)
@@ -82,3 +90,22 @@ def check_health(
         if reply.status == health_pb2.HealthCheckResponse.SERVICE_UNKNOWN:
             raise HealthCheckError(address, service, "unknown_service", "unknown service")
         raise HealthCheckError(address, service, "not_serving", status)
+
+
+def check_http_health(url: str, timeout: float, security: MeshSecurity | None) -> None:
+    """Returns when GET `url` answers 200; raises HealthCheckError otherwise. HTTPS is
+    verified against the mesh's CA when it has one (the name checked is the URL's host)."""
+    context = None
+    if url.startswith("https://"):
+        ca = security.config.tls.ca if security is not None and security.config.tls else None
+        context = ssl.create_default_context(cafile=ca)
+    try:
+        with urllib.request.urlopen(url, timeout=timeout, context=context) as reply:
+            status = reply.status
+    except urllib.error.HTTPError as exc:
+        raise HealthCheckError(url, "", "not_serving", f"HTTP {exc.code}") from None
+    except (urllib.error.URLError, OSError) as exc:
+        reason = getattr(exc, "reason", exc)
+        raise HealthCheckError(url, "", "unreachable", f"unreachable ({reason})") from None
+    if status != 200:
+        raise HealthCheckError(url, "", "not_serving", f"HTTP {status}")

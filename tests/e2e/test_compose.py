@@ -220,3 +220,51 @@ def test_a_stage_whose_process_dies_is_restarted_by_its_policy(project: Project)
             raise
     restarts = project.podman("inspect", "-f", "{{.RestartCount}}", container).strip()
     assert int(restarts) >= 1, restarts
+
+
+def _gateway_ready(project: Project, url: str, timeout: float = 180.0, **tls: Any) -> None:
+    import httpx2
+
+    deadline = time.monotonic() + timeout
+    while True:
+        try:
+            if httpx2.get(f"{url}/health", timeout=5, **tls).status_code == 200:
+                return
+        except httpx2.HTTPError:
+            pass
+        assert time.monotonic() < deadline, project.logs()[-4000:]
+        time.sleep(1)
+
+
+def test_the_openai_gateway_container_serves_chat_with_audio(project: Project) -> None:
+    """The compose file's gateway service: the openai SDK streams a chat completion with
+    audio from the published port, equal to the native API's answer; its container's
+    health check (the image's `omnirail health`, on the gateway's /health) passes."""
+    import base64
+
+    openai = pytest.importorskip("openai")
+    _gateway_ready(project, "http://localhost:8000")
+    inputs = {"text": "a river in the mountains", "max_new_tokens": 6}
+    with Client(ADDRESS, timeout=120, tensors="numpy") as client:
+        chunks, result = _stream(client, inputs)
+    oai = openai.OpenAI(base_url="http://localhost:8000/v1", api_key="-", max_retries=0)
+    text, audio = [], bytearray()
+    for chunk in oai.chat.completions.create(
+        model="omni-demo",
+        messages=[{"role": "user", "content": inputs["text"]}],
+        modalities=["text", "audio"],
+        audio={"voice": "default", "format": "pcm16"},
+        max_tokens=6,
+        stream=True,
+    ):
+        delta = chunk.choices[0].delta
+        text.append(delta.content or "")
+        extra = (delta.model_extra or {}).get("audio")
+        if extra:
+            audio += base64.b64decode(extra["data"])
+    assert "".join(text) == result.outputs["decode"]["text"]
+    pcm = np.concatenate([np.asarray(c.data["pcm"]) for c in chunks["audio"]])
+    want = np.rint(np.clip(pcm, -1, 1) * 32767).astype(np.int16)
+    np.testing.assert_array_equal(np.frombuffer(bytes(audio), "<i2"), want)
+    (gateway,) = [n for n in project.containers() if "gateway" in n]
+    project.podman("healthcheck", "run", gateway)  # raises unless healthy

@@ -28,6 +28,7 @@ from tests.e2e.compose_env import Project
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(2400)]
 
 PORT = 50071
+HTTP_PORT = 8071
 MAX_NEW_TOKENS = 8
 TALKER_TOKENS = 12
 TOKEN = "e2e-" + secrets.token_hex(16)
@@ -58,7 +59,7 @@ def project(model: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[P
     tokens.chmod(0o640)
     command = [
         str(Path(sys.executable).parent / "omnirail"), "compose", str(pipeline), "-o", str(out),
-        "--coordinator-port", str(PORT), "--build-context", "none",
+        "--coordinator-port", str(PORT), "--http-port", str(HTTP_PORT), "--build-context", "none",
         "--tls", str(where / "tls"), "--tokens-file", str(tokens),
     ]  # fmt: skip
     # save_pretrained writes the shards 0600: compose refuses what the image's user could
@@ -142,3 +143,37 @@ def test_the_secured_deployment_refuses_strangers(project: Project) -> None:
     names = project.containers()
     (coordinator,) = [n for n in names if re.search(r"[_-]coordinator[_-]\d+$", n)]
     project.podman("healthcheck", "run", coordinator)  # raises unless healthy
+
+
+def test_the_secured_gateway_needs_https_and_the_token(project: Project) -> None:
+    """The gateway container serves HTTPS with the deployment's certificate and takes the
+    same client tokens as the gRPC API; its health check (over HTTPS) passes."""
+    import ssl
+    import time
+
+    import httpx2
+
+    trust = ssl.create_default_context(cafile=CLIENT["tls"])
+    url = f"https://localhost:{HTTP_PORT}"
+    deadline = time.monotonic() + 300
+    while True:
+        try:
+            if httpx2.get(f"{url}/health", verify=trust, timeout=5).status_code == 200:
+                break
+        except httpx2.HTTPError:
+            pass
+        assert time.monotonic() < deadline, project.logs()[-4000:]
+        time.sleep(1)
+    body = {"model": "qwen3-omni", "messages": [{"role": "user", "content": "Hello"}]}
+    chat = f"{url}/v1/chat/completions"
+    refused = httpx2.post(chat, json=body, verify=trust, timeout=60)
+    assert refused.status_code == 401, refused.text
+    served = httpx2.post(
+        chat, json=body, verify=trust, timeout=300, headers={"authorization": f"Bearer {TOKEN}"}
+    )
+    assert served.status_code == 200, served.text
+    assert served.json()["choices"][0]["message"]["content"]
+    with pytest.raises(httpx2.HTTPError):
+        httpx2.get(f"http://localhost:{HTTP_PORT}/health", timeout=5).raise_for_status()
+    (gateway,) = [n for n in project.containers() if "gateway" in n]
+    project.podman("healthcheck", "run", gateway)  # raises unless healthy

@@ -19,6 +19,8 @@ QUICKSTART = REPO / "examples/quickstart/pipeline.yaml"
 STREAMING = REPO / "examples/streaming/pipeline.yaml"
 QWEN3_OMNI = REPO / "examples/qwen3_omni/pipeline.yaml"
 FIXED = ["coordinator", "jaeger", "prometheus"]
+# After the coordinator in pipelines with api.openai (the OpenAI gateway).
+GATEWAY = "gateway"
 OTLP = "http://jaeger:4317"
 
 

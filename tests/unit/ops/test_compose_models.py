@@ -16,6 +16,7 @@ from omnirail.config import PipelineConfig
 from omnirail.ops.compose import ComposeBundle, ComposeError, ModelDir
 from tests.unit.ops.compose_helpers import (
     FIXED,
+    GATEWAY,
     QWEN3_OMNI,
     chain,
     flag,
@@ -39,7 +40,7 @@ def model_bind(source: str | Path, target: str = "/model") -> dict[str, Any]:
 
 
 def stage_services_of(bundle: ComposeBundle) -> list[str]:
-    return [n for n in services(bundle) if n not in FIXED]
+    return [n for n in services(bundle) if n not in FIXED and n != GATEWAY]
 
 
 def derived_data(bundle: ComposeBundle) -> dict[str, Any]:
