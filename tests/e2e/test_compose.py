@@ -259,9 +259,9 @@ def test_the_openai_gateway_container_serves_chat_with_audio(project: Project) -
     ):
         delta = chunk.choices[0].delta
         text.append(delta.content or "")
-        extra = (delta.model_extra or {}).get("audio")
+        extra = getattr(delta, "audio", None) or (delta.model_extra or {}).get("audio")
         if extra:
-            audio += base64.b64decode(extra["data"])
+            audio += base64.b64decode(extra["data"] if isinstance(extra, dict) else extra.data)
     assert "".join(text) == result.outputs["decode"]["text"]
     pcm = np.concatenate([np.asarray(c.data["pcm"]) for c in chunks["audio"]])
     want = np.rint(np.clip(pcm, -1, 1) * 32767).astype(np.int16)
