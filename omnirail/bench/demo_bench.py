@@ -17,7 +17,6 @@ text and first audio.
 from __future__ import annotations
 
 import base64
-import http.client
 import json
 import socket
 import statistics
@@ -84,41 +83,70 @@ def chat_body(inputs: dict[str, Any], model: str) -> dict[str, Any]:
 
 
 class HttpStreams:
-    """Keep-alive HTTP/1.1 connections to the gateway (stdlib `http.client`: the leanest
-    client there is, so the figures are the gateway's, not a client library's), one per
-    stream in flight, as the SDK keeps one channel."""
+    """Keep-alive HTTP/1.1 connections to the gateway, one per stream in flight (as the SDK
+    keeps one channel), read by a minimal chunked-transfer reader over a raw socket: the
+    figure is meant to be the gateway's, and a client library's header parsing (http.client
+    parses them with the email package) would land on the time to first chunk too."""
 
     def __init__(self, base_url: str, path: str) -> None:
         parts = urllib.parse.urlsplit(base_url)
         self.host, self.port, self.path = parts.hostname or "", parts.port or 80, path
-        self._idle: list[http.client.HTTPConnection] = []
+        self._idle: list[socket.socket] = []
         self._lock = threading.Lock()
 
-    def _connection(self) -> http.client.HTTPConnection:
+    def _connection(self) -> socket.socket:
         with self._lock:
             if self._idle:
                 return self._idle.pop()
-        conn = http.client.HTTPConnection(self.host, self.port, timeout=120)
-        conn.connect()
-        assert conn.sock is not None
-        conn.sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-        return conn
+        sock = socket.create_connection((self.host, self.port), timeout=120)
+        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        return sock
 
     def lines(self, body: dict[str, Any]) -> Iterator[bytes]:
-        conn = self._connection()
+        """The response body's lines as they arrive; raises for a status other than 200."""
+        sock = self._connection()
         data = json.dumps(body).encode()
-        conn.request("POST", self.path, data, {"Content-Type": "application/json"})
-        response = conn.getresponse()
-        if response.status != 200:
-            raise RuntimeError(f"gateway answered {response.status}: {response.read()!r}")
-        while line := response.readline():
-            yield line.rstrip(b"\n")
+        sock.sendall(
+            f"POST {self.path} HTTP/1.1\r\nHost: {self.host}\r\nContent-Type: application/json"
+            f"\r\nContent-Length: {len(data)}\r\n\r\n".encode()
+            + data
+        )
+        buf = bytearray()
+
+        def need(n: int) -> None:
+            while len(buf) < n:
+                piece = sock.recv(1 << 16)
+                if not piece:
+                    raise RuntimeError("the gateway closed the connection mid-answer")
+                buf.extend(piece)
+
+        while (end := buf.find(b"\r\n\r\n")) < 0:
+            need(len(buf) + 1)
+        head = bytes(buf[:end]).lower()
+        del buf[: end + 4]
+        status = int(head.split(b" ", 2)[1])
+        if status != 200 or b"transfer-encoding: chunked" not in head:
+            raise RuntimeError(f"gateway answered {status}: {head[:200]!r} {bytes(buf[:300])!r}")
+        text = b""
+        while True:
+            while (eol := buf.find(b"\r\n")) < 0:
+                need(len(buf) + 1)
+            size = int(bytes(buf[:eol]).split(b";")[0], 16)
+            del buf[: eol + 2]
+            need(size + 2)
+            if size == 0:
+                del buf[:2]
+                break
+            text += bytes(buf[:size])
+            del buf[: size + 2]
+            *whole, text = text.split(b"\n")
+            yield from whole
         with self._lock:
-            self._idle.append(conn)
+            self._idle.append(sock)
 
     def close(self) -> None:
-        for conn in self._idle:
-            conn.close()
+        for sock in self._idle:
+            sock.close()
 
 
 def _one_http(http: HttpStreams, body: dict[str, Any], rate: int) -> dict[str, float]:

@@ -183,11 +183,14 @@ async def _until_disconnect(request: Request, work: Awaitable[Any]) -> Any:
 
 class EventStream(Response):
     """A streamed answer sent straight through ASGI: each piece is one body message, and a
-    client that disconnects cancels the producer (whose `finally` aborts the request in
-    the mesh). Starlette's StreamingResponse does the same through an anyio task group,
-    at a few hundred microseconds more per answer; time to first chunk is what users feel."""
+    client that disconnects (also before the first piece) cancels the producer, whose
+    `finally` aborts the request in the mesh. The first piece may raise ApiError instead.
+    Starlette's StreamingResponse does the same through an anyio task group, at a few
+    hundred microseconds more per answer; time to first chunk is what users feel."""
 
-    def __init__(self, body: AsyncIterator[bytes], media_type: str, headers: dict[str, str]):
+    def __init__(
+        self, body: AsyncGenerator[bytes], media_type: str, headers: dict[str, str]
+    ) -> None:
         # Not Response.__init__: it would render an empty body and say content-length: 0.
         self.status_code = 200
         self.media_type = media_type
@@ -197,6 +200,13 @@ class EventStream(Response):
 
     async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
         async def produce() -> None:
+            # The first piece before the status line: a request the mesh refuses at once
+            # gets its own status (400, 429, 503, ...), not a 200 with an error inside.
+            try:
+                first = await anext(self.pieces, b"")
+            except ApiError as exc:
+                await exc.response()(scope, receive, send)
+                return
             await send(
                 {
                     "type": "http.response.start",
@@ -204,6 +214,7 @@ class EventStream(Response):
                     "headers": self.raw_headers,
                 }
             )
+            await send({"type": "http.response.body", "body": first, "more_body": True})
             async for piece in self.pieces:
                 await send({"type": "http.response.body", "body": piece, "more_body": True})
             await send({"type": "http.response.body", "body": b"", "more_body": False})
@@ -278,13 +289,7 @@ def create_app(gateway: Gateway) -> Starlette:
         events = gateway.events(plan, rid, span.traceparent if span else _tp(request))
         headers = {"x-request-id": rid, "cache-control": "no-cache"}
         if plan.stream:
-            try:
-                first = await _until_disconnect(request, _first(events))
-            except BaseException as exc:
-                _end(span, exc)
-                await events.aclose()
-                raise
-            body = _chat_stream(gateway, plan, rid, _rest(first, events), span)
+            body = _chat_stream(gateway, plan, rid, events, span)
             return EventStream(body, "text/event-stream", headers)
         try:
             answer = await _until_disconnect(request, _chat_whole(gateway, plan, rid, events))
@@ -301,13 +306,7 @@ def create_app(gateway: Gateway) -> Starlette:
         rid = uuid.uuid4().hex
         span = _span(gateway.tracer, request, "POST /v1/audio/speech", rid)
         events = gateway.events(plan, rid, span.traceparent if span else _tp(request))
-        try:
-            first = await _until_disconnect(request, _first(events))
-        except BaseException as exc:
-            _end(span, exc)
-            await events.aclose()
-            raise
-        body = _speech_stream(gateway, plan, _rest(first, events), span)
+        body = _speech_stream(gateway, plan, events, span)
         media = "text/event-stream" if plan.sse else FORMATS[plan.audio_format]
         return EventStream(body, media, {"x-request-id": rid})
 
@@ -409,9 +408,22 @@ async def _chat_whole(
     }
 
 
+async def _opened(source: AsyncGenerator[Event], span: Span | None) -> AsyncGenerator[Event]:
+    """`source` from its first event, awaited now (ApiError when the mesh refused the
+    request, which then ends the span and closes the source)."""
+    try:
+        first = await _first(source)
+    except BaseException as exc:
+        _end(span, exc)
+        await source.aclose()
+        raise
+    return _rest(first, source)
+
+
 async def _chat_stream(
-    gateway: Gateway, plan: Plan, rid: str, events: AsyncGenerator[Event], span: Span | None
-) -> AsyncIterator[bytes]:
+    gateway: Gateway, plan: Plan, rid: str, source: AsyncGenerator[Event], span: Span | None
+) -> AsyncGenerator[bytes]:
+    events = await _opened(source, span)
     created = int(time.time())
     base = {"id": f"chatcmpl-{rid}", "object": "chat.completion.chunk", "created": created,
             "model": gateway.model}  # fmt: skip
@@ -472,8 +484,9 @@ async def _chat_stream(
 
 
 async def _speech_stream(
-    gateway: Gateway, plan: Plan, events: AsyncGenerator[Event], span: Span | None
-) -> AsyncIterator[bytes]:
+    gateway: Gateway, plan: Plan, source: AsyncGenerator[Event], span: Span | None
+) -> AsyncGenerator[bytes]:
+    events = await _opened(source, span)
     error: BaseException | None = None
     started = False
     samples = 0
