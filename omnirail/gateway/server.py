@@ -17,8 +17,10 @@ import uvicorn
 from omnirail.client.connect import client_options
 from omnirail.client.sdk import AsyncClient
 from omnirail.config import PipelineConfig
-from omnirail.gateway.app import CountRequests, Gateway, create_app
+from omnirail.gateway.app import create_app
+from omnirail.gateway.asgi import CountRequests
 from omnirail.gateway.errors import ApiError
+from omnirail.gateway.mesh import Gateway
 from omnirail.telemetry import setup_tracing
 from omnirail.transport.security import SecretSet, mesh_security
 

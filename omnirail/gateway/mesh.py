@@ -1,0 +1,102 @@
+"""What the gateway's routes share: the mesh client, the request mapping, and how mesh
+events (stream chunks, the final result) become text and audio for HTTP answers."""
+
+from __future__ import annotations
+
+import json
+import time
+from collections.abc import AsyncGenerator, Callable
+from typing import Any
+
+from omnirail.client.sdk import AsyncClient, Chunk, GenerateResult
+from omnirail.config import PipelineConfig
+from omnirail.config.api import OutputSpec, pick
+from omnirail.gateway.audio import pcm16
+from omnirail.gateway.metrics import GatewayMetrics
+from omnirail.gateway.requests import Plan, RequestMapper
+from omnirail.telemetry.tracer import Tracer
+
+Event = Chunk | GenerateResult
+
+
+class Gateway:
+    """What the routes share: the mesh client, the mapping, tracing and metrics."""
+
+    def __init__(
+        self,
+        pipeline: PipelineConfig,
+        connect: Callable[[], AsyncClient],
+        tracer: Tracer | None = None,
+        metrics: GatewayMetrics | None = None,
+    ) -> None:
+        self.pipeline = pipeline
+        self.model = pipeline.model_name
+        self.api = pipeline.api
+        self.mapper = RequestMapper(pipeline.api, self.model)
+        oa = pipeline.api.openai
+        assert oa is not None  # RequestMapper checked
+        self.oa = oa
+        self.text_spec = self.api.output(oa.text_output) if oa.text_output else None
+        self.audio_spec = self.api.output(oa.audio_output) if oa.audio_output else None
+        self._connect = connect
+        self.client: AsyncClient | None = None
+        self.tracer = tracer or Tracer()
+        self.metrics = metrics or GatewayMetrics()
+        self.created = int(time.time())
+
+    async def start(self) -> None:
+        # grpc.aio channels belong to the loop that made them: made on uvicorn's.
+        self.client = self._connect()
+
+    async def close(self) -> None:
+        if self.client is not None:
+            await self.client.close()
+
+    # ---- mesh events -> text and audio pieces -------------------------------------------
+
+    def text_of_chunk(self, chunk: Chunk) -> str | None:
+        spec = self.text_spec
+        if spec is None or spec.chunks is None or chunk.stage != spec.stage:
+            return None
+        return _text(pick(chunk.data, spec.chunks, _at(spec, "chunk")))
+
+    def audio_of_chunk(self, chunk: Chunk) -> tuple[bytes, int] | None:
+        spec = self.audio_spec
+        if spec is None or spec.chunks is None or chunk.stage != spec.stage:
+            return None
+        return pcm16(pick(chunk.data, spec.chunks, _at(spec, "chunk"))), self._rate(chunk.data)
+
+    def _rate(self, data: Any) -> int:
+        rate = data.get("sample_rate") if isinstance(data, dict) else None
+        return int(rate) if isinstance(rate, int) and rate > 0 else self.oa.sample_rate
+
+    def text_of_result(self, result: GenerateResult) -> str | None:
+        spec = self.text_spec
+        if spec is None or spec.result is None or spec.stage not in result.outputs:
+            return None
+        return _text(pick(result.outputs[spec.stage], spec.result, _at(spec)))
+
+    def audio_of_result(self, result: GenerateResult) -> tuple[bytes, int] | None:
+        spec = self.audio_spec
+        if spec is None or spec.result is None or spec.stage not in result.outputs:
+            return None
+        value = result.outputs[spec.stage]
+        return pcm16(pick(value, spec.result, _at(spec))), self._rate(value)
+
+    # ---- one request ------------------------------------------------------------------
+
+    def events(self, plan: Plan, rid: str, traceparent: str | None) -> AsyncGenerator[Event]:
+        """The request's chunks, then its result. Closing it (or cancelling a read) aborts
+        the request through the mesh, so every consumer closes it when done."""
+        assert self.client is not None
+        return self.client.stream(plan.inputs, request_id=rid, traceparent=traceparent)
+
+
+def _text(value: Any) -> str:
+    if isinstance(value, bytes):
+        return value.decode("utf-8", "replace")
+    return value if isinstance(value, str) else json.dumps(value)
+
+
+def _at(spec: OutputSpec, what: str = "result") -> str:
+    return f"api output {spec.name!r}: the {what} of stage {spec.stage!r}"
