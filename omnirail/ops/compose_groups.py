@@ -14,7 +14,7 @@ from omnirail.config.graph import join_groups
 from omnirail.ops.plan import plan_processes
 
 # Services the deployment adds beside the stages; a stage service may not take these names.
-RESERVED_SERVICES = ("coordinator", "jaeger", "prometheus")
+RESERVED_SERVICES = ("coordinator", "gateway", "jaeger", "prometheus")
 
 _DNS_LABEL = re.compile(r"[a-z0-9]([a-z0-9-]{0,61}[a-z0-9])?")  # fullmatch: no trailing \n
 # tmpfs headroom for the marks segments and page rounding of every pool.

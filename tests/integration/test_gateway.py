@@ -224,9 +224,9 @@ def test_bad_requests_get_openai_errors(mesh: Mesh, oai: Any) -> None:
         assert message in str(info.value), (body, info.value)
         assert info.value.body["type"] in ("invalid_request_error", "not_found_error")
     # Refused by the pipeline before its first chunk: a streamed request gets the status too.
-    with pytest.raises(openai.BadRequestError, match="inputs.max_new_tokens"):
+    with pytest.raises(openai.BadRequestError, match=r"inputs\.max_new_tokens"):
         oai.chat.completions.create(model=MODEL, messages=user, max_tokens=5000, stream=True)
-    with pytest.raises(openai.BadRequestError, match="inputs.text"):
+    with pytest.raises(openai.BadRequestError, match=r"inputs\.text"):
         oai.audio.speech.create(model=MODEL, voice="default", input="x" * 4000 + "y" * 96)
     with pytest.raises(openai.BadRequestError, match="voice: unsupported voice 'nova'"):
         oai.audio.speech.create(model=MODEL, voice="nova", input="hi")
