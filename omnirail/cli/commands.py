@@ -584,8 +584,10 @@ def build_parser() -> argparse.ArgumentParser:
     h.set_defaults(fn=cmd_health)
 
     from omnirail.cli.bench import add_bench_parser
+    from omnirail.cli.k8s import add_k8s_parser
 
     add_bench_parser(sub)
+    add_k8s_parser(sub)
     return p
 
 
