@@ -240,7 +240,8 @@ class _Builder:
         for i, c in enumerate(workload.containers):
             port, metrics = GRPC_PORT + i, METRICS_PORT + i
             containers.append(self._stage(c, port, metrics, workload))
-            ports += [_port(f"grpc-{i}", port), _port(f"metrics-{i}", metrics)]
+            if not c.follower:
+                ports += [_port(f"grpc-{i}", port), _port(f"metrics-{i}", metrics)]
         out = [
             self._deployment(name, "stage", workload.replicas, containers, workload.shm_mb),
             self._service(name, "stage", ports, workload=name),
@@ -265,18 +266,28 @@ class _Builder:
             *("--pipeline", self.pipeline),
             *("--stage", ",".join(c.stages)),
             *("--coordinator", self.coordinator_address),
-            *("--listen", f"0.0.0.0:{port}"),
-            # Each pod of a workload is reached at its own address.
-            *("--advertise", f"$(POD_IP):{port}"),
-            *self._metrics(metrics),
-            # Containers of one pod share /dev/shm and may share pids: names apart.
-            *("--shm-prefix", f"omnirail-{c.name}"),
         ]
+        if not c.follower:
+            args += [
+                *("--listen", f"0.0.0.0:{port}"),
+                # Each pod of a workload is reached at its own address.
+                *("--advertise", f"$(POD_IP):{port}"),
+                *self._metrics(metrics),
+            ]
+        # Containers of one pod share /dev/shm and may share pids: names apart.
+        args += ["--shm-prefix", f"omnirail-{c.name}"]
         if c.tp_rank is not None:
             args += ["--tp-rank", str(c.tp_rank), "--tp-init", f"tcp://127.0.0.1:{TP_PORT}"]
         threads = max(self.cfg.stage(s).torch_threads for s in c.stages)
+        # A follower rank serves nothing (rank 0 speaks for the group): no ports, no
+        # probes; if it dies the group breaks, rank 0 exits, and the pod restarts both.
         container = self._container(
-            c.name, args, port, metrics, cpu=str(threads), memory=self.options.memory_request
+            c.name,
+            args,
+            None if c.follower else port,
+            None if c.follower else metrics,
+            cpu=str(threads),
+            memory=self.options.memory_request,
         )
         if c.gpus:
             container["resources"]["limits"] = {"nvidia.com/gpu": len(c.gpus)}

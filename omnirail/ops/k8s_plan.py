@@ -34,6 +34,11 @@ class Container:
     tp_rank: int | None
     tp_size: int
 
+    @property
+    def follower(self) -> bool:
+        """A TP rank other than 0: it runs rank 0's calls and serves nothing itself."""
+        return bool(self.tp_rank)
+
 
 @dataclass(frozen=True)
 class Workload:

@@ -194,6 +194,15 @@ def test_more_gpus_than_a_node_has_is_refused(tmp_path: Path) -> None:
         for d in _of(bundle, "Deployment")[1:]
         for c in d["spec"]["template"]["spec"]["containers"]
     }
+    containers = {
+        c["name"]: c
+        for d in _of(bundle, "Deployment")[1:]
+        for c in d["spec"]["template"]["spec"]["containers"]
+    }
+    # Followers serve nothing: rank 0 has the port and the probes.
+    assert "ports" in containers["b-tp0"] and "readinessProbe" in containers["b-tp0"]
+    assert "ports" not in containers["b-tp1"] and "readinessProbe" not in containers["b-tp1"]
+    assert "--tp-init" in containers["b-tp2"]["args"]
     # One GPU per TP rank, each rank a container of one pod; `gpu: 3` is one GPU.
     assert limits == {
         "a": {"nvidia.com/gpu": 1},
