@@ -82,8 +82,9 @@ class K8sBundle:
 def generate(
     pipeline: str | os.PathLike[str], options: K8sOptions, output: Path | None = None
 ) -> K8sBundle:
-    """Checks everything and builds the manifests; writes nothing. `output`: the folder
-    they are for (named in the header's command)."""
+    """Checks everything and builds the manifests; writes nothing but, with `--tls`, the
+    material it makes in that folder when it holds none. `output`: the folder they are
+    for (named in the header's command)."""
     source = Path(pipeline).resolve()
     cfg = load_pipeline(source, resolve=options.resolve)
     app = dns_label(cfg.name or "pipeline")[:40].rstrip("-")
