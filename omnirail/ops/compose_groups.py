@@ -18,7 +18,7 @@ RESERVED_SERVICES = ("coordinator", "gateway", "jaeger", "prometheus")
 
 _DNS_LABEL = re.compile(r"[a-z0-9]([a-z0-9-]{0,61}[a-z0-9])?")  # fullmatch: no trailing \n
 # tmpfs headroom for the marks segments and page rounding of every pool.
-_SHM_SLACK_MB = 64
+SHM_SLACK_MB = 64
 
 
 class ComposeError(ValueError):
@@ -107,9 +107,14 @@ def ipc_groups(cfg: PipelineConfig, services: list[StageService]) -> list[IpcGro
         by_group[cfg.process_of(src)] + by_group[cfg.process_of(dst)] for src, dst in shm_edges(cfg)
     )
     grouped = join_groups([s.name for s in services], links)
-    budgets = _shm_budgets(cfg, services)
+    budgets = shm_budgets(cfg)
+    group_of = {s.name: s.group for s in services}
     return [
-        IpcGroup(members[0], tuple(members), _SHM_SLACK_MB + sum(budgets[m] for m in members))
+        IpcGroup(
+            members[0],
+            tuple(members),
+            SHM_SLACK_MB + sum(budgets.get(group_of[m], 0) for m in members),
+        )
         for members in grouped
         if len(members) > 1
     ]
@@ -125,18 +130,19 @@ def shm_edges(cfg: PipelineConfig) -> list[tuple[str, str]]:
     ]
 
 
-def _shm_budgets(cfg: PipelineConfig, services: list[StageService]) -> dict[str, int]:
-    """MiB of /dev/shm each service's sender pool may fill.
+def shm_budgets(cfg: PipelineConfig) -> dict[str, int]:
+    """MiB of /dev/shm each process group's sender pool may fill (each replica's; groups
+    that send over no shm edge are absent).
 
     A pool's first segment (`pool_mb`) is sparse, and it only grows while the bytes in
     flight (at most `credit_mb` per edge) do not fit, so the larger of the two bounds the
     pages it can touch. Docker's default /dev/shm is 64 MiB: a write past the size kills
     the sender with SIGBUS, so the owner of each namespace is sized for all its senders.
     """
-    budgets = {s.name: 0 for s in services}
+    budgets: dict[str, int] = {}
     edges = shm_edges(cfg)
-    for s in services:
-        mine = [cfg.relay_for(src, dst) for src, dst in edges if src in s.stages]
+    for group, stages in cfg.process_groups().items():
+        mine = [cfg.relay_for(src, dst) for src, dst in edges if src in stages]
         if mine:
-            budgets[s.name] = max(max(r.pool_mb for r in mine), sum(r.credit_mb for r in mine))
+            budgets[group] = max(max(r.pool_mb for r in mine), sum(r.credit_mb for r in mine))
     return budgets

@@ -17,10 +17,14 @@ from dataclasses import dataclass
 
 from omnirail.config import PipelineConfig
 from omnirail.config.graph import join_groups
-from omnirail.ops.compose_groups import ComposeError, dns_label, shm_edges
+from omnirail.ops.compose_groups import (
+    SHM_SLACK_MB,
+    ComposeError,
+    dns_label,
+    shm_budgets,
+    shm_edges,
+)
 from omnirail.ops.plan import StageProcess, plan_processes
-
-_SHM_SLACK_MB = 64  # as compose: the marks segments and page rounding of every pool
 
 
 @dataclass(frozen=True)
@@ -66,7 +70,7 @@ def plan_workloads(cfg: PipelineConfig, gpus_per_node: int | None = None) -> lis
     for p in processes:
         by_group.setdefault(p.group, []).append(p)
     links = ([cfg.process_of(src), cfg.process_of(dst)] for src, dst in shm_edges(cfg))
-    budgets = _shm_budgets(cfg)
+    budgets = shm_budgets(cfg)
     out: list[Workload] = []
     for members in join_groups(list(by_group), links):
         first = cfg.stage(by_group[members[0]][0].stages[0])
@@ -98,7 +102,7 @@ def plan_workloads(cfg: PipelineConfig, gpus_per_node: int | None = None) -> lis
             for group in members
             for p in by_group[group]
         )
-        shm = _SHM_SLACK_MB + sum(budgets.get(g, 0) for g in members) if len(members) > 1 else 0
+        shm = SHM_SLACK_MB + sum(budgets.get(g, 0) for g in members) if len(members) > 1 else 0
         workload = Workload(dns_label(members[0]), containers, replicas, shm)
         if gpus_per_node is not None and workload.gpus > gpus_per_node:
             stage = next(s for c in containers if c.gpus for s in c.stages)
@@ -112,14 +116,3 @@ def plan_workloads(cfg: PipelineConfig, gpus_per_node: int | None = None) -> lis
         if name == "coordinator" or names.count(name) > 1:
             raise ComposeError(f"workload name {name!r} is taken twice; rename a process group")
     return out
-
-
-def _shm_budgets(cfg: PipelineConfig) -> dict[str, int]:
-    """MiB of /dev/shm each process group's sender pool may fill (as compose sizes it)."""
-    budgets: dict[str, int] = {}
-    edges = shm_edges(cfg)
-    for group, stages in cfg.process_groups().items():
-        mine = [cfg.relay_for(src, dst) for src, dst in edges if src in stages]
-        if mine:
-            budgets[group] = max(max(r.pool_mb for r in mine), sum(r.credit_mb for r in mine))
-    return budgets
