@@ -21,7 +21,7 @@ from typing import TYPE_CHECKING, Any
 
 import grpc
 
-from omnirail.config.api import ApiConfig, OutputSpec, pick
+from omnirail.config.api import ApiConfig, OutputSpec
 from omnirail.coordinator.kserve_tensors import (
     add_output,
     concat,
@@ -273,13 +273,11 @@ class _Call:
             if self.stream_to is None:
                 for spec in specs:
                     if spec.result is None:
-                        self.parts[spec.name].append(pick(data, spec.chunks, _at(spec, "chunk")))
+                        self.parts[spec.name].append(spec.of_chunk(data))
                 return
             response = self._response()
             for spec in specs:
-                add_output(
-                    response, spec, to_array(spec, pick(data, spec.chunks, _at(spec, "chunk")))
-                )
+                add_output(response, spec, to_array(spec, spec.of_chunk(data)))
             if self.empty_final:
                 response.parameters[FINAL].bool_param = False
             self.stream_to(pb.ModelStreamInferResponse(infer_response=response))
@@ -313,7 +311,7 @@ class _Call:
                     value = decode_inline(payload, numpy_only=True)
                 except PayloadError as exc:
                     raise internal(f"result of stage {spec.stage!r}: {exc}") from None
-                add_output(response, spec, to_array(spec, pick(value, spec.result, _at(spec))))
+                add_output(response, spec, to_array(spec, spec.of_result(value)))
             elif unary:
                 add_output(response, spec, concat(spec, self.parts[spec.name]))
         if not unary:
@@ -322,10 +320,6 @@ class _Call:
             if self.empty_final:
                 response.parameters[FINAL].bool_param = True
         return response
-
-
-def _at(spec: OutputSpec, what: str = "result") -> str:
-    return f"output {spec.name!r}: the {what} of stage {spec.stage!r}"
 
 
 def _bool_param(request: pb.ModelInferRequest, name: str) -> bool:

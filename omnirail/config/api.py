@@ -112,6 +112,19 @@ class OutputSpec(TensorSpec):
             raise ValueError("set result: FIELD and/or chunks: FIELD ('.' for the whole value)")
         return self
 
+    def of_result(self, value: Any) -> Any:
+        """This output's field of its stage's result; raises INTERNAL without it."""
+        assert self.result is not None
+        return pick(value, self.result, self._where("result"))
+
+    def of_chunk(self, value: Any) -> Any:
+        """This output's field of one of its stage's chunks; raises INTERNAL without it."""
+        assert self.chunks is not None
+        return pick(value, self.chunks, self._where("chunk"))
+
+    def _where(self, what: str) -> str:
+        return f"api output {self.name!r}: the {what} of stage {self.stage!r}"
+
 
 class OpenAIConfig(_Model):
     # Where the chat goes: the whole conversation (`messages_input`: a list of

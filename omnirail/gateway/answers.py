@@ -87,8 +87,8 @@ async def chat_whole(
         text = "".join(pieces)
     created = int(time.time())
     message: dict[str, Any] = {"role": "assistant", "content": text}
+    pcm = b"".join(audio)
     if plan.want_audio:
-        pcm = b"".join(audio)
         data = wav(pcm, rate) if plan.audio_format == "wav" else pcm
         message["audio"] = {
             "id": f"audio_{rid}",
@@ -96,7 +96,7 @@ async def chat_whole(
             "expires_at": created + AUDIO_TTL_S,
             "transcript": text,
         }
-    gateway.metrics.audio_seconds(len(b"".join(audio)) / 2 / rate if audio else 0.0)
+    gateway.metrics.audio_seconds(len(pcm) / 2 / rate)
     return {
         "id": f"chatcmpl-{rid}",
         "object": "chat.completion",
@@ -130,19 +130,11 @@ async def chat_stream(
         return _sse({**base, "choices": [{"index": 0, "delta": delta, "finish_reason": finish}]})
 
     error: BaseException | None = None
-    header_sent = False
-    samples = 0
-    rate = gateway.oa.sample_rate
+    sound_out = _AudioOut(plan.audio_format, gateway.oa.sample_rate)
 
     def audio_delta(pcm: bytes, sample_rate: int) -> bytes:
-        nonlocal header_sent, samples, rate
-        samples += len(pcm) // 2
-        rate = sample_rate
-        if plan.audio_format == "wav" and not header_sent:
-            pcm = wav_header(sample_rate) + pcm
-        header_sent = True
-        audio = {"id": f"audio_{rid}", "data": base64.b64encode(pcm).decode(),
-                 "expires_at": created + AUDIO_TTL_S}  # fmt: skip
+        data = base64.b64encode(sound_out.encode(pcm, sample_rate)).decode()
+        audio = {"id": f"audio_{rid}", "data": data, "expires_at": created + AUDIO_TTL_S}
         return chunk({"audio": audio})
 
     streamed_text = False
@@ -155,7 +147,7 @@ async def chat_stream(
                 if text and not streamed_text:
                     out += chunk({"content": text})
                 whole = gateway.audio_of_result(event) if plan.want_audio else None
-                if whole is not None and not header_sent:
+                if whole is not None and not sound_out.started:
                     out += audio_delta(*whole)
             else:
                 piece = gateway.text_of_chunk(event)
@@ -177,7 +169,7 @@ async def chat_stream(
         raise
     finally:
         await events.aclose()  # a client that left: aborts the request through the mesh
-        gateway.metrics.audio_seconds(samples / rate if samples else 0.0)
+        gateway.metrics.audio_seconds(sound_out.seconds)
         end_span(span, error)
 
 
@@ -186,17 +178,10 @@ async def speech_stream(
 ) -> AsyncGenerator[bytes]:
     events = await _opened(source, span)
     error: BaseException | None = None
-    started = False
-    samples = 0
-    rate = gateway.oa.sample_rate
+    sound_out = _AudioOut(plan.audio_format, gateway.oa.sample_rate)
 
     def out(pcm: bytes, sample_rate: int) -> bytes:
-        nonlocal started, samples, rate
-        samples += len(pcm) // 2
-        rate = sample_rate
-        if plan.audio_format == "wav" and not started:
-            pcm = wav_header(sample_rate) + pcm
-        started = True
+        pcm = sound_out.encode(pcm, sample_rate)
         if plan.sse:
             return _sse({"type": "speech.audio.delta", "audio": base64.b64encode(pcm).decode()})
         return pcm
@@ -208,10 +193,10 @@ async def speech_stream(
                 if isinstance(event, GenerateResult)
                 else gateway.audio_of_chunk(event)
             )
-            if sound is not None and not (isinstance(event, GenerateResult) and started):
+            if sound is not None and not (isinstance(event, GenerateResult) and sound_out.started):
                 yield out(*sound)
-        if not started and plan.audio_format == "wav":
-            yield out(b"", rate)  # no audio at all: still a valid (empty) WAV
+        if not sound_out.started and plan.audio_format == "wav":
+            yield out(b"", sound_out.rate)  # no audio at all: still a valid (empty) WAV
         if plan.sse:
             yield _sse({"type": "speech.audio.done"})
     except OmniError as exc:
@@ -224,5 +209,28 @@ async def speech_stream(
         raise
     finally:
         await events.aclose()  # a client that left: aborts the request through the mesh
-        gateway.metrics.audio_seconds(samples / rate if samples else 0.0)
+        gateway.metrics.audio_seconds(sound_out.seconds)
         end_span(span, error)
+
+
+class _AudioOut:
+    """Streamed PCM as it goes out: a WAV header (its sizes "unknown") before the first
+    bytes when the format is wav, and what was sent, in samples and at which rate."""
+
+    def __init__(self, audio_format: str, rate: int) -> None:
+        self.wav = audio_format == "wav"
+        self.rate = rate
+        self.samples = 0
+        self.started = False
+
+    def encode(self, pcm: bytes, rate: int) -> bytes:
+        self.samples += len(pcm) // 2
+        self.rate = rate
+        if self.wav and not self.started:
+            pcm = wav_header(rate) + pcm
+        self.started = True
+        return pcm
+
+    @property
+    def seconds(self) -> float:
+        return self.samples / self.rate if self.samples else 0.0

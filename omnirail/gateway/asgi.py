@@ -34,15 +34,17 @@ async def read_json(request: Request) -> Any:
         raise bad(f"request body: not valid JSON ({str(exc)[:80]})") from None
 
 
+async def disconnected(receive: Any) -> None:
+    """Returns when the client has gone (once the request body was read, ASGI's `receive`
+    has nothing else to say)."""
+    while (await receive())["type"] != "http.disconnect":
+        pass
+
+
 async def until_disconnect(request: Request, work: Awaitable[Any]) -> Any:
     """`work`'s result, or cancels it (aborting its mesh request) when the client leaves."""
     task = asyncio.ensure_future(work)
-
-    async def gone() -> None:
-        while (await request.receive())["type"] != "http.disconnect":
-            pass
-
-    watch = asyncio.ensure_future(gone())
+    watch = asyncio.ensure_future(disconnected(request.receive))
     try:
         await asyncio.wait({task, watch}, return_when=asyncio.FIRST_COMPLETED)
     finally:
@@ -90,12 +92,8 @@ class EventStream(Response):
                 await send({"type": "http.response.body", "body": piece, "more_body": True})
             await send({"type": "http.response.body", "body": b"", "more_body": False})
 
-        async def gone() -> None:
-            while (await receive())["type"] != "http.disconnect":
-                pass
-
         producer = asyncio.ensure_future(produce())
-        watcher = asyncio.ensure_future(gone())
+        watcher = asyncio.ensure_future(disconnected(receive))
         try:
             await asyncio.wait({producer, watcher}, return_when=asyncio.FIRST_COMPLETED)
         finally:

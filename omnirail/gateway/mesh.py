@@ -10,7 +10,6 @@ from typing import Any
 
 from omnirail.client.sdk import AsyncClient, Chunk, GenerateResult
 from omnirail.config import PipelineConfig
-from omnirail.config.api import OutputSpec, pick
 from omnirail.gateway.audio import pcm16
 from omnirail.gateway.metrics import GatewayMetrics
 from omnirail.gateway.requests import Plan, RequestMapper
@@ -58,13 +57,13 @@ class Gateway:
         spec = self.text_spec
         if spec is None or spec.chunks is None or chunk.stage != spec.stage:
             return None
-        return _text(pick(chunk.data, spec.chunks, _at(spec, "chunk")))
+        return _text(spec.of_chunk(chunk.data))
 
     def audio_of_chunk(self, chunk: Chunk) -> tuple[bytes, int] | None:
         spec = self.audio_spec
         if spec is None or spec.chunks is None or chunk.stage != spec.stage:
             return None
-        return pcm16(pick(chunk.data, spec.chunks, _at(spec, "chunk"))), self._rate(chunk.data)
+        return pcm16(spec.of_chunk(chunk.data)), self._rate(chunk.data)
 
     def _rate(self, data: Any) -> int:
         rate = data.get("sample_rate") if isinstance(data, dict) else None
@@ -74,14 +73,14 @@ class Gateway:
         spec = self.text_spec
         if spec is None or spec.result is None or spec.stage not in result.outputs:
             return None
-        return _text(pick(result.outputs[spec.stage], spec.result, _at(spec)))
+        return _text(spec.of_result(result.outputs[spec.stage]))
 
     def audio_of_result(self, result: GenerateResult) -> tuple[bytes, int] | None:
         spec = self.audio_spec
         if spec is None or spec.result is None or spec.stage not in result.outputs:
             return None
         value = result.outputs[spec.stage]
-        return pcm16(pick(value, spec.result, _at(spec))), self._rate(value)
+        return pcm16(spec.of_result(value)), self._rate(value)
 
     # ---- one request ------------------------------------------------------------------
 
@@ -96,7 +95,3 @@ def _text(value: Any) -> str:
     if isinstance(value, bytes):
         return value.decode("utf-8", "replace")
     return value if isinstance(value, str) else json.dumps(value)
-
-
-def _at(spec: OutputSpec, what: str = "result") -> str:
-    return f"api output {spec.name!r}: the {what} of stage {spec.stage!r}"
