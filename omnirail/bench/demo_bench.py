@@ -42,6 +42,20 @@ def _audio_seconds(data: Any) -> float:
     return pcm.shape[-1] / rate
 
 
+def _figures(t0: float, first: dict[str, float], audio_s: float, none: str) -> dict[str, float]:
+    """One streamed request's figures from its start, first chunks (ms) and audio."""
+    total_ms = (time.perf_counter() - t0) * 1000
+    if "audio" not in first:
+        raise RuntimeError(none)
+    return {
+        "ttft_ms": first.get("text", float("nan")),
+        "ttfa_ms": first["audio"],
+        "total_ms": total_ms,
+        "audio_s": audio_s,
+        "rtf": total_ms / 1000 / audio_s,
+    }
+
+
 def _one(client: Any, inputs: dict[str, Any]) -> dict[str, float]:
     from omnirail.client.sdk import Chunk
 
@@ -54,16 +68,7 @@ def _one(client: Any, inputs: dict[str, Any]) -> dict[str, float]:
         first.setdefault(event.modality, (time.perf_counter() - t0) * 1000)
         if event.modality == "audio":
             audio_s += _audio_seconds(event.data)
-    total_ms = (time.perf_counter() - t0) * 1000
-    if "audio" not in first:
-        raise RuntimeError("the request streamed no audio chunk")
-    return {
-        "ttft_ms": first.get("text", float("nan")),
-        "ttfa_ms": first["audio"],
-        "total_ms": total_ms,
-        "audio_s": audio_s,
-        "rtf": total_ms / 1000 / audio_s,
-    }
+    return _figures(t0, first, audio_s, "the request streamed no audio chunk")
 
 
 def chat_body(inputs: dict[str, Any], model: str) -> dict[str, Any]:
@@ -167,16 +172,7 @@ def _one_http(http: HttpStreams, body: dict[str, Any], rate: int) -> dict[str, f
         if delta.get("audio"):
             first.setdefault("audio", (time.perf_counter() - t0) * 1000)
             audio_s += len(base64.b64decode(delta["audio"]["data"])) / 2 / rate
-    total_ms = (time.perf_counter() - t0) * 1000
-    if "audio" not in first:
-        raise RuntimeError("the gateway streamed no audio")
-    return {
-        "ttft_ms": first.get("text", float("nan")),
-        "ttfa_ms": first["audio"],
-        "total_ms": total_ms,
-        "audio_s": audio_s,
-        "rtf": total_ms / 1000 / audio_s,
-    }
+    return _figures(t0, first, audio_s, "the gateway streamed no audio")
 
 
 def _batch(
@@ -249,11 +245,8 @@ def run_demo_bench(
         "pipeline": str(pipeline or DEMO) if address is None else None,
         "runs": runs,
         "concurrency": concurrency,
+        **_summary(samples),
     }
-    for key in ("ttft_ms", "ttfa_ms", "total_ms", "audio_s", "rtf"):
-        values = [s[key] for s in samples]
-        report[key] = round(statistics.median(values), 3)
-        report[f"{key}_runs"] = [round(v, 3) for v in values]
     return report
 
 
