@@ -10,6 +10,7 @@ from collections.abc import Iterable, Iterator
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import pytest
 
 from omnirail.client.sdk import Chunk, Client, GenerateResult
@@ -86,3 +87,18 @@ def linear_mesh() -> Iterator[Mesh]:
     yield mesh
     mesh.stop()
     assert shm_names(mesh.shm_prefix) == [], "shared memory left after shutdown"
+
+
+def omni_demo_answer(address: str, inputs: dict[str, Any]) -> tuple[str, np.ndarray]:
+    """The omni demo's text and audio (code2wav's PCM, joined) for `inputs`, through the
+    native SDK: what the front doors' answers are compared with."""
+    audio: list[np.ndarray] = []
+    text = ""
+    with Client(address, timeout=60, tensors="numpy") as client:
+        for event in client.stream(inputs):
+            if isinstance(event, Chunk):
+                if event.stage == "code2wav":
+                    audio.append(np.asarray(event.data["pcm"]))
+            else:
+                text = event.outputs["decode"]["text"]
+    return text, np.concatenate(audio) if audio else np.zeros(0, np.float32)

@@ -22,9 +22,10 @@ from typing import Any
 import numpy as np
 import pytest
 
-from omnirail.client.sdk import Chunk, Client
+from omnirail.client.sdk import Client
 from omnirail.ops.launcher import Mesh
 from omnirail.telemetry.export import read_span_files
+from tests.integration.conftest import omni_demo_answer
 from tests.integration.test_metrics import scrape, value
 from tests.integration.test_omni_demo import _pipeline_copy
 
@@ -45,19 +46,6 @@ def mesh(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Mesh]:
 @pytest.fixture(scope="module")
 def oai(mesh: Mesh) -> Any:
     return openai.OpenAI(base_url=f"{mesh.http_address}/v1", api_key="unused", max_retries=0)
-
-
-def _native(mesh: Mesh, inputs: dict[str, Any]) -> tuple[str, np.ndarray]:
-    audio: list[np.ndarray] = []
-    text = ""
-    with Client(mesh.address or "", timeout=60, tensors="numpy") as client:
-        for event in client.stream(inputs):
-            if isinstance(event, Chunk):
-                if event.stage == "code2wav":
-                    audio.append(np.asarray(event.data["pcm"]))
-            else:
-                text = event.outputs["decode"]["text"]
-    return text, np.concatenate(audio)
 
 
 def _pcm16(samples: np.ndarray) -> np.ndarray:
@@ -83,7 +71,8 @@ def test_models_and_health(mesh: Mesh, oai: Any) -> None:
 
 def test_streamed_chat_with_audio_equals_the_native_api(mesh: Mesh, oai: Any) -> None:
     prompt = "Tell me a story about a river"
-    text, audio = _native(mesh, {"text": prompt, "max_new_tokens": 12, "seed": 3})
+    inputs = {"text": prompt, "max_new_tokens": 12, "seed": 3}
+    text, audio = omni_demo_answer(mesh.address or "", inputs)
     stream = oai.chat.completions.create(
         model=MODEL,
         messages=[{"role": "user", "content": prompt}],
@@ -119,7 +108,7 @@ def test_streamed_chat_with_audio_equals_the_native_api(mesh: Mesh, oai: Any) ->
 
 def test_whole_chat_with_audio_and_text_only(mesh: Mesh, oai: Any) -> None:
     prompt = "Describe a mountain"
-    text, audio = _native(mesh, {"text": prompt, "max_new_tokens": 6})
+    text, audio = omni_demo_answer(mesh.address or "", {"text": prompt, "max_new_tokens": 6})
     reply = oai.chat.completions.create(
         model=MODEL,
         messages=[{"role": "user", "content": [{"type": "text", "text": prompt}]}],
@@ -140,7 +129,7 @@ def test_whole_chat_with_audio_and_text_only(mesh: Mesh, oai: Any) -> None:
 
 
 def test_speech_streams_audio(mesh: Mesh, oai: Any) -> None:
-    _, audio = _native(mesh, {"text": "good morning", "speak": True})
+    _, audio = omni_demo_answer(mesh.address or "", {"text": "good morning", "speak": True})
     with oai.audio.speech.with_streaming_response.create(
         model=MODEL, voice="default", input="good morning", response_format="wav"
     ) as response:

@@ -17,12 +17,12 @@ import grpc
 import numpy as np
 import pytest
 
-from omnirail.client.sdk import Chunk, Client
+from omnirail.client.sdk import Client
 from omnirail.kserve import grpc_predict_v2_pb2 as pb
 from omnirail.kserve import grpc_predict_v2_pb2_grpc as pb_grpc
 from omnirail.ops.launcher import Mesh
 from omnirail.telemetry.export import read_span_files
-from tests.integration.conftest import REPO
+from tests.integration.conftest import REPO, omni_demo_answer
 from tests.integration.test_metrics import scrape, value
 
 tritonclient = pytest.importorskip("tritonclient.grpc")
@@ -63,20 +63,6 @@ def _text(name: str, text: str) -> Any:
 
 def _int(name: str, value: int) -> Any:
     return _tensor(name, np.array([value], dtype=np.int64), "INT64")
-
-
-def _native(mesh: Mesh, inputs: dict[str, Any]) -> tuple[str, np.ndarray]:
-    """The omni demo's text and audio for `inputs` through the native SDK."""
-    audio: list[np.ndarray] = []
-    text = ""
-    with Client(mesh.address or "", timeout=60, tensors="numpy") as client:
-        for event in client.stream(inputs):
-            if isinstance(event, Chunk):
-                if event.stage == "code2wav":
-                    audio.append(np.asarray(event.data["pcm"]))
-            else:
-                text = event.outputs["decode"]["text"]
-    return text, np.concatenate(audio) if audio else np.zeros(0, np.float32)
 
 
 def test_health_and_metadata(quickstart: Mesh) -> None:
@@ -144,7 +130,7 @@ def _stream(client: Any, requests: list[tuple[str, list[Any]]], model: str) -> d
 
 def test_model_infer_and_stream_on_the_omni_demo(demo: Mesh) -> None:
     inputs = {"text": "Tell me about rivers", "max_new_tokens": 10}
-    want_text, want_audio = _native(demo, inputs)
+    want_text, want_audio = omni_demo_answer(demo.address or "", inputs)
     assert want_text and want_audio.size
     client = _triton(demo)
     tensors = [_text("text", inputs["text"]), _int("max_new_tokens", 10)]
