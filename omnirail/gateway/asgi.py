@@ -51,6 +51,10 @@ async def until_disconnect(request: Request, work: Awaitable[Any]) -> Any:
         watch.cancel()
         if not task.done():
             task.cancel()
+            # Its cleanup (the SDK aborting the mesh request) runs now, and only a done
+            # task has a result to ask for.
+            with contextlib.suppress(asyncio.CancelledError):
+                await task
     return task.result()  # CancelledError when the client went away
 
 
