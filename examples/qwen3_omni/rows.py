@@ -44,6 +44,7 @@ from typing import Any
 
 import torch
 import torch.nn.functional as F
+from transformers.activations import SiLUActivation
 from transformers.integrations.moe import batched_mm_experts_forward
 from transformers.models.qwen3_omni_moe.modeling_qwen3_omni_moe import apply_rotary_pos_emb
 
@@ -84,54 +85,127 @@ def decode_rows(
     `model`: a `Qwen3OmniMoeThinkerTextModel` or `Qwen3OmniMoeTalkerModel`;
     `embeds`: (slots, 1, H), request i in row i for i < len(caches), the rest padding;
     `positions`: (4, slots, 1), text row first, then the three mRoPE rows;
-    `caches`: each request's `DynamicCache`, appended to.
+    `caches`: each request's `DynamicCache` (full attention layers), appended to.
     Returns the normed last hidden states (slots, 1, H); padding rows are meaningless.
     """
     n = len(caches)
     if n > embeds.shape[0]:
         raise ValueError(f"{n} caches for {embeds.shape[0]} rows")
+    _full_attention_only(model.config, "decoder")
     hidden = embeds
     cos, sin = model.rotary_emb(hidden, positions[1:])
     for layer in model.layers:
         residual = hidden
-        hidden = layer.input_layernorm(hidden)
-        hidden = residual + _attend(layer.self_attn, hidden, cos, sin, caches)
+        normed = _rms(layer.input_layernorm, hidden)
+        hidden = residual + _attend(layer.self_attn, normed, cos, sin, caches)
         residual = hidden
-        hidden = residual + _mlp(layer.mlp, layer.post_attention_layernorm(hidden))
-    return model.norm(hidden)
+        hidden = residual + _mlp(layer.mlp, _rms(layer.post_attention_layernorm, hidden))
+    return _rms(model.norm, hidden)
 
 
-@torch.no_grad()
-def predict_rows(
-    predictor: torch.nn.Module,
-    embeds: torch.Tensor,
-    positions: torch.Tensor,
-    cache: Any,
-    step: int,
-) -> torch.Tensor:
-    """One forward of the talker's code predictor over rows in lockstep (every row the same
-    length: one frame per request), returning the last position's logits of head `step`
-    (slots, V). Its decoder layers are called as its model's forward calls them, without the
-    forward's wrappers (mask building, output capture; most of a small predictor's time):
-    no mask is needed, every row being as long as the others, and the 2-position prefill is
-    causal through sdpa's `is_causal`. `embeds`: (slots, L, H); `positions`: (slots, L);
-    `cache`: one `DynamicCache` for all rows, appended to.
+class PredictorRows:
+    """The talker's code predictor over rows in lockstep (every row the same length: one
+    frame per request), as its forward computes it, with its own key/value buffers.
+
+    A frame's predictor run is a 2-position prefill (the talker's hidden state and the
+    group-0 code's embedding) and then one position per further code group, every row at
+    the same position: no mask is needed (the prefill is causal through sdpa's
+    `is_causal`), and the keys and values go into fixed buffers (slots, kv heads,
+    positions, head dim) instead of a cache object. The rope tables for those few
+    positions are the module's, computed once. Its decoder layers run as plain tensor
+    operations on the module's weights, in the module's order (norms, projections, rope,
+    sdpa, MLP): the module's forward and its wrappers (mask building, output capture, kwargs
+    plumbing) were most of a small predictor's time. The module is only read.
     """
-    model = predictor.model
-    if set(model.config.layer_types) != {"full_attention"}:
-        raise ValueError(f"code predictor layer types {model.config.layer_types}: only full")
-    hidden = embeds
-    position_embeddings = model.rotary_emb(hidden, positions)
-    for layer in model.layers[: model.config.num_hidden_layers]:
-        hidden = layer(
-            hidden,
-            attention_mask=None,
-            position_ids=positions,
-            cache=cache,
-            use_cache=True,
-            position_embeddings=position_embeddings,
-        )
-    return predictor.lm_head[step](model.norm(hidden[:, -1:]))[:, -1]
+
+    def __init__(self, predictor: torch.nn.Module, slots: int) -> None:
+        model = predictor.model
+        config = model.config
+        _full_attention_only(config, "code predictor")
+        self.predictor = predictor
+        self.layers = list(model.layers[: config.num_hidden_layers])
+        self.norm = model.norm
+        self.heads = list(predictor.lm_head)
+        self.slots = slots
+        # Positions 0 .. num_code_groups - 1: the prefill's two, then one per further group.
+        self.length = config.num_code_groups
+        weight = self.norm.weight
+        attn = self.layers[0].self_attn
+        with torch.no_grad():
+            probe = weight.new_zeros((1, self.length, config.hidden_size))
+            positions = torch.arange(self.length, device=weight.device)[None]
+            self.cos, self.sin = model.rotary_emb(probe, positions)
+        shape = (slots, config.num_key_value_heads, self.length, attn.head_dim)
+        self.keys = [weight.new_zeros(shape) for _ in self.layers]
+        self.values = [weight.new_zeros(shape) for _ in self.layers]
+
+    @torch.no_grad()
+    def __call__(self, embeds: torch.Tensor, start: int, step: int) -> torch.Tensor:
+        """`embeds` (slots, L, H) at positions `start .. start + L` (the prefill: start 0,
+        L 2; then L 1) through the layers; the last position's logits of head `step`
+        (slots, V)."""
+        length = embeds.shape[1]
+        end = start + length
+        if embeds.shape[0] != self.slots or end > self.length:
+            raise ValueError(f"rows {tuple(embeds.shape)} at {start} for {self.slots} slots")
+        cos, sin = self.cos[:, start:end], self.sin[:, start:end]
+        hidden = embeds
+        for layer, keys, values in zip(self.layers, self.keys, self.values, strict=True):
+            attn = layer.self_attn
+            residual = hidden
+            x = _rms(layer.input_layernorm, hidden)
+            shape = (self.slots, length, -1, attn.head_dim)
+            query = _rms(attn.q_norm, F.linear(x, attn.q_proj.weight, attn.q_proj.bias).view(shape))
+            key = _rms(attn.k_norm, F.linear(x, attn.k_proj.weight, attn.k_proj.bias).view(shape))
+            value = F.linear(x, attn.v_proj.weight, attn.v_proj.bias).view(shape)
+            query, key = apply_rotary_pos_emb(query.transpose(1, 2), key.transpose(1, 2), cos, sin)
+            keys[:, :, start:end] = key
+            values[:, :, start:end] = value.transpose(1, 2)
+            out = F.scaled_dot_product_attention(
+                query,
+                keys[:, :, :end],
+                values[:, :, :end],
+                is_causal=length > 1,
+                scale=attn.scaling,
+                enable_gqa=query.shape[1] != key.shape[1],
+            )
+            out = out.transpose(1, 2).reshape(self.slots, length, -1)
+            hidden = residual + F.linear(out, attn.o_proj.weight, attn.o_proj.bias)
+            residual = hidden
+            hidden = residual + _dense_mlp(layer.mlp, _rms(layer.post_attention_layernorm, hidden))
+        head = self.heads[step]
+        return F.linear(_rms(self.norm, hidden[:, -1]), head.weight, head.bias)
+
+
+def _full_attention_only(config: Any, what: str) -> None:
+    types = getattr(config, "layer_types", None) or ["full_attention"]
+    if set(types) != {"full_attention"}:
+        raise ValueError(f"{what} layer types {types}: only full attention is supported")
+
+
+def _rms(norm: Any, hidden: torch.Tensor) -> torch.Tensor:
+    """`norm`'s forward (Qwen3-Omni's RMSNorm modules) without the module call: in float32
+    `F.rms_norm`, one fused operation bitwise equal to the module's (float32 mean of
+    squares, rsqrt, weight; measured on the shapes used here); otherwise the module's
+    operations, which compute in float32 and cast back before the weight."""
+    if hidden.dtype == torch.float32 and norm.weight.dtype == torch.float32:
+        return F.rms_norm(hidden, norm.weight.shape, norm.weight, norm.variance_epsilon)
+    x = hidden.to(torch.float32)
+    x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + norm.variance_epsilon)
+    return norm.weight * x.to(hidden.dtype)
+
+
+def _act(mlp: Any) -> Any:
+    """The MLP's activation: F.silu for transformers' SiLU modules (what their forwards
+    call), else the module itself."""
+    return F.silu if isinstance(mlp.act_fn, (torch.nn.SiLU, SiLUActivation)) else mlp.act_fn
+
+
+def _dense_mlp(mlp: Any, x: torch.Tensor) -> torch.Tensor:
+    """A gated MLP's forward: down(act(gate(x)) * up(x))."""
+    gate = F.linear(x, mlp.gate_proj.weight, mlp.gate_proj.bias)
+    up = F.linear(x, mlp.up_proj.weight, mlp.up_proj.bias)
+    return F.linear(_act(mlp)(gate) * up, mlp.down_proj.weight, mlp.down_proj.bias)
 
 
 def _attend(
@@ -139,32 +213,46 @@ def _attend(
 ) -> torch.Tensor:
     slots = hidden.shape[0]
     shape = (slots, 1, -1, attn.head_dim)
-    query = attn.q_norm(attn.q_proj(hidden).view(shape)).transpose(1, 2)
-    key = attn.k_norm(attn.k_proj(hidden).view(shape)).transpose(1, 2)
-    value = attn.v_proj(hidden).view(shape).transpose(1, 2)
-    query, key = apply_rotary_pos_emb(query, key, cos, sin)
+    query = _rms(attn.q_norm, F.linear(hidden, attn.q_proj.weight, attn.q_proj.bias).view(shape))
+    key = _rms(attn.k_norm, F.linear(hidden, attn.k_proj.weight, attn.k_proj.bias).view(shape))
+    value = F.linear(hidden, attn.v_proj.weight, attn.v_proj.bias).view(shape).transpose(1, 2)
+    query, key = apply_rotary_pos_emb(query.transpose(1, 2), key.transpose(1, 2), cos, sin)
     heads, kv_heads = query.shape[1], key.shape[1]
-    out = query.new_zeros((slots, heads, 1, attn.head_dim))
+    outs = []
     for i, cache in enumerate(caches):
-        keys, values = cache.update(key[i : i + 1], value[i : i + 1], attn.layer_idx)
+        # What DynamicLayer.update does for a full-attention layer, without its call.
+        layer = cache.layers[attn.layer_idx]
+        layer.keys = keys = torch.cat((layer.keys, key[i : i + 1]), dim=-2)
+        layer.values = values = torch.cat((layer.values, value[i : i + 1]), dim=-2)
         # What transformers' sdpa_attention_forward runs for one query position and no mask
         # (not causal, scale = head_dim ** -0.5), without its per-call checks.
-        out[i] = F.scaled_dot_product_attention(
-            query[i : i + 1], keys, values, scale=attn.scaling, enable_gqa=heads != kv_heads
-        )[0]
-    out = out.transpose(1, 2)
-    return attn.o_proj(out.reshape(slots, 1, -1))
+        outs.append(
+            F.scaled_dot_product_attention(
+                query[i : i + 1], keys, values, scale=attn.scaling, enable_gqa=heads != kv_heads
+            )
+        )
+    if len(caches) < slots:
+        outs.append(query.new_zeros((slots - len(caches), heads, 1, attn.head_dim)))
+    out = torch.cat(outs).transpose(1, 2)
+    return F.linear(out.reshape(slots, 1, -1), attn.o_proj.weight, attn.o_proj.bias)
 
 
 def _mlp(mlp: Any, hidden: torch.Tensor) -> torch.Tensor:
     """The layer's MLP: a dense one as is; a sparse MoE block with its experts as
-    `batched_mm` (and the talker's gated shared expert), as its forward computes it."""
+    `batched_mm` (and the talker's gated shared expert), as its forward computes it: the
+    router's softmax, top-k and renormalisation, the experts, the shared expert's sigmoid
+    gate."""
     if not hasattr(mlp, "experts"):
-        return mlp(hidden)
+        return _dense_mlp(mlp, hidden)
     flat = hidden.view(-1, hidden.shape[-1])
-    shared = mlp.shared_expert(flat) if hasattr(mlp, "shared_expert") else None
-    _, weights, experts = mlp.gate(flat)
-    out = batched_mm_experts_forward(mlp.experts, flat, experts, weights)
+    shared = _dense_mlp(mlp.shared_expert, flat) if hasattr(mlp, "shared_expert") else None
+    gate = mlp.gate
+    logits = F.linear(flat, gate.weight)
+    weights, experts = torch.topk(torch.softmax(logits, dtype=torch.float, dim=-1), gate.top_k)
+    if gate.norm_topk_prob:
+        weights /= weights.sum(dim=-1, keepdim=True)
+    out = batched_mm_experts_forward(mlp.experts, flat, experts, weights.to(logits.dtype))
     if shared is not None:
-        out = out + torch.sigmoid(mlp.shared_expert_gate(flat)) * shared
+        gate_out = F.linear(flat, mlp.shared_expert_gate.weight, mlp.shared_expert_gate.bias)
+        out = out + torch.sigmoid(gate_out) * shared
     return out.view_as(hidden)

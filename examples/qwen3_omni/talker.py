@@ -69,7 +69,7 @@ from transformers.generation.logits_process import (
     TopPLogitsWarper,
 )
 
-from .rows import decode_rows, pad_positions, pad_rows, predict_rows, slot_groups
+from .rows import PredictorRows, decode_rows, pad_positions, pad_rows, slot_groups
 from .talker_prompt import assistant_rows, read_tts_embeds, user_part
 from .thinker import TalkerPrompt
 
@@ -177,6 +177,7 @@ class TalkerRunner:
             )
         self.tts_bos, self.tts_eos, self.tts_pad = projected.chunk(3, dim=1)
         self.text_width = config.thinker_config.text_config.hidden_size
+        self.predictor_rows = PredictorRows(talker.code_predictor, slots)
 
     # ---- construction -----------------------------------------------------------------
 
@@ -528,8 +529,7 @@ class TalkerRunner:
         summed codec embeddings for the next talker step. Returns the frames
         `(num_code_groups,)` long, on the CPU."""
         n, slots = len(states), self.slots
-        predictor = self.talker.code_predictor
-        embeddings = predictor.get_input_embeddings()
+        embeddings = self.talker.code_predictor.get_input_embeddings()
         ids = torch.zeros((slots, 1), dtype=torch.long, device=self.device)
         ids[:n, 0] = torch.tensor(list(tokens), dtype=torch.long)
         last_id_hidden = self.talker.get_input_embeddings()(ids)  # (slots, 1, H)
@@ -537,12 +537,10 @@ class TalkerRunner:
         for i, state in enumerate(states):
             past[i] = state.past_hidden[0]
         inputs_embeds = torch.cat((past, last_id_hidden), dim=1)
-        cache = DynamicCache(config=predictor.config)
-        length = inputs_embeds.shape[1]
-        positions = torch.arange(length, device=self.device).expand(slots, -1)
-        logits = predict_rows(predictor, inputs_embeds, positions, cache, 0)
+        logits = self.predictor_rows(inputs_embeds, 0, 0)
         codes = torch.zeros((slots, self.num_code_groups - 1), dtype=torch.long)
         residual_hiddens = []
+        length = inputs_embeds.shape[1]
         for group in range(1, self.num_code_groups):
             codes[:, group - 1] = self._choose_rows(states, logits, codes[:, : group - 1])
             code_ids = codes[:, group - 1 : group].to(self.device)
@@ -553,9 +551,8 @@ class TalkerRunner:
             # `group`), which generate() also takes as the frame's residual embedding.
             embed = embeddings[group - 1](code_ids)
             residual_hiddens.append(embed)
+            logits = self.predictor_rows(embed, length, group)
             length += 1
-            positions = torch.full((slots, 1), length - 1, device=self.device)
-            logits = predict_rows(predictor, embed, positions, cache, group)
         frame_embeds = torch.cat([last_id_hidden, *residual_hiddens], dim=1).sum(1, keepdim=True)
         frames = []
         for i, state in enumerate(states):
