@@ -55,6 +55,16 @@ CHUNK_FRAMES = 12  # frames per emitted audio chunk (0.96 s at 12.5 Hz)
 FIRST_CHUNK_FRAMES = 4  # the first chunk of a request, sooner (0.32 s)
 
 
+def chunk_due(chunks: int, first: int, growth: int, most: int) -> int:
+    """Frames in audio chunk number `chunks` (0 for a request's first): `first`, then
+    growing by `growth` up to `most` (with `growth` 1: `most` after the first)."""
+    if not chunks:
+        return first
+    if growth == 1:
+        return most
+    return min(most, first * growth**chunks)
+
+
 @dataclass(eq=False)
 class Code2WavState:
     """One request's decoding state (build it with `Code2WavStreamer.start`)."""
@@ -184,11 +194,7 @@ class Code2WavStreamer:
 
     def _due(self, chunks: int) -> int:
         """New frames that make chunk number `chunks` (0 for the first) due."""
-        if not chunks:
-            return self.first_chunk_frames
-        if self.growth == 1:
-            return self.chunk_frames
-        return min(self.chunk_frames, self.first_chunk_frames * self.growth**chunks)
+        return chunk_due(chunks, self.first_chunk_frames, self.growth, self.chunk_frames)
 
     def _segment_full(self, state: Code2WavState) -> bool:
         return (

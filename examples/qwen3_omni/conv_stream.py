@@ -64,6 +64,15 @@ class ConvStream:
             self.layers.extend(block.block if isinstance(block, DecoderBlock) else [block])
         for layer in self.layers:
             self._check(layer)
+        # SnakeBeta's exp(alpha) and 1 / (exp(beta) + eps), which its forward recomputes on
+        # every call: computed once per module, by the same operations.
+        self._snakes: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
+        with torch.no_grad():
+            for module in code2wav.modules():
+                if isinstance(module, SnakeBeta):
+                    alpha = torch.exp(module.alpha.unsqueeze(0).unsqueeze(-1))
+                    beta = torch.exp(module.beta.unsqueeze(0).unsqueeze(-1))
+                    self._snakes[id(module)] = (alpha, 1.0 / (beta + module.no_div_by_zero))
 
     @torch.no_grad()
     def __call__(self, state: ConvState, hidden: torch.Tensor) -> torch.Tensor:
@@ -83,9 +92,20 @@ class ConvStream:
             h = layer.pwconv2(layer.act(layer.pwconv1(layer.norm(h))))
             return x + (layer.gamma * h).permute(0, 2, 1)
         if isinstance(layer, ResidualUnit):
-            h = _conv(state, layer.conv1, layer.act1(x))
-            return _conv(state, layer.conv2, layer.act2(h)) + x
-        return layer(x)  # SnakeBeta: pointwise
+            h = _conv(state, layer.conv1, self._snake(layer.act1, x))
+            return _conv(state, layer.conv2, self._snake(layer.act2, h)) + x
+        return self._snake(layer, x)
+
+    def _snake(self, layer: SnakeBeta, x: torch.Tensor) -> torch.Tensor:
+        """SnakeBeta's `x + 1 / (beta + eps) * sin(x * alpha) ** 2` with its parameters
+        precomputed, in place on one temporary (bitwise the module's: the products and the
+        sum are the same, taken in the other operand order)."""
+        alpha, inverse = self._snakes[id(layer)]
+        out = torch.mul(x, alpha)
+        out.sin_()
+        out.pow_(2)
+        out.mul_(inverse)
+        return out.add_(x)
 
     def _check(self, layer: Any) -> None:
         convs = _causal_convs(layer)

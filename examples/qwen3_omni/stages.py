@@ -24,7 +24,7 @@ from omnirail.stage_service.ar import ARRequest, ARScheduler, ARStep
 from omnirail.stage_service.streaming import StreamingScheduler, StreamState
 from omnirail.wire.errors import invalid
 
-from .code2wav import Code2WavStreamer
+from .code2wav import Code2WavStreamer, chunk_due
 from .encoders import AudioEncoder, AudioEncoding, ImageEncoder, ImageEncoding, InputError
 from .preprocessing import needed_encoders
 from .sizes import STAGE_SUBMODULES
@@ -238,6 +238,8 @@ def create_talker(
     max_new_tokens: int = 4096,
     max_batch_size: int = 8,
     frames_per_chunk: int = 4,
+    frames_growth: int = 2,
+    max_frames_per_chunk: int = 48,
 ) -> ARScheduler:
     """The talker and its code predictor under `ARScheduler`, fed by the thinker's stream:
     its first chunk starts the request (`TalkerRunner.start`), each later one is a token's
@@ -245,13 +247,23 @@ def create_talker(
     request whose next step needs a token the thinker has not sent yet is parked until it
     arrives. The requests that can step run together (`TalkerRunner.step_many`).
 
-    Frames go to code2wav `frames_per_chunk` at a time, (n, groups) (the last chunk of a
-    request may be shorter): code2wav's first audio needs 4 frames anyway (its
-    `first_chunk_frames`), so sending them one by one would only make four times the stream
-    items (measured: the talker stage spent ~0.3 of its 0.84 CPU-seconds per wave of 8
-    requests on its IO)."""
+    Frames go to code2wav in chunks (n, groups) of the sizes code2wav decodes them in:
+    `frames_per_chunk` first, then growing by `frames_growth` up to `max_frames_per_chunk`
+    (4, 8, 16, 32, 48, 48, ...: code2wav's `first_chunk_frames`, `growth` and
+    `chunk_frames`); a request's last chunk may be shorter. code2wav decodes nothing before
+    a chunk of its own is complete, so smaller items would only mean more stream items and
+    no earlier audio (measured: sending frames one by one, the talker stage spent ~0.3 of
+    its 0.84 CPU-seconds per wave of 8 requests on its IO; four at a time, code2wav still
+    handled 32 items per request where 6 do)."""
     if frames_per_chunk < 1:
         raise ValueError(f"frames_per_chunk must be >= 1, got {frames_per_chunk}")
+    if frames_growth < 1:
+        raise ValueError(f"frames_growth must be >= 1, got {frames_growth}")
+    if max_frames_per_chunk < frames_per_chunk:
+        raise ValueError(
+            f"max_frames_per_chunk must be >= frames_per_chunk ({frames_per_chunk}), "
+            f"got {max_frames_per_chunk}"
+        )
     runner = TalkerRunner.from_pretrained(model_path, torch.device(device), slots=max_batch_size)
     _holds("talker", runner.talker)
 
@@ -288,12 +300,16 @@ def create_talker(
         # The ready requests step together (one slotted forward: see rows.py).
         outs = runner.step_many([state for _, state in ready])
         for (i, state), out in zip(ready, outs, strict=True):
-            pending = batch[i].state.setdefault("frames", [])
+            scratch = batch[i].state
+            pending = scratch.setdefault("frames", [])
             if out.frame is not None:
                 pending.append(out.frame)
             chunk = None
-            if pending and (out.finished or len(pending) >= frames_per_chunk):
-                chunk, batch[i].state["frames"] = torch.stack(pending), []
+            sent = scratch.get("chunks_sent", 0)
+            due = chunk_due(sent, frames_per_chunk, frames_growth, max_frames_per_chunk)
+            if pending and (out.finished or len(pending) >= due):
+                chunk, scratch["frames"] = torch.stack(pending), []
+                scratch["chunks_sent"] = sent + 1
             if out.finished:
                 result = {"frames": state.frames}
                 steps[i] = ARStep(chunk=chunk, target="code2wav", finished=True, result=result)

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from examples.qwen3_omni.code2wav import Code2WavStreamer
+from examples.qwen3_omni.code2wav import Code2WavStreamer, chunk_due
 from examples.qwen3_omni.stages import Code2Wav, create_talker
 from omnirail.stage_service.streaming import StreamState
 
@@ -39,6 +39,23 @@ def test_code2wav_refuses_frames_of_another_shape(code2wav, shape):
         code2wav.process_window(state, [torch.zeros(shape, dtype=torch.long)], False)
 
 
-def test_talker_frames_per_chunk_must_be_positive(tiny_dir):
-    with pytest.raises(ValueError, match="frames_per_chunk must be >= 1, got 0"):
-        create_talker(str(tiny_dir), frames_per_chunk=0)
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        ({"frames_per_chunk": 0}, "frames_per_chunk must be >= 1, got 0"),
+        ({"frames_growth": 0}, "frames_growth must be >= 1, got 0"),
+        (
+            {"frames_per_chunk": 8, "max_frames_per_chunk": 4},
+            r"max_frames_per_chunk must be >= frames_per_chunk \(8\), got 4",
+        ),
+    ],
+)
+def test_talker_frame_chunk_arguments_are_checked(tiny_dir, args, message):
+    with pytest.raises(ValueError, match=message):
+        create_talker(str(tiny_dir), **args)
+
+
+def test_chunk_due_grows_to_its_cap():
+    """The talker sends frames in the chunk sizes code2wav decodes (one schedule)."""
+    assert [chunk_due(n, 4, 2, 48) for n in range(7)] == [4, 8, 16, 32, 48, 48, 48]
+    assert [chunk_due(n, 4, 1, 12) for n in range(3)] == [4, 12, 12]
