@@ -91,3 +91,89 @@ def test_a_row_is_bitwise_the_same_alone_and_batched_in_any_slot(
 def test_pad_rows_refuses_more_rows_than_slots():
     with pytest.raises(ValueError, match="3 rows for 2 slots"):
         pad_rows([torch.zeros(1, 1, 4)] * 3, 2)
+
+
+def test_rms_is_bitwise_the_modules_norm(tiny_dir, thinker):
+    """`_rms` (F.rms_norm in float32) equals every RMSNorm module of the decoders and the
+    code predictor bitwise, on the shapes the steps use."""
+    from examples.qwen3_omni.rows import _rms
+
+    talker = TalkerRunner.from_pretrained(tiny_dir).talker
+    norms = [
+        m
+        for model in (thinker.model, talker.model, talker.code_predictor.model)
+        for m in model.modules()
+        if type(m).__name__.endswith("RMSNorm")
+    ]
+    assert len(norms) > 10
+    gen = torch.Generator().manual_seed(1)
+    for norm in norms:
+        width = norm.weight.shape[0]
+        for shape in ((SLOTS, 1, width), (SLOTS, 1, 3, width), (1, 17, width)):
+            x = torch.randn(shape, generator=gen) * 3
+            with torch.no_grad():
+                assert torch.equal(_rms(norm, x), norm(x)), (type(norm).__name__, shape)
+
+
+def test_predictor_rows_follow_the_module_and_keep_rows_apart(tiny_dir):
+    """`PredictorRows` (the code predictor as plain operations, fixed key/value buffers)
+    gives the module's forward logits to rounding and its greedy codes exactly, one frame:
+    the 2-position prefill, then one position per code group; and a row's logits are
+    bitwise the same whatever the other rows hold."""
+    from examples.qwen3_omni.rows import PredictorRows
+
+    predictor = TalkerRunner.from_pretrained(tiny_dir).talker.code_predictor
+    width = predictor.config.hidden_size
+    groups = predictor.config.num_code_groups
+    rows = PredictorRows(predictor, SLOTS)
+    gen = torch.Generator().manual_seed(2)
+    prefill = torch.randn((SLOTS, 2, width), generator=gen)
+    later = [torch.randn((SLOTS, 1, width), generator=gen) for _ in range(groups - 2)]
+
+    def lean(first, rest):
+        out = [rows(first, 0, 0)]
+        for step, embed in enumerate(rest, start=1):
+            out.append(rows(embed, step + 1, step))
+        return out
+
+    def module(first, rest):
+        cache = DynamicCache(config=predictor.config)
+        out, position = [], 0
+        with torch.no_grad():
+            for step, embed in enumerate([first, *rest]):
+                length = embed.shape[1]
+                positions = torch.arange(position, position + length).expand(SLOTS, -1)
+                hidden = predictor.model(
+                    inputs_embeds=embed, position_ids=positions, cache=cache, use_cache=True
+                ).last_hidden_state
+                out.append(predictor.lm_head[step](hidden[:, -1]))
+                position += length
+        return out
+
+    got, want = lean(prefill, later), module(prefill, later)
+    assert len(got) == groups - 1
+    for g, w in zip(got, want, strict=True):
+        torch.testing.assert_close(g, w, rtol=1e-5, atol=1e-6)
+        assert torch.equal(g.argmax(-1), w.argmax(-1))
+
+    # Row 0 alone (the others zeros) and among other rows: bitwise the same.
+    def only_row0(t):
+        z = torch.zeros_like(t)
+        z[0] = t[0]
+        return z
+
+    alone = lean(only_row0(prefill), [only_row0(t) for t in later])
+    for a, g in zip(alone, got, strict=True):
+        assert torch.equal(a[0], g[0])
+
+
+def test_predictor_rows_refuse_wrong_rows(tiny_dir):
+    from examples.qwen3_omni.rows import PredictorRows
+
+    predictor = TalkerRunner.from_pretrained(tiny_dir).talker.code_predictor
+    rows = PredictorRows(predictor, SLOTS)
+    width = predictor.config.hidden_size
+    with pytest.raises(ValueError, match="for 4 slots"):
+        rows(torch.zeros((SLOTS + 1, 2, width)), 0, 0)
+    with pytest.raises(ValueError, match="for 4 slots"):
+        rows(torch.zeros((SLOTS, 1, width)), predictor.config.num_code_groups, 1)
