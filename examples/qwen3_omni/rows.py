@@ -65,23 +65,17 @@ def slot_groups(items: Sequence[Any], slots: int) -> list[Sequence[Any]]:
     return [items[i : i + slots] for i in range(0, len(items), slots)]
 
 
-def pad_rows(rows: Sequence[torch.Tensor], slots: int) -> torch.Tensor:
-    """`rows` (each (1, 1, H) or (1, H)) stacked into (slots, 1, H), zeros after them."""
-    if len(rows) > slots:
-        raise ValueError(f"{len(rows)} rows for {slots} slots")
-    first = rows[0]
-    out = first.new_zeros((slots, 1, first.shape[-1]))
-    for i, row in enumerate(rows):
-        out[i, 0] = row.reshape(-1)
-    return out
-
-
-def pad_positions(positions: Sequence[torch.Tensor], slots: int) -> torch.Tensor:
-    """Each request's (4, 1, 1) position ids into (4, slots, 1) (zeros after them)."""
-    out = positions[0].new_zeros((4, slots, 1))
-    for i, position in enumerate(positions):
-        out[:, i] = position.reshape(4, 1)
-    return out
+def pad_slots(rows: torch.Tensor, slots: int, dim: int = 0) -> torch.Tensor:
+    """`rows` with zero rows after them along `dim`, `slots` rows in all: the embeddings
+    (n, 1, H) along 0, the position ids (4, n, 1) along 1."""
+    missing = slots - rows.shape[dim]
+    if missing < 0:
+        raise ValueError(f"{rows.shape[dim]} rows for {slots} slots")
+    if not missing:
+        return rows
+    shape = list(rows.shape)
+    shape[dim] = missing
+    return torch.cat((rows, rows.new_zeros(shape)), dim=dim)
 
 
 @torch.no_grad()

@@ -69,7 +69,7 @@ from transformers.generation.logits_process import (
     TopPLogitsWarper,
 )
 
-from .rows import PredictorRows, decode_rows, pad_positions, pad_rows, slot_groups
+from .rows import PredictorRows, decode_rows, pad_slots, slot_groups
 from .talker_prompt import assistant_rows, read_tts_embeds, user_part
 from .thinker import TalkerPrompt
 
@@ -116,7 +116,7 @@ class TalkerState:
     tokens: list[int] = field(default_factory=list)  # the talker's group-0 codes, in order
     frames: int = 0
     cache: Any = None
-    positions: torch.Tensor | None = None  # (4, 1, L) position ids of the last forward
+    positions: torch.Tensor | None = None  # (4, 1, 1) position ids of the last position
     attention_length: int = 0
     past_hidden: torch.Tensor | None = None  # (1, 1, H): last layer, last position
     frame_embed: torch.Tensor | None = None  # (1, 1, H): the last frame's summed codec embeds
@@ -438,6 +438,7 @@ class TalkerRunner:
             output_hidden_states=True,
         )
         state.user_embeds = state.user_embeds[:, :0]  # in the cache now
+        state.positions = state.positions[..., -1:]  # decode steps count on from the last
         state.past_hidden = out.hidden_states[0][-1][:, -1:]
         return out.logits[:, -1, :]
 
@@ -470,38 +471,42 @@ class TalkerRunner:
     def _decode_rows(self, states: Sequence[TalkerState]) -> torch.Tensor:
         """One talker decode step for each of `states` (at most `slots`): the last frame's
         summed codec embeddings plus the next trailing text embedding, through the talker in
-        one slotted forward. Returns the logits (n, V) and keeps each last hidden state."""
-        n = len(states)
-        # The trailing text: generated token j + 1 through text_projection (all slots in one
-        # call, fixed rows), then tts_eos right after the text's end, tts_pad after that.
-        text = torch.zeros((self.slots, 1, self.text_width), device=self.device, dtype=self.dtype)
+        one slotted forward. Returns the logits (n, V) and keeps each last hidden state.
+
+        The requests' tensors go in and out as whole batches (one cat, one split), not row
+        by row: at these sizes a step costs what its operations count."""
+        n, slots = len(states), self.slots
+        # The trailing text: generated token j + 1 through text_projection (the rows that
+        # have one first, all slots in one call, fixed rows: a row's result does not depend
+        # on its position), then tts_eos right after the text's end, tts_pad after that.
+        texts: list[torch.Tensor] = []
         trailing: list[torch.Tensor | None] = []
-        for i, state in enumerate(states):
+        for state in states:
             j = state.steps - 1
             if j + 1 < len(state.text):
-                text[i, 0] = _take(state.text, j + 1).to(self.device, self.dtype).reshape(-1)
+                texts.append(_take(state.text, j + 1))
                 trailing.append(None)
-            elif j + 1 == len(state.text):
-                trailing.append(self.tts_eos)
             else:
-                trailing.append(self.tts_pad)
-        projected = self.talker.text_projection(text)
-        rows, positions = [], []
-        for i, state in enumerate(states):
-            row = trailing[i] if trailing[i] is not None else projected[i : i + 1]
-            rows.append(state.frame_embed + row)
-            assert state.positions is not None
-            state.positions = state.positions[..., -1:] + 1
-            positions.append(state.positions)
+                trailing.append(self.tts_eos if j + 1 == len(state.text) else self.tts_pad)
+        text = torch.zeros((slots, 1, self.text_width), device=self.device, dtype=self.dtype)
+        if texts:
+            text[: len(texts), 0] = torch.stack(texts).to(self.device, self.dtype)
+        projected = iter(self.talker.text_projection(text).split(1))
+        trail = torch.cat([next(projected) if t is None else t for t in trailing])
+        rows = torch.cat([state.frame_embed for state in states]) + trail
+        for state in states:
             state.attention_length += 1
+        positions = torch.cat([state.positions for state in states], dim=1) + 1  # (4, n, 1)
+        for state, position in zip(states, positions.split(1, dim=1), strict=True):
+            state.positions = position
         hidden = decode_rows(
             self.talker.model,
-            pad_rows(rows, self.slots),
-            pad_positions(positions, self.slots),
+            pad_slots(rows, slots),
+            pad_slots(positions, slots, dim=1),
             [state.cache for state in states],
         )
-        for i, state in enumerate(states):
-            state.past_hidden = hidden[i : i + 1, -1:]
+        for state, last in zip(states, hidden[:n].split(1), strict=True):
+            state.past_hidden = last
         return self.talker.codec_head(hidden)[:n, -1, :]
 
     def _choose(
@@ -530,12 +535,10 @@ class TalkerRunner:
         `(num_code_groups,)` long, on the CPU."""
         n, slots = len(states), self.slots
         embeddings = self.talker.code_predictor.get_input_embeddings()
-        ids = torch.zeros((slots, 1), dtype=torch.long, device=self.device)
-        ids[:n, 0] = torch.tensor(list(tokens), dtype=torch.long)
+        chosen = torch.tensor(list(tokens), dtype=torch.long)
+        ids = pad_slots(chosen.to(self.device).unsqueeze(1), slots)
         last_id_hidden = self.talker.get_input_embeddings()(ids)  # (slots, 1, H)
-        past = torch.zeros_like(last_id_hidden)
-        for i, state in enumerate(states):
-            past[i] = state.past_hidden[0]
+        past = pad_slots(torch.cat([state.past_hidden for state in states]), slots)
         inputs_embeds = torch.cat((past, last_id_hidden), dim=1)
         logits = self.predictor_rows(inputs_embeds, 0, 0)
         codes = torch.zeros((slots, self.num_code_groups - 1), dtype=torch.long)
@@ -554,11 +557,9 @@ class TalkerRunner:
             logits = self.predictor_rows(embed, length, group)
             length += 1
         frame_embeds = torch.cat([last_id_hidden, *residual_hiddens], dim=1).sum(1, keepdim=True)
-        frames = []
-        for i, state in enumerate(states):
-            state.frame_embed = frame_embeds[i : i + 1]
-            frames.append(torch.tensor([tokens[i], *codes[i].tolist()], dtype=torch.long))
-        return frames
+        for state, embed in zip(states, frame_embeds[:n].split(1), strict=True):
+            state.frame_embed = embed
+        return list(torch.cat((chosen.unsqueeze(1), codes[:n]), dim=1).unbind(0))
 
     def _choose_codes(
         self, states: Sequence[TalkerState], logits: Sequence[torch.Tensor]

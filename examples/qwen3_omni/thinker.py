@@ -39,7 +39,7 @@ from typing import Any
 import torch
 
 from .encoders import AudioEncoding, ImageEncoding, InputError, audio_output_lengths
-from .rows import decode_rows, pad_positions, pad_rows, slot_groups
+from .rows import decode_rows, pad_slots, slot_groups
 
 
 class _RopeIndex:
@@ -321,19 +321,21 @@ class ThinkerRunner:
         ids = torch.tensor([[s.last_token] for s in states], dtype=torch.long, device=self.device)
         fed = self.model.embed_tokens(ids)  # (n, 1, H)
         # generate()'s `_update_model_kwargs_for_generation`: last position + 1, every row.
-        new_positions = [s.position + 1 for s in states]
+        new_positions = torch.cat([s.position for s in states], dim=1) + 1  # (4, n, 1)
         hidden = decode_rows(
             self.model,
-            pad_rows(list(fed), self.slots),
-            pad_positions(new_positions, self.slots),
+            pad_slots(fed, self.slots),
+            pad_slots(new_positions, self.slots, dim=1),
             [s.cache for s in states],
         )
         logits = self.lm_head(hidden)[: len(states), -1].to(dtype=torch.float32)
         tokens = torch.argmax(logits, dim=-1).tolist()
+        positions = new_positions.split(1, dim=1)
+        fed_rows = fed.split(1)
         out = []
         for i, state in enumerate(states):
-            state.position = new_positions[i]
-            out.append(self._record(state, int(tokens[i]), fed[i : i + 1].contiguous()))
+            state.position = positions[i]
+            out.append(self._record(state, int(tokens[i]), fed_rows[i]))
         return out
 
     def release(self, state: ThinkerState) -> None:

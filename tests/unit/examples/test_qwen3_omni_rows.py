@@ -10,7 +10,7 @@ import torch
 from transformers import DynamicCache
 
 from examples.qwen3_omni import tiny_model
-from examples.qwen3_omni.rows import decode_rows, pad_positions, pad_rows
+from examples.qwen3_omni.rows import decode_rows, pad_slots
 from examples.qwen3_omni.talker import TalkerRunner
 from examples.qwen3_omni.thinker import ThinkerRunner
 
@@ -33,7 +33,8 @@ def _prefilled(thinker, processor):
 
 
 def _step(model, rows, positions, caches):
-    return decode_rows(model, pad_rows(rows, SLOTS), pad_positions(positions, SLOTS), caches)
+    embeds = pad_slots(torch.cat(rows), SLOTS)
+    return decode_rows(model, embeds, pad_slots(torch.cat(positions, dim=1), SLOTS, dim=1), caches)
 
 
 @pytest.mark.parametrize("model_name", ["thinker", "talker"])
@@ -88,9 +89,14 @@ def test_a_row_is_bitwise_the_same_alone_and_batched_in_any_slot(
     assert not torch.equal(unpadded([0]), unpadded([0, 1, 2]))
 
 
-def test_pad_rows_refuses_more_rows_than_slots():
+def test_pad_slots_pads_with_zero_rows_and_refuses_too_many():
+    rows = torch.ones(2, 1, 4)
+    padded = pad_slots(rows, 3)
+    assert padded.shape == (3, 1, 4) and torch.equal(padded[:2], rows) and not padded[2].any()
+    assert pad_slots(rows, 2) is rows
+    assert pad_slots(torch.ones(4, 2, 1), 5, dim=1).shape == (4, 5, 1)
     with pytest.raises(ValueError, match="3 rows for 2 slots"):
-        pad_rows([torch.zeros(1, 1, 4)] * 3, 2)
+        pad_slots(torch.zeros(3, 1, 4), 2)
 
 
 def test_rms_is_bitwise_the_modules_norm(tiny_dir, thinker):
