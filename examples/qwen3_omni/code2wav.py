@@ -226,7 +226,7 @@ class Code2WavStreamer:
         n = len(state.window)
         if state.fed == n:
             return self._cat([])
-        with torch.no_grad():
+        with torch.inference_mode():
             codes = torch.stack(state.window[state.fed :], dim=-1).unsqueeze(0)  # (1, Q, new)
             embeds = c2w.code_embedding(codes + c2w.code_offset).mean(1)
             if state.cache is None:

@@ -74,7 +74,7 @@ class ConvStream:
                     beta = torch.exp(module.beta.unsqueeze(0).unsqueeze(-1))
                     self._snakes[id(module)] = (alpha, 1.0 / (beta + module.no_div_by_zero))
 
-    @torch.no_grad()
+    @torch.inference_mode()
     def __call__(self, state: ConvState, hidden: torch.Tensor) -> torch.Tensor:
         """The samples (1, 1, m) the new hidden states (1, H, n) complete; `state` advances."""
         x = hidden

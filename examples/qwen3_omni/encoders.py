@@ -105,7 +105,7 @@ class AudioEncoder:
 
         return cls(load_submodule(model_path, "thinker.audio_tower", device, dtype))
 
-    @torch.no_grad()
+    @torch.inference_mode()
     def encode(
         self, input_features: torch.Tensor, feature_attention_mask: torch.Tensor
     ) -> AudioEncoding:
@@ -191,7 +191,7 @@ class ImageEncoder:
 
         return cls(load_submodule(model_path, "thinker.visual", device, dtype))
 
-    @torch.no_grad()
+    @torch.inference_mode()
     def encode(self, pixel_values: torch.Tensor, image_grid_thw: torch.Tensor) -> ImageEncoding:
         """`pixel_values`: (total patches, channels x temporal patch x patch x patch) float,
         the processor's flattened patches of every image; `image_grid_thw`: (num images, 3)

@@ -78,7 +78,7 @@ def pad_slots(rows: torch.Tensor, slots: int, dim: int = 0) -> torch.Tensor:
     return torch.cat((rows, rows.new_zeros(shape)), dim=dim)
 
 
-@torch.no_grad()
+@torch.inference_mode()
 def decode_rows(
     model: torch.nn.Module,
     embeds: torch.Tensor,
@@ -144,7 +144,7 @@ class PredictorRows:
         self.keys = [weight.new_zeros(shape) for _ in self.layers]
         self.values = [weight.new_zeros(shape) for _ in self.layers]
 
-    @torch.no_grad()
+    @torch.inference_mode()
     def __call__(self, embeds: torch.Tensor, start: int, step: int) -> torch.Tensor:
         """`embeds` (slots, L, H) at positions `start .. start + L` (the prefill: start 0,
         L 2; then L 1) through the layers; the last position's logits of head `step`

@@ -322,7 +322,7 @@ class TalkerRunner:
         out: list[TalkerStep] = [TalkerStep() for _ in states]
         chosen: list[tuple[int, TalkerState, torch.Tensor]] = []
         decoding: list[tuple[int, TalkerState]] = []
-        with torch.no_grad():
+        with torch.inference_mode():
             for i, state in enumerate(states):
                 if state.finished:
                     out[i] = TalkerStep(finished=True)

@@ -42,7 +42,7 @@ def user_part(talker: Any, config: Any, prompt: TalkerPrompt) -> tuple[torch.Ten
     user_indices = torch.where(user_mask, seq + positions, positions).argsort(dim=-1)[
         :, -user_length:
     ]
-    with torch.no_grad():
+    with torch.inference_mode():
         full = torch.empty((1, seq, hidden_size), device=device, dtype=dtype)
         if mm_mask.any():
             if prompt.accept_hidden is None:

@@ -205,7 +205,7 @@ class ThinkerRunner:
         with torch.no_grad():
             return self.model.embed_tokens(ids).contiguous()
 
-    @torch.no_grad()
+    @torch.inference_mode()
     def prefill(
         self,
         input_ids: torch.Tensor,
@@ -307,7 +307,7 @@ class ThinkerRunner:
         `step_many` (the slots padded), so a request alone gets what it gets batched."""
         return self.step_many([state])[0]
 
-    @torch.no_grad()
+    @torch.inference_mode()
     def step_many(self, states: Sequence[ThinkerState]) -> list[StepOutput]:
         """One decode step for each of `states` (the running requests), in order, `slots` at
         a time in one forward (`rows.decode_rows`: rows padded to `slots`, each request's
