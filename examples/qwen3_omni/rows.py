@@ -18,9 +18,11 @@ together instead:
   the projections, norms and rope run on all slots at once, then each request's query
   attends to its own cache (one `scaled_dot_product_attention` call each: padding keys
   under a mask changes the sums, ~1e-7, so one batched call would not be invariant).
-- **MoE experts as `batched_mm`** (one small matmul per (row, expert) pair, the number of
-  pairs fixed by the slots), not `grouped_mm`, whose per-expert row counts depend on the
-  batch. It is called directly (`_mlp`), not by switching the module's experts
+- **MoE experts with a fixed row count per matmul**, never `grouped_mm`, whose per-expert
+  row counts depend on the batch: every expert over all the slots (one batched matmul per
+  projection) when the slots pick at least as many (row, expert) pairs as there are
+  experts, else transformers' `batched_mm` (one small matmul per pair, the number of pairs
+  fixed by the slots). Called directly (`_experts`), not by switching the module's experts
   implementation, so the module is only read: prefill (and anyone else sharing it) runs
   the implementation it was loaded with.
 
@@ -256,8 +258,40 @@ def _mlp(mlp: Any, hidden: torch.Tensor) -> torch.Tensor:
     weights, experts = torch.topk(torch.softmax(logits, dtype=torch.float, dim=-1), gate.top_k)
     if gate.norm_topk_prob:
         weights /= weights.sum(dim=-1, keepdim=True)
-    out = batched_mm_experts_forward(mlp.experts, flat, experts, weights.to(logits.dtype))
+    out = _experts(mlp.experts, flat, experts, weights.to(logits.dtype))
     if shared is not None:
         gate_out = F.linear(flat, mlp.shared_expert_gate.weight, mlp.shared_expert_gate.bias)
         out = out + torch.sigmoid(gate_out) * shared
     return out.view_as(hidden)
+
+
+def _experts(
+    experts: Any, flat: torch.Tensor, chosen: torch.Tensor, weights: torch.Tensor
+) -> torch.Tensor:
+    """The routed experts' weighted sum for each row of `flat` (T, H), `chosen` and `weights`
+    (T, top_k) from the router, each row's floats independent of the other rows (every
+    matmul has a fixed row count: the slots, or one):
+
+    - when the rows pick at least as many (row, expert) pairs as there are experts (few
+      experts, full slots), every expert runs over every row: one batched matmul per
+      projection, each expert's weights read once, where `batched_mm` would gather a copy
+      of an expert's weights for every pair (measured here, 8 rows, 4 experts, top-2:
+      114 us against 184 us a layer);
+    - otherwise transformers' `batched_mm` (one matmul per pair, on gathered weights).
+
+    Both take the chosen outputs in top-k order, times their weights, summed over top-k,
+    as the reference combines them."""
+    rows, top_k = chosen.shape
+    plain = (
+        experts.has_gate
+        and not experts.has_bias
+        and not experts.is_transposed
+        and not getattr(experts, "has_post_expert_norm", False)
+        and not experts._is_expert_parallel
+    )
+    if not plain or experts.num_experts > rows * top_k:
+        return batched_mm_experts_forward(experts, flat, chosen, weights)
+    gate_up = torch.matmul(flat, experts.gate_up_proj.transpose(1, 2))  # (E, T, 2I)
+    out = torch.bmm(experts._apply_gate(gate_up), experts.down_proj.transpose(1, 2))  # (E, T, H)
+    picked = out[chosen, torch.arange(rows, device=flat.device).unsqueeze(1)]  # (T, top_k, H)
+    return (picked * weights.unsqueeze(-1)).sum(dim=1).to(flat.dtype)

@@ -183,3 +183,27 @@ def test_predictor_rows_refuse_wrong_rows(tiny_dir):
         rows(torch.zeros((SLOTS + 1, 2, width)), 0, 0)
     with pytest.raises(ValueError, match="for 4 slots"):
         rows(torch.zeros((SLOTS, 1, width)), predictor.config.num_code_groups, 1)
+
+
+@pytest.mark.parametrize("rows", [8, 1])
+def test_experts_follow_batched_mm_and_keep_rows_apart(tiny_dir, rows):
+    """`_experts`: with 8 rows (16 pairs for 4 experts) every expert runs over every row;
+    with 1 row (2 pairs) transformers' batched_mm runs. Both give batched_mm's sum to
+    rounding, and row 0's floats do not depend on the other rows."""
+    from transformers.integrations.moe import batched_mm_experts_forward
+
+    from examples.qwen3_omni.rows import _experts
+
+    mlp = TalkerRunner.from_pretrained(tiny_dir).talker.model.layers[0].mlp
+    gen = torch.Generator().manual_seed(3)
+    flat = torch.randn((rows, mlp.experts.gate_up_proj.shape[-1]), generator=gen)
+    probs = torch.softmax(torch.randn((rows, mlp.experts.num_experts), generator=gen), -1)
+    weights, chosen = torch.topk(probs, mlp.gate.top_k)
+    with torch.no_grad():
+        got = _experts(mlp.experts, flat, chosen, weights)
+        want = batched_mm_experts_forward(mlp.experts, flat, chosen, weights)
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
+        other = flat.clone()
+        other[1:] = torch.randn(other[1:].shape, generator=gen)
+        again = _experts(mlp.experts, other, chosen, weights)
+    assert torch.equal(again[0], got[0])
