@@ -168,7 +168,7 @@ class Code2WavStreamer:
             state.window.append(frame)
             state.frames_in += 1
             new = len(state.window) - state.context - self._emitted_frames(state)
-            due = self._due(state.chunks)
+            due = chunk_due(state.chunks, self.first_chunk_frames, self.growth, self.chunk_frames)
             if new >= due or self._segment_full(state):
                 out.append(self._emit(state))
         return self._cat(out)
@@ -191,10 +191,6 @@ class Code2WavStreamer:
     def samples(self, frames: int) -> int:
         """Samples the decode of `frames` frames gives (0 for none)."""
         return max(frames * self.upsample - self.tail, 0)
-
-    def _due(self, chunks: int) -> int:
-        """New frames that make chunk number `chunks` (0 for the first) due."""
-        return chunk_due(chunks, self.first_chunk_frames, self.growth, self.chunk_frames)
 
     def _segment_full(self, state: Code2WavState) -> bool:
         return (

@@ -129,7 +129,6 @@ class PredictorRows:
         model = predictor.model
         config = model.config
         _full_attention_only(config, "code predictor")
-        self.predictor = predictor
         self.layers = list(model.layers[: config.num_hidden_layers])
         self.norm = model.norm
         self.heads = list(predictor.lm_head)

@@ -117,7 +117,6 @@ class TalkerState:
     frames: int = 0
     cache: Any = None
     positions: torch.Tensor | None = None  # (4, 1, 1) position ids of the last position
-    attention_length: int = 0
     past_hidden: torch.Tensor | None = None  # (1, 1, H): last layer, last position
     frame_embed: torch.Tensor | None = None  # (1, 1, H): the last frame's summed codec embeds
     eos_ids: tuple[int, ...] = ()
@@ -427,7 +426,6 @@ class TalkerRunner:
         length = inputs_embeds.shape[1]
         attention_mask = torch.ones((1, length), dtype=torch.long, device=self.device)
         state.positions = self._prefill_positions(state, talker_ids, attention_mask)
-        state.attention_length = length
         state.cache = DynamicCache(config=self.talker_config.text_config)
         out = talker(
             inputs_embeds=inputs_embeds,
@@ -494,8 +492,6 @@ class TalkerRunner:
         projected = iter(self.talker.text_projection(text).split(1))
         trail = torch.cat([next(projected) if t is None else t for t in trailing])
         rows = torch.cat([state.frame_embed for state in states]) + trail
-        for state in states:
-            state.attention_length += 1
         positions = torch.cat([state.positions for state in states], dim=1) + 1  # (4, n, 1)
         for state, position in zip(states, positions.split(1, dim=1), strict=True):
             state.positions = position
@@ -543,7 +539,6 @@ class TalkerRunner:
         logits = self.predictor_rows(inputs_embeds, 0, 0)
         codes = torch.zeros((slots, self.num_code_groups - 1), dtype=torch.long)
         residual_hiddens = []
-        length = inputs_embeds.shape[1]
         for group in range(1, self.num_code_groups):
             codes[:, group - 1] = self._choose_rows(states, logits, codes[:, : group - 1])
             code_ids = codes[:, group - 1 : group].to(self.device)
@@ -551,11 +546,11 @@ class TalkerRunner:
                 residual_hiddens.append(embeddings[-1](code_ids))
                 break
             # The next predictor step's input is this code's embedding (generation step
-            # `group`), which generate() also takes as the frame's residual embedding.
+            # `group`, at position group + 1 after the prefill's two), which generate() also
+            # takes as the frame's residual embedding.
             embed = embeddings[group - 1](code_ids)
             residual_hiddens.append(embed)
-            logits = self.predictor_rows(embed, length, group)
-            length += 1
+            logits = self.predictor_rows(embed, group + 1, group)
         frame_embeds = torch.cat([last_id_hidden, *residual_hiddens], dim=1).sum(1, keepdim=True)
         for state, embed in zip(states, frame_embeds[:n].split(1), strict=True):
             state.frame_embed = embed
