@@ -273,6 +273,12 @@ class _Link:
             self.unsynced = False
 
 
+def _figure(value: float) -> float:
+    """`value` to 4 significant digits: a fixed 3 decimals turned a slow small-size rate
+    (4 KiB through gloo on a busy host, under 0.0005 GB/s) into 0."""
+    return float(f"{value:.4g}")
+
+
 async def _throughput(link: _Link, relay: Any, value: Any, secs: float) -> int:
     """Transfers done in a pipelined run of at least `secs`; the caller times it."""
     n = 0
@@ -454,9 +460,9 @@ async def _bench(
             get_us = (await link.receiver_stats())["get_us"]
             results[str(size)] = {
                 "bytes": size,
-                "gbps": round(best, 3),
-                "memcpy_gbps": round(memcpy.best, 3),
-                "ratio": round(best / memcpy.best, 3),
+                "gbps": _figure(best),
+                "memcpy_gbps": _figure(memcpy.best),
+                "ratio": _figure(best / memcpy.best),
                 "latency_us": round(latency, 1),
                 # Receiver-side get + release alone (no descriptor or ack hop).
                 "get_us": round(get_us, 1),
