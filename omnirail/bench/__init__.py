@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import tempfile
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -29,3 +30,14 @@ def rss_kib(pid: int) -> int | None:
     except OSError:
         return None
     return None
+
+
+def cpu_seconds(pid: int) -> float | None:
+    """CPU seconds a process has used so far (user + system, all its threads; not its
+    children), None once it is gone or where there is no /proc."""
+    try:
+        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    except OSError:
+        return None
+    # After the command's closing parenthesis: state is field 0, utime 11 and stime 12.
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")

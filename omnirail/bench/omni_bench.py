@@ -8,7 +8,10 @@ next wave when the last one has ended), and for every request the client times i
 text chunk, its first audio chunk and its end; its audio is `code2wav.samples` at 24 kHz.
 Per level: medians over requests (`ttft_ms`, `ttfa_ms`, `e2e_ms`, `rtf` = end-to-end
 time / audio seconds of that request), and `requests_per_s` and `audio_s_per_s` (requests
-and audio seconds over the waves' summed wall time).
+and audio seconds over the waves' summed wall time). `cpu_s_per_request` is the CPU time
+each mesh process (and `client`, this process) used during the mesh's waves, per request,
+read from /proc (absent where there is none): on a host whose CPUs the mesh keeps busy,
+throughput follows these seconds, and they say which stage to make cheaper.
 
 With `baseline="transformers"` the same run loads `Qwen3OmniMoeForConditionalGeneration`
 from the same directory into this process and times its `generate()` (greedy thinker and
@@ -16,8 +19,9 @@ talker, the same token limits, `return_audio=True`) on the same requests, one wa
 mesh then one of transformers, in turn, so both sample the same minutes of a noisy host.
 `generate()` does not stream: its first text and first audio are at its end. A wave of
 `c` is one batch of `c` through `generate()` (see `_baseline_wave` for why not `c`
-threads). Ratios per level: the mesh's first audio over transformers' end-to-end time and
-the mesh's requests/s and audio-seconds/s over transformers'.
+threads). Ratios per level: the mesh's first audio over transformers' end-to-end time,
+the mesh's requests/s and audio-seconds/s over transformers', and its CPU seconds per
+request over theirs (transformers': this process's CPU time during its waves).
 
 The example (pipeline and `tiny_model`) is the checkout's `examples/qwen3_omni`, found by
 path like the demo bench's pipeline: `examples` is not part of the installed `omnirail`
@@ -159,6 +163,37 @@ def _mesh_wave(client: Any, request: dict[str, Any], c: int) -> tuple[float, lis
     return wall, out
 
 
+class _CpuMeter:
+    """CPU seconds per mesh process (and this one, `client`), summed over the spans it
+    is told to `measure`."""
+
+    def __init__(self, processes: dict[str, int]) -> None:
+        self.processes = processes
+        self.used: dict[str, float] = {}
+
+    def _now(self) -> dict[str, float]:
+        from omnirail.bench import cpu_seconds
+
+        now = {"client": time.process_time()}
+        for name, pid in self.processes.items():
+            seconds = cpu_seconds(pid)
+            if seconds is not None:
+                now[name] = seconds
+        return now
+
+    @contextmanager
+    def measure(self) -> Iterator[None]:
+        before = self._now()
+        yield
+        after = self._now()
+        for name, seconds in after.items():
+            if name in before:
+                self.used[name] = self.used.get(name, 0.0) + seconds - before[name]
+
+    def per_request(self, requests: int) -> dict[str, float]:
+        return {name: round(self.used[name] / requests, 4) for name in sorted(self.used)}
+
+
 # ---- transformers' generate() -----------------------------------------------------------
 
 
@@ -280,6 +315,14 @@ def _summary(walls: list[float], samples: list[dict[str, Any]]) -> dict[str, Any
     return out
 
 
+def _add_cpu(
+    summary: dict[str, Any], meter: _CpuMeter, requests: int, per_process: bool = True
+) -> None:
+    if per_process:
+        summary["cpu_s_per_request"] = meter.per_request(requests)
+    summary["cpu_s_per_request_total"] = round(sum(meter.used.values()) / requests, 4)
+
+
 def _ratios(mesh: dict[str, Any], base: dict[str, Any]) -> dict[str, float]:
     return {
         # Aim (issue 17): at most 0.25.
@@ -289,6 +332,9 @@ def _ratios(mesh: dict[str, Any], base: dict[str, Any]) -> dict[str, float]:
         "requests_per_s": round(mesh["requests_per_s"] / base["requests_per_s"], 4),
         # Aim (issue 17): at least 3 at concurrency 8.
         "audio_s_per_s": round(mesh["audio_s_per_s"] / base["audio_s_per_s"], 4),
+        "cpu_s_per_request": round(
+            mesh["cpu_s_per_request_total"] / base["cpu_s_per_request_total"], 4
+        ),
     }
 
 
@@ -300,6 +346,14 @@ def _ceiling(base: dict[str, Any], vocoder_ms: float, cores: int) -> float:
     seconds per request per core."""
     per_request_ms = 1000 / base["requests_per_s"]
     return round(per_request_ms * cores / vocoder_ms, 3)
+
+
+def _cpu_ceiling(mesh: dict[str, Any], base: dict[str, Any], cores: int) -> float:
+    """The most the mesh's audio-seconds/s could be over transformers' at the CPU time per
+    request it was measured to use, were every core busy with it all the time: `cores`
+    over the mesh's CPU seconds per request, against transformers' requests per second.
+    Past this, only a cheaper request helps, not more overlap."""
+    return round(cores / mesh["cpu_s_per_request_total"] / base["requests_per_s"], 3)
 
 
 def run_omni_bench(
@@ -351,8 +405,11 @@ def run_omni_bench(
             mesh.start(timeout=300)
             try:
                 assert mesh.address is not None
+                processes = mesh.processes()
                 with Client(mesh.address, timeout=600, tensors="numpy") as client:
-                    report_levels, check = _measure(client, request, base, levels, requests, say)
+                    report_levels, check = _measure(
+                        client, request, base, levels, requests, processes, say
+                    )
             finally:
                 mesh.stop()
     report: dict[str, Any] = {
@@ -379,6 +436,7 @@ def _measure(
     base: _Transformers | None,
     levels: list[int],
     requests: int,
+    processes: dict[str, int],
     say: Callable[[str], None],
 ) -> tuple[list[dict[str, Any]], dict[str, bool]]:
     # Warm-up, not timed: channels, pools and code paths of the mesh, one request and
@@ -398,16 +456,20 @@ def _measure(
         mesh_samples: list[dict[str, Any]] = []
         base_walls: list[float] = []
         base_samples: list[dict[str, Any]] = []
+        mesh_cpu, base_cpu = _CpuMeter(processes), _CpuMeter({})
         for w in range(waves):
             say(f"concurrency {c}: wave {w + 1} of {waves}")
-            wall, samples = _mesh_wave(client, request, c)
+            with mesh_cpu.measure():
+                wall, samples = _mesh_wave(client, request, c)
             mesh_walls.append(wall)
             mesh_samples.extend(samples)
             if base is not None:
-                wall, samples = base.wave(c)
+                with base_cpu.measure():
+                    wall, samples = base.wave(c)
                 base_walls.append(wall)
                 base_samples.extend(samples)
         level: dict[str, Any] = {"concurrency": c, "mesh": _summary(mesh_walls, mesh_samples)}
+        _add_cpu(level["mesh"], mesh_cpu, len(mesh_samples))
         # Greedy on both sides: every mesh request should give transformers' tokens and
         # audio length (the integration tests check codes and waveforms too).
         want = reference or solo
@@ -415,11 +477,16 @@ def _measure(
         if base is not None:
             batch_equal &= all(_same(s, want) for s in base_samples)
             level["transformers"] = _summary(base_walls, base_samples)
+            _add_cpu(level["transformers"], base_cpu, len(base_samples), per_process=False)
             vocoder_ms = base.vocoder_floor_ms()
             level["transformers"]["vocoder_ms_one_request"] = round(vocoder_ms, 2)
             level["ratios"] = _ratios(level["mesh"], level["transformers"])
+            cores = len(os.sched_getaffinity(0))
             level["ratios"]["audio_s_per_s_ceiling"] = _ceiling(
-                level["transformers"], vocoder_ms, len(os.sched_getaffinity(0))
+                level["transformers"], vocoder_ms, cores
+            )
+            level["ratios"]["audio_s_per_s_cpu_ceiling"] = _cpu_ceiling(
+                level["mesh"], level["transformers"], cores
             )
         out.append(level)
     check = {

@@ -80,6 +80,22 @@ def test_bench_omni_json_against_transformers() -> None:
             assert side["audio_s_per_s"] == pytest.approx(
                 side["requests_per_s"] * side["audio_s"], rel=0.01
             )
+        # CPU per request: every mesh process, and this one (the client), over the mesh's
+        # waves; transformers' in total (this process over its waves).
+        cpu = mesh["cpu_s_per_request"]
+        assert {"coordinator", "stage-thinker", "stage-talker", "stage-code2wav"} <= set(cpu)
+        assert "client" in cpu and all(v >= 0 for v in cpu.values()), cpu
+        assert sum(v for k, v in cpu.items() if k.startswith("stage-")) > 0, cpu
+        assert mesh["cpu_s_per_request_total"] == pytest.approx(sum(cpu.values()), abs=1e-3)
+        assert base["cpu_s_per_request_total"] > 0 and "cpu_s_per_request" not in base
+        # At that CPU per request, with every core busy: the throughput ratio's bound.
+        assert ratios["audio_s_per_s_cpu_ceiling"] == pytest.approx(
+            len(os.sched_getaffinity(0)) / mesh["cpu_s_per_request_total"] / base["requests_per_s"],
+            rel=0.01,
+        )
+        assert ratios["cpu_s_per_request"] == pytest.approx(
+            mesh["cpu_s_per_request_total"] / base["cpu_s_per_request_total"], rel=0.01
+        )
         # Streaming: first text, then first audio, then the end.
         assert mesh["ttft_ms"] <= mesh["ttfa_ms"] <= mesh["e2e_ms"], mesh
         # generate() does not stream: its first text and audio are at its end.
