@@ -160,13 +160,9 @@ class PredictorRows:
             attn = layer.self_attn
             residual = hidden
             x = _rms(layer.input_layernorm, hidden)
-            shape = (self.slots, length, -1, attn.head_dim)
-            query = _rms(attn.q_norm, F.linear(x, attn.q_proj.weight, attn.q_proj.bias).view(shape))
-            key = _rms(attn.k_norm, F.linear(x, attn.k_proj.weight, attn.k_proj.bias).view(shape))
-            value = F.linear(x, attn.v_proj.weight, attn.v_proj.bias).view(shape)
-            query, key = apply_rotary_pos_emb(query.transpose(1, 2), key.transpose(1, 2), cos, sin)
+            query, key, value = _project(attn, x, cos, sin)
             keys[:, :, start:end] = key
-            values[:, :, start:end] = value.transpose(1, 2)
+            values[:, :, start:end] = value
             out = F.scaled_dot_product_attention(
                 query,
                 keys[:, :, :end],
@@ -214,15 +210,24 @@ def _dense_mlp(mlp: Any, x: torch.Tensor) -> torch.Tensor:
     return F.linear(_act(mlp)(gate) * up, mlp.down_proj.weight, mlp.down_proj.bias)
 
 
-def _attend(
-    attn: Any, hidden: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, caches: Sequence[Any]
-) -> torch.Tensor:
-    slots = hidden.shape[0]
-    shape = (slots, 1, -1, attn.head_dim)
+def _project(
+    attn: Any, hidden: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The attention's query, key and value for `hidden` (rows, L, H), each (rows, heads,
+    L, head dim): the q/k/v projections, q/k RMSNorm over the head dim, rope on q and k."""
+    shape = (*hidden.shape[:2], -1, attn.head_dim)
     query = _rms(attn.q_norm, F.linear(hidden, attn.q_proj.weight, attn.q_proj.bias).view(shape))
     key = _rms(attn.k_norm, F.linear(hidden, attn.k_proj.weight, attn.k_proj.bias).view(shape))
     value = F.linear(hidden, attn.v_proj.weight, attn.v_proj.bias).view(shape).transpose(1, 2)
     query, key = apply_rotary_pos_emb(query.transpose(1, 2), key.transpose(1, 2), cos, sin)
+    return query, key, value
+
+
+def _attend(
+    attn: Any, hidden: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, caches: Sequence[Any]
+) -> torch.Tensor:
+    slots = hidden.shape[0]
+    query, key, value = _project(attn, hidden, cos, sin)
     heads, kv_heads = query.shape[1], key.shape[1]
     outs = []
     for i, cache in enumerate(caches):
