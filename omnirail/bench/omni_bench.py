@@ -43,6 +43,8 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
+from omnirail.bench import cpu_seconds
+
 EXAMPLE = Path(__file__).resolve().parents[2] / "examples" / "qwen3_omni"
 AUDIO_SAMPLE_RATE = 24_000  # code2wav's output: 1920 samples per 12.5 Hz code frame
 KINDS = ("text", "image", "audio")
@@ -172,8 +174,6 @@ class _CpuMeter:
         self.used: dict[str, float] = {}
 
     def _now(self) -> dict[str, float]:
-        from omnirail.bench import cpu_seconds
-
         now = {"client": time.process_time()}
         for name, pid in self.processes.items():
             seconds = cpu_seconds(pid)
@@ -192,6 +192,9 @@ class _CpuMeter:
 
     def per_request(self, requests: int) -> dict[str, float]:
         return {name: round(self.used[name] / requests, 4) for name in sorted(self.used)}
+
+    def total_per_request(self, requests: int) -> float:
+        return round(sum(self.used.values()) / requests, 4)
 
 
 # ---- transformers' generate() -----------------------------------------------------------
@@ -313,14 +316,6 @@ def _summary(walls: list[float], samples: list[dict[str, Any]]) -> dict[str, Any
     out["audio_s_per_s"] = round(audio / wall, 4)
     out["wall_s"] = round(wall, 3)
     return out
-
-
-def _add_cpu(
-    summary: dict[str, Any], meter: _CpuMeter, requests: int, per_process: bool = True
-) -> None:
-    if per_process:
-        summary["cpu_s_per_request"] = meter.per_request(requests)
-    summary["cpu_s_per_request_total"] = round(sum(meter.used.values()) / requests, 4)
 
 
 def _ratios(mesh: dict[str, Any], base: dict[str, Any]) -> dict[str, float]:
@@ -469,7 +464,9 @@ def _measure(
                 base_walls.append(wall)
                 base_samples.extend(samples)
         level: dict[str, Any] = {"concurrency": c, "mesh": _summary(mesh_walls, mesh_samples)}
-        _add_cpu(level["mesh"], mesh_cpu, len(mesh_samples))
+        n = len(mesh_samples)
+        level["mesh"]["cpu_s_per_request"] = mesh_cpu.per_request(n)
+        level["mesh"]["cpu_s_per_request_total"] = mesh_cpu.total_per_request(n)
         # Greedy on both sides: every mesh request should give transformers' tokens and
         # audio length (the integration tests check codes and waveforms too).
         want = reference or solo
@@ -477,7 +474,8 @@ def _measure(
         if base is not None:
             batch_equal &= all(_same(s, want) for s in base_samples)
             level["transformers"] = _summary(base_walls, base_samples)
-            _add_cpu(level["transformers"], base_cpu, len(base_samples), per_process=False)
+            cpu = base_cpu.total_per_request(len(base_samples))
+            level["transformers"]["cpu_s_per_request_total"] = cpu
             vocoder_ms = base.vocoder_floor_ms()
             level["transformers"]["vocoder_ms_one_request"] = round(vocoder_ms, 2)
             level["ratios"] = _ratios(level["mesh"], level["transformers"])
