@@ -132,7 +132,9 @@ def test_a_full_stage_queue_refuses_at_once_and_what_it_took_keeps_its_latency(
         retry_after = asyncio.run(hint(mesh.address or ""))
     ok = sorted(t for what, t in outcomes if what == "ok")
     refused = sorted(t for what, t in outcomes if what == "refused")
-    assert len(ok) >= 3 and len(refused) >= 10, (ok, refused)
+    # At least the 2 the queue holds are taken; a third when the compute thread took the
+    # first off the queue before it came, which on a busy host it may not have yet.
+    assert len(ok) >= 2 and len(refused) >= 10, (ok, refused)
     assert refused[len(refused) // 2] < 1.0, refused
     # Taken: the one computing and the 2 queued behind it (and any that came as they
     # left), nothing like the 20 x 0.2 s an unbounded queue would make the last wait.
