@@ -127,7 +127,7 @@ def _resolve_relative(path: str, base_dir: str | None) -> Any:
         )
     try:
         package = dir_package(base_dir)
-    except Exception as exc:
+    except (Exception, SystemExit) as exc:
         raise ImportError(
             f"cannot import {path!r}: {base_dir}/__init__.py failed: {type(exc).__name__}: {exc}"
         ) from exc
@@ -155,7 +155,7 @@ def _import(path: str, mod_name: str) -> ModuleType:
         return importlib.import_module(mod_name)
     except ImportError as exc:
         raise ImportError(f"cannot import {path!r}: {exc}", name=mod_name) from exc
-    except Exception as exc:
+    except (Exception, SystemExit) as exc:  # sys.exit() at import too
         # A module that fails while executing is reported as an import failure of the
         # path, with the original error kept as the cause.
         raise ImportError(
@@ -206,7 +206,7 @@ def _resolve_dots(path: str) -> Any:
             raise ImportError(f"cannot import {path!r}: {exc}", name=sub) from exc
         except ImportError as exc:
             raise ImportError(f"cannot import {path!r}: {exc}", name=sub) from exc
-        except Exception as exc:
+        except (Exception, SystemExit) as exc:
             raise ImportError(
                 f"cannot import {path!r}: {type(exc).__name__} while importing {sub!r}: {exc}",
                 name=sub,

@@ -13,7 +13,7 @@ from typing import Any
 from pydantic import ValidationError
 
 from omnirail.config import dotted
-from omnirail.config.errors import clip
+from omnirail.config.errors import clip, short
 from omnirail.config.models import ConfigError, PipelineConfig, validation_error_lines
 from omnirail.config.validation import validate
 from omnirail.config.yaml_loader import read_yaml
@@ -84,6 +84,13 @@ def _load_py(p: Path, source_dir: str, resolve: bool) -> PipelineConfig:
         raise
     except ValidationError as exc:
         raise ConfigError(validation_error_lines(exc)) from None
+    except SystemExit as exc:
+        # sys.exit() (or argparse's exit on unknown arguments) in the file would end the
+        # coordinator or `omnirail validate` with no word on why.
+        raise ConfigError(
+            f"{p}: called exit({short(exc.code)}) while loading; a pipeline file defines "
+            "`pipeline` or `build_pipeline()` and returns"
+        ) from None
     except Exception as exc:
         raise ConfigError(
             f"{p}: error while loading: {type(exc).__name__}: {clip(str(exc), 500)}"

@@ -19,6 +19,9 @@ turns every failure into a `ConfigError` naming `file:line:column`, using `Confi
 - a scalar its constructor cannot build (a malformed int, float, bool or timestamp) or
   an escape the scanner cannot decode is reported at its line instead of escaping as a
   Python error.
+- a key given twice in one mapping is refused at its second line (PyYAML keeps the last
+  and drops the first without a word, so a repeated `max_queue:` or `next:` would change
+  a pipeline silently). Keys a `<<` merge brings in may be overridden, as YAML says.
 
 Files past `MAX_FILE_BYTES` are refused before parsing.
 """
@@ -33,7 +36,7 @@ import yaml
 from yaml.composer import ComposerError
 from yaml.constructor import ConstructorError
 from yaml.events import AliasEvent
-from yaml.nodes import Node, ScalarNode
+from yaml.nodes import MappingNode, Node, ScalarNode
 from yaml.scanner import ScannerError
 
 from omnirail.config.errors import ConfigError, clip, short
@@ -58,6 +61,7 @@ class ConfigLoader(yaml.SafeLoader):
         # id(node) -> the values it expands to, once composed; a node being composed has
         # none yet, so an alias to it is recursive.
         self._sizes: dict[int, int] = {}
+        self._keys_checked: set[int] = set()  # mappings whose own keys were checked
 
     def compose_node(self, parent: Node | None, index: Any) -> Node:
         if self.check_event(AliasEvent):
@@ -98,6 +102,34 @@ class ConfigLoader(yaml.SafeLoader):
                 "each time it is used); refusing to expand it",
                 event.start_mark,
             )
+
+    def flatten_mapping(self, node: MappingNode) -> None:
+        # Every mapping is flattened (its merges expanded, in place) before it is built,
+        # and a merge flattens what it merges first: so this sees each mapping's own keys
+        # once, before any merged key joins them.
+        if id(node) not in self._keys_checked:
+            self._keys_checked.add(id(node))
+            self._refuse_repeated_keys(node)
+        super().flatten_mapping(node)
+
+    def _refuse_repeated_keys(self, node: MappingNode) -> None:
+        first: dict[Any, Any] = {}  # key -> the mark of its first use
+        for key_node, _ in node.value:
+            if not isinstance(key_node, ScalarNode) or key_node.tag == _TAG + "merge":
+                continue  # merges may be overridden; a non-scalar key is refused later
+            # A plain `=` key resolves to the value tag, which flattening turns into "=".
+            key = "=" if key_node.tag == _TAG + "value" else self.construct_object(key_node)
+            mark = first.get(key)
+            if mark is None:
+                first[key] = key_node.start_mark
+            else:
+                raise ConstructorError(
+                    None,
+                    None,
+                    f"key {short(key)} is given twice in one mapping (first at line "
+                    f"{mark.line + 1}); give it once",
+                    key_node.start_mark,
+                )
 
     def fetch_flow_collection_start(self, TokenClass: Any) -> None:
         # The scanner reads ahead past every '[' or '{' that may start a simple key and

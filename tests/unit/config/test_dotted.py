@@ -110,6 +110,19 @@ def test_module_error_is_import_error(module_dir: tuple[Path, str]) -> None:
     assert isinstance(ei.value.__cause__, RuntimeError)
 
 
+@pytest.mark.parametrize("form", [":f", ".f"])
+def test_a_module_that_exits_at_import_is_an_import_error(
+    module_dir: tuple[Path, str], form: str
+) -> None:
+    d, name = module_dir
+    pkg = d / name
+    pkg.mkdir()
+    (pkg / "__init__.py").write_text("")
+    (pkg / "mod.py").write_text("import sys\nsys.exit(2)\n")
+    with pytest.raises(ImportError, match=r"SystemExit while importing .*mod.*: 2"):
+        dotted.resolve(f"{name}.mod{form}", str(d))
+
+
 def test_missing_dependency_is_reported_as_import_error(module_dir: tuple[Path, str]) -> None:
     d, name = module_dir
     pkg = d / name

@@ -337,6 +337,42 @@ def test_timestamps_and_merge_keys_still_load(tmp_path: Path) -> None:
     assert cfg.stage("b").terminal
 
 
+@pytest.mark.parametrize(
+    ("text", "where", "key"),
+    [
+        (
+            stage_yaml() + "max_live_requests: 4\nmax_live_requests: 8\n",
+            "FILE:4:1",
+            "'max_live_requests'",
+        ),
+        (
+            "stages:\n  - name: a\n    factory: x.y\n    terminal: true\n    max_queue: 1\n"
+            "    max_queue: 9\n",
+            "FILE:6:5",
+            "'max_queue'",
+        ),
+        (stage_yaml() + "name: p\nx: {1: a, true: b}\n", "FILE:4:11", "True"),
+    ],
+)
+def test_a_key_given_twice_is_refused_at_its_second_line(
+    tmp_path: Path, text: str, where: str, key: str
+) -> None:
+    """PyYAML keeps the last of a repeated key and drops the first silently."""
+    message = load_error(tmp_path, text)
+    assert message.startswith(f"{where}: YAML error: key {key} is given twice"), message
+    assert "(first at line" in message
+
+
+def test_merged_keys_may_be_overridden(tmp_path: Path) -> None:
+    p = tmp_path / "pipeline.yaml"
+    p.write_text(
+        "stages:\n  - &a {name: a, factory: x.y, max_queue: 4, next: b}\n"
+        "  - {<<: [*a, *a], name: b, next: null, max_queue: 9, terminal: true}\n"
+    )
+    cfg = load_pipeline(p, resolve=False)
+    assert (cfg.stage("a").max_queue, cfg.stage("b").max_queue) == (4, 9)
+
+
 def test_oversized_file_is_refused(tmp_path: Path, timed: None) -> None:
     message = load_error(tmp_path, "#" * (MAX_FILE_BYTES + 1))
     assert message == f"FILE: larger than {MAX_FILE_BYTES >> 20} MiB; not a pipeline file"

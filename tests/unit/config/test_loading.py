@@ -98,6 +98,8 @@ def test_load_py_runs_semantic_validation(tmp_path: Path) -> None:
         ("x = 1\n", "defines neither `pipeline` nor `build_pipeline()`"),
         ("pipeline = 3\n", "must be a PipelineConfig or a dict, got int"),
         ("raise RuntimeError('boom')\n", "error while loading: RuntimeError: boom"),
+        ("import sys\nsys.exit(3)\n", "called exit(3) while loading"),
+        ("raise SystemExit('usage: x')\n", "called exit('usage: x') while loading"),
         (
             "from omnirail.config import StageConfig\n"
             "pipeline = StageConfig(name='a', factory='x.y', replicas=0)\n",
