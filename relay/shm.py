@@ -1,11 +1,11 @@
 """`shm` relay: one shared-memory pool per sender process, mapped once by each receiver.
 
 Sender: `put` waits for edge credits, copies the packed tensors into a pool extent once and
-returns a handle. Receiver: `get` maps the sender's segment read-only once (cached by name,
-re-mapped when the file's inode changes, e.g. the sender restarted) and returns a zero-copy
-read-only view. Releasing it writes the transfer id into the sender's release-mark slot;
-the sender reclaims marked extents on its next `put` (or by polling while an edge waits
-for credit), so no ack message crosses the stream.
+returns a handle. Receiver: `get` maps the sender's segment read-only once (`shm_maps`:
+cached by name, re-mapped when the file's inode changes, e.g. the sender restarted) and
+returns a zero-copy read-only view. Releasing it writes the transfer id into the sender's
+release-mark slot; the sender reclaims marked extents on its next `put` (or by polling while
+an edge waits for credit), so no ack message crosses the stream.
 
 Forwarding: a stage that passes on bytes it received through this relay (its output
 payload's tensors lie in a view it still holds, as they would in a buffer of their own: a
@@ -32,15 +32,10 @@ from __future__ import annotations
 
 import asyncio
 import itertools
-import mmap
-import os
-import stat
 from collections import deque
 from collections.abc import Iterable
-from dataclasses import dataclass
 
 import msgpack
-import numpy as np
 
 from omnirail.relay.base import (
     Received,
@@ -54,14 +49,13 @@ from omnirail.relay.base import (
 from omnirail.relay.copy import Copier
 from omnirail.relay.credits import Credits, EdgeCredit
 from omnirail.relay.options import DEFAULT_PEER_WAIT_S, ShmOptions
+from omnirail.relay.shm_maps import Mapping, SegmentMaps, outside
 from omnirail.relay.shm_pool import (
     ALIGN,
     MARK_SLOTS,
     NAME_RE,
-    SHM_DIR,
     Extent,
     ShmPool,
-    close_mapping,
     data_segment_prefix,
     marks_name,
     segment_prefix,
@@ -234,38 +228,6 @@ class _Unannounced(RelayError):
         self.prefix = prefix
 
 
-def _outside(name: str, end: int, size: int) -> RelayError:
-    return RelayError(
-        f"descriptor points outside segment {shown(name)}: its bytes end at {end} (size {size})"
-    )
-
-
-@dataclass(slots=True)
-class _Mapping:
-    mmap: mmap.mmap
-    view: memoryview
-    dev: int
-    ino: int
-    size: int
-    # A marks segment: its uint64 view. A data segment: the view of its pool's marks.
-    marks: memoryview | None = None
-    addr: int = 0  # where the mapping starts in this process (data segments)
-
-    @property
-    def writable(self) -> bool:
-        """A release-marks segment (data segments are mapped read-only)."""
-        return not self.view.readonly
-
-
-def _unmap(mapping: _Mapping) -> None:
-    """Unmaps a mapping that never entered the cache (a refused get): nothing but the
-    mapping's own views can reference it yet, so the unmap happens now."""
-    if mapping.writable and mapping.marks is not None:
-        mapping.marks.release()  # a data mapping's marks belong to its pool's mapping
-    mapping.marks = None
-    close_mapping(mapping.mmap, mapping.view)
-
-
 class ShmRelay(Relay):
     name = BACKEND
     acks_in_band = False
@@ -292,7 +254,7 @@ class ShmRelay(Relay):
         self._live: dict[int, ShmHandle] = {}
         self._marks: memoryview | None = None
         self._poller: asyncio.Task[None] | None = None
-        self._maps: dict[str, _Mapping] = {}
+        self._maps = SegmentMaps()
         self._copier = Copier(self.options)
         # Views handed out by `get` and not yet released, when forwarding is on.
         self._held: set[ShmReceived] | None = set() if self.options.forward_views else None
@@ -503,14 +465,14 @@ class ShmRelay(Relay):
         # Checked before anything is looked up or mapped: a refused descriptor costs nothing.
         if not tid & _SLOT_MASK:
             raise RelayError(f"descriptor has no release slot (transfer_id {tid})")
-        mapping = self._maps.get(name)
+        mapping = self._maps.mapped.get(name)
         # A cached data segment was validated when mapped; anything else takes the checks
         # (a cached marks segment is refused there), and a new data segment's pool marks
         # are mapped with it (they live and die together with the sender).
-        if mapping is None or mapping.writable or not self._still_current(name, mapping):
+        if mapping is None or mapping.writable or not self._maps.still_current(name, mapping):
             mapping = self._map_data(name, end)
         if end > mapping.size:
-            raise _outside(name, end, mapping.size)
+            raise outside(name, end, mapping.size)
         return ShmReceived(
             mapping.view[offset:end],
             mapping.marks,
@@ -521,19 +483,7 @@ class ShmRelay(Relay):
             mapping.addr + offset,
         )
 
-    def _still_current(self, name: str, mapping: _Mapping) -> bool:
-        """Whether the cached mapping is still the file named `name` (not a restarted
-        sender's new one); one lstat, the only syscall on the cached path."""
-        try:
-            st = os.lstat(os.path.join(SHM_DIR, name))
-        except FileNotFoundError:
-            self._prune()  # the sender is gone: forget its segments and marks
-            raise RelayError(f"shm segment {shown(name)} does not exist (sender gone?)") from None
-        except OSError as e:
-            raise RelayError(f"cannot stat shm segment {shown(name)}: {e}") from None
-        return st.st_ino == mapping.ino and st.st_dev == mapping.dev
-
-    def _map_data(self, name: str, end: int) -> _Mapping:
+    def _map_data(self, name: str, end: int) -> Mapping:
         """Data segment `name` mapped with the release marks of its pool, for a transfer
         ending at byte `end`. Both enter the cache only once both are mapped and `end` is
         inside the segment: a refused get leaves nothing mapped or cached (a data segment
@@ -551,94 +501,19 @@ class ShmRelay(Relay):
             if self._trusted is not None and prefix not in self._trusted:
                 raise RelayError(f"shm segment {shown(name)}: prefix {prefix!r} is not trusted")
             raise _Unannounced(prefix, name)
-        data, data_fresh = self._open(name, end=end)
+        data, data_fresh = self._maps.open(name, end=end)
         try:
-            marks, marks_fresh = self._open(marks_name(name), writable=True)
+            marks, marks_fresh = self._maps.open(marks_name(name), writable=True)
         except BaseException:
             if data_fresh:
-                _unmap(data)
+                data.unmap()
             raise
         if marks_fresh:
-            self._cache(marks_name(name), marks)
+            self._maps.cache(marks_name(name), marks)
         if data_fresh:
-            self._cache(name, data)
+            self._maps.cache(name, data)
         data.marks = marks.marks
         return data
-
-    def _open(self, name: str, writable: bool = False, end: int = 0) -> tuple[_Mapping, bool]:
-        """(mapping of segment `name`, whether it is new): the cached one while the file
-        is the same, else a new one that the caller caches (or unmaps) itself. A data
-        segment must hold `end` bytes, a marks segment exactly its slots; the size is
-        checked on the open file before anything is mapped."""
-        path = os.path.join(SHM_DIR, name)
-        try:
-            st = os.lstat(path)
-        except FileNotFoundError:
-            self._prune()  # the sender is gone: forget its segments and marks
-            raise RelayError(f"shm segment {shown(name)} does not exist (sender gone?)") from None
-        except OSError as e:
-            raise RelayError(f"cannot stat shm segment {shown(name)}: {e}") from None
-        cached = self._maps.get(name)
-        if cached is not None and cached.ino == st.st_ino and cached.dev == st.st_dev:
-            return cached, False
-        # New segment or sender restart: also forget mappings of senders that are gone, or
-        # a long-lived receiver would pin every dead pool's memory.
-        self._prune()
-        if not stat.S_ISREG(st.st_mode):
-            raise RelayError(f"shm segment {shown(name)} is not a regular file")
-        # O_NONBLOCK: should the name turn into a FIFO after the lstat, open must not
-        # wait for a writer (fstat refuses it below); it changes nothing for a file.
-        flags = (os.O_RDWR if writable else os.O_RDONLY) | os.O_NOFOLLOW | os.O_NONBLOCK
-        try:
-            fd = os.open(path, flags | os.O_CLOEXEC)
-        except OSError as e:
-            raise RelayError(f"cannot open shm segment {shown(name)}: {e}") from None
-        try:
-            st = os.fstat(fd)
-            size = st.st_size
-            if not stat.S_ISREG(st.st_mode):
-                raise RelayError(f"shm segment {shown(name)} is not a regular file")
-            if writable and size != MARK_SLOTS * 8:
-                raise RelayError(f"shm segment {shown(name)} has a bad size ({size})")
-            if not writable and size == 0:
-                raise RelayError(f"shm segment {shown(name)} has a bad size (0)")
-            if end > size:
-                # Before mapping: a descriptor must not make the receiver map (and keep)
-                # address space for bytes that are not there.
-                raise _outside(name, end, size)
-            prot = mmap.PROT_READ | mmap.PROT_WRITE if writable else mmap.PROT_READ
-            mm = mmap.mmap(fd, size, mmap.MAP_SHARED, prot)
-        except (OSError, ValueError, OverflowError) as e:
-            raise RelayError(f"cannot map shm segment {shown(name)}: {e}") from None
-        finally:
-            os.close(fd)
-        view = memoryview(mm)
-        mapping = _Mapping(mm, view, st.st_dev, st.st_ino, size)
-        if writable:
-            mapping.marks = view.cast("Q")
-        else:
-            mapping.addr = np.frombuffer(view, np.uint8).ctypes.data
-        return mapping, True
-
-    def _cache(self, name: str, mapping: _Mapping) -> None:
-        self._drop(name)  # the sender restarted under the same name
-        self._maps[name] = mapping
-
-    def _drop(self, name: str) -> None:
-        mapping = self._maps.pop(name, None)
-        if mapping is not None:
-            # Views still held stay valid: the unmap waits for the last of them.
-            close_mapping(mapping.mmap, mapping.view)
-
-    def _prune(self) -> None:
-        for name, mapping in list(self._maps.items()):
-            try:
-                st = os.lstat(os.path.join(SHM_DIR, name))
-            except OSError:
-                self._drop(name)
-                continue
-            if st.st_ino != mapping.ino or st.st_dev != mapping.dev:
-                self._drop(name)
 
     # ------------------------------------------------------------------ peers
 
@@ -682,12 +557,12 @@ class ShmRelay(Relay):
 
     def _accept(self) -> None:
         """Recomputes the prefixes mapped, and forgets mappings of those no longer in it
-        (views still held stay valid: see `_drop`)."""
+        (views still held stay valid: see `SegmentMaps.drop`)."""
         accepted = self._announced if self._trusted is None else self._announced & self._trusted
         self._accepted = accepted | {self._prefix}
-        for name in list(self._maps):
+        for name in list(self._maps.mapped):
             if segment_prefix(name) not in self._accepted:
-                self._drop(name)
+                self._maps.drop(name)
         if self._peers_changed is not None:
             self._peers_changed.set()
 
@@ -732,5 +607,4 @@ class ShmRelay(Relay):
             self._marks = None
         if self._pool is not None:
             self._pool.close()
-        for name in list(self._maps):
-            self._drop(name)
+        self._maps.close()

@@ -370,14 +370,14 @@ async def test_receiver_forgets_mappings_of_gone_senders(make_relay):
     first, second = make_relay(), make_relay()
     h1 = await first.put(payload(10), "r", "e")
     (await receiver.get(h1.descriptor)).release()
-    assert set(receiver._maps) == {h1.descriptor.region, marks_name(h1.descriptor.region)}
+    assert set(receiver._maps.mapped) == {h1.descriptor.region, marks_name(h1.descriptor.region)}
     first.close()
     with pytest.raises(RelayError, match="does not exist"):
         await receiver.get(h1.descriptor)
-    assert receiver._maps == {}
+    assert receiver._maps.mapped == {}
     h2 = await second.put(payload(10), "r", "e")
     (await receiver.get(h2.descriptor)).release()
-    assert set(receiver._maps) == {h2.descriptor.region, marks_name(h2.descriptor.region)}
+    assert set(receiver._maps.mapped) == {h2.descriptor.region, marks_name(h2.descriptor.region)}
     h2.release()
 
 

@@ -166,7 +166,7 @@ async def test_announced_prefix_is_mapped_and_withdrawn_again(
         handle = await sender.put(pack(np.arange(100, dtype=np.uint8)), "r", "e")
         with pytest.raises(RelayError, match="neither this relay's nor announced"):
             await receiver.get(handle.descriptor)
-        assert receiver._maps == {}
+        assert receiver._maps.mapped == {}
         receiver.set_peers([sender.local_info(), receiver.local_info(), b"\xc1", b""])
         received = await receiver.get(handle.descriptor)
         assert bytes(received.buffer) == bytes(range(100))
@@ -175,7 +175,7 @@ async def test_announced_prefix_is_mapped_and_withdrawn_again(
         assert sender.reclaim() == 1  # the release landed in the sender's marks
         handle = await sender.put(pack(np.arange(100, dtype=np.uint8)), "r", "e")
         receiver.set_peers([receiver.local_info()])  # the sender left the topology
-        assert receiver._maps == {}
+        assert receiver._maps.mapped == {}
         with pytest.raises(RelayError, match="neither this relay's nor announced"):
             await receiver.get(handle.descriptor)
         # A view the receiver's caller still holds stays readable: dropping a mapping from
@@ -201,7 +201,7 @@ async def test_trust_peers_narrows_the_announced_prefixes(receiver: ShmRelay, pr
         receiver.trust_peers([other])
         (await receiver.get(handle.descriptor)).release()
         receiver.trust_peers([])  # its own prefix only: the cache forgets the other's
-        assert receiver._maps == {}
+        assert receiver._maps.mapped == {}
         own = await receiver.put(pack(np.ones(10, np.uint8)), "r", "e")
         (await receiver.get(own.descriptor)).release()  # its own: always
         receiver.trust_peers(None)
@@ -275,7 +275,7 @@ async def test_bad_marks_fail_every_get_and_cache_nothing(
             with pytest.raises(RelayError) as info:
                 await receiver.get(desc(name))
             errors.append(str(info.value))
-            assert receiver._maps == {}
+            assert receiver._maps.mapped == {}
             assert not mapped(data) and not mapped(marks)
         assert errors[0] == errors[1]
         # With good marks the same descriptor works, and its release lands in them.
@@ -312,7 +312,7 @@ async def test_extent_is_checked_against_the_file_before_mapping(
     try:
         with pytest.raises(RelayError, match="outside segment"):
             await receiver.get(desc(name, offset=offset, nbytes=nbytes))
-        assert maps == [] and receiver._maps == {}
+        assert maps == [] and receiver._maps.mapped == {}
         assert not mapped(data) and not mapped(marks)
         monkeypatch.undo()
         # The segment itself is fine: its last bytes come back.
@@ -335,7 +335,7 @@ async def test_failed_get_of_a_2gib_segment_leaves_nothing_mapped(
     try:
         with pytest.raises(RelayError, match="does not exist"):
             await receiver.get(desc(name, nbytes=GiB))
-        assert not mapped(data) and receiver._maps == {}
+        assert not mapped(data) and receiver._maps.mapped == {}
     finally:
         os.unlink(data)
 
@@ -346,12 +346,12 @@ async def test_cached_segment_refuses_extents_past_its_end(
     handle = await sender.put(pack(np.ones(100, np.uint8)), "r", "e")
     d = handle.descriptor
     (await receiver.get(d)).release()  # now cached
-    cached = dict(receiver._maps)
+    cached = dict(receiver._maps.mapped)
     for offset, nbytes in ((0, 1 << 40), (MiB, 1), (2**64 - 1, 2)):
         bad = desc(d.region, offset=offset, nbytes=nbytes, tid=d.transfer_id)
         with pytest.raises(RelayError, match="outside segment"):
             await receiver.get(bad)
-    assert receiver._maps == cached
+    assert receiver._maps.mapped == cached
     handle.release()
 
 
@@ -364,7 +364,7 @@ async def test_no_release_slot_is_refused_before_mapping(
     bad.transfer_id = 1 << 16  # slot 0
     with pytest.raises(RelayError, match="no release slot"):
         await receiver.get(bad)
-    assert receiver._maps == {}
+    assert receiver._maps.mapped == {}
     handle.release()
 
 
@@ -407,7 +407,7 @@ async def test_malformed_descriptors_raise_relay_error_only(
     for case in cases:
         with pytest.raises(RelayError):
             await receiver.get(case)  # type: ignore[arg-type]
-    assert receiver._maps == {}
+    assert receiver._maps.mapped == {}
     received = await receiver.get(good)  # still fine
     received.release()
     assert sender.reclaim() == 1
