@@ -362,6 +362,33 @@ def check_device(device: str) -> str:
     return device
 
 
+def check_relay_args(
+    backend: str, sizes: list[int] | None, options: dict, receiver_options: dict
+) -> None:
+    """Refuses (ValueError) what the bench cannot run, before a receiver is started: an
+    unknown backend, `inline` (it carries no bytes outside the message), sizes below one
+    byte, and options the backend does not take, on either side."""
+    from omnirail.relay import registry
+    from omnirail.relay.options import option_problems
+
+    model = registry.options_model(backend)
+    if model is None:
+        known = ", ".join(name for name in registry.BACKENDS if name != "inline")
+        raise ValueError(f"--backend {backend!r}: no such relay backend (known: {known})")
+    if backend == "inline":
+        raise ValueError(
+            "--backend inline: it carries payloads inside the control message, so there is "
+            "no transfer to measure; the bench measures shm, nixl, ucx and torchdist"
+        )
+    bad = [n for n in sizes or () if n < 1]
+    if bad:
+        raise ValueError(f"--sizes: byte counts must be at least 1, got {bad[0]}")
+    for flag, opts in (("--option", options), ("--receiver-option", receiver_options)):
+        problems = option_problems(backend, model, {**options, **opts})
+        if problems:
+            raise ValueError(f"{flag}: " + "; ".join(f"{key}: {why}" for key, why in problems))
+
+
 def _read_frame(sock: socket.socket, buf: bytearray) -> Any:
     while True:
         frames = _split_frames(buf)
@@ -512,8 +539,9 @@ def run_relay_bench(
     from omnirail.relay.shm import sweep_segments
 
     device = check_device(device)
-    prefix = f"omnirail-bench{os.getpid()}"
     options = dict(options or {})
+    check_relay_args(backend, sizes, options, dict(receiver_options or {}))
+    prefix = f"omnirail-bench{os.getpid()}"
     ranks: dict[str, int] = {}
     if backend == "torchdist":
         # Two ranks of a fresh group; rank 0 (this process) picks the store's port.

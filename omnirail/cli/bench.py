@@ -66,16 +66,25 @@ def cmd_bench(args: argparse.Namespace) -> int:
 def _run(args: argparse.Namespace) -> dict[str, Any]:
     if args.what == "relay":
         from omnirail.bench.relay_bench import run_relay_bench
+        from omnirail.relay.base import RelayError
 
-        sizes = [int(s) for s in args.sizes.split(",")] if args.sizes else None
-        report = run_relay_bench(
-            args.backend,
-            sizes=sizes,
-            options=_parse_options(args.option),
-            receiver_options=_parse_options(args.receiver_option),
-            receiver_wrap=shlex.split(args.receiver_wrap or ""),
-            device=args.device,
-        )
+        try:
+            sizes = [int(s) for s in args.sizes.split(",")] if args.sizes else None
+        except ValueError:
+            raise ValueError(f"--sizes: expected byte counts N,M,...: {args.sizes!r}") from None
+        try:
+            report = run_relay_bench(
+                args.backend,
+                sizes=sizes,
+                options=_parse_options(args.option),
+                receiver_options=_parse_options(args.receiver_option),
+                receiver_wrap=shlex.split(args.receiver_wrap or ""),
+                device=args.device,
+            )
+        except (RelayError, ConnectionError) as exc:
+            # A transfer that failed (a peer gone, a backend's library refusing): said in
+            # one line, exit status 1, as other runtime failures are.
+            raise SystemExit(f"error: relay bench ({args.backend}): {exc}") from None
     elif args.what == "host":
         from omnirail.bench.host_bench import run_host_bench
 

@@ -478,6 +478,22 @@ def test_bench_relay_untuned_and_a_bad_wake_latency() -> None:
     assert bad.returncode == 2 and "must be 0..1000000 µs, got -1" in bad.stderr, explain(bad)
 
 
+@pytest.mark.parametrize(
+    ("argv", "problem"),
+    [
+        (("--backend", "nosuch"), "error: --backend 'nosuch': no such relay backend"),
+        (("--receiver-option", "host=x"), "error: --receiver-option: host: unknown option"),
+        (("--sizes", "4096,x"), "error: --sizes: expected byte counts N,M,...: '4096,x'"),
+    ],
+)
+def test_bench_relay_refuses_what_it_cannot_run_in_one_line(
+    argv: tuple[str, ...], problem: str
+) -> None:
+    proc = omnirail("bench", "relay", *argv, "--cpu-wake-latency-us", "off")
+    assert proc.returncode == 2 and proc.stderr.startswith(problem), explain(proc)
+    assert "Traceback" not in proc.stderr, explain(proc)
+
+
 def test_bench_relay_device() -> None:
     """GPU tensors through the relay, against a same-run copy on the GPU; a host without
     CUDA is told so."""
