@@ -173,18 +173,35 @@ def _check_request(output: Path | None, options: ComposeOptions) -> None:
 
 
 def write_bundle(bundle: ComposeBundle) -> list[Path]:
-    """Writes the side files, then the compose file (unless it goes to stdout)."""
+    """Writes the side files and the compose file (unless it goes to stdout), all or none:
+    each is written to a temporary file beside it first, and they replace their targets
+    only once every one is written (a compose file that cannot be written leaves no side
+    file beside the pipeline, and no target half-written)."""
     files = dict(bundle.side_files)
     if bundle.tls_dir is not None:
         for warning in ensure_material(bundle.tls_dir, bundle.tls_hosts):
             print(f"[omnirail] warning: {warning}", file=sys.stderr)
     if bundle.output is not None:
         files[bundle.output] = bundle.text
-    for path, text in files.items():
-        try:
-            path.write_text(text, encoding="utf-8")
-        except OSError as exc:
-            raise ComposeError(f"cannot write {path}: {exc.strerror or exc}") from None
+    written: dict[Path, Path] = {}  # target -> its temporary file
+    try:
+        for path, text in files.items():
+            real = Path(os.path.realpath(path))  # a symlinked target is written through
+            tmp = real.with_name(f".{real.name}.{os.getpid()}.tmp")
+            try:
+                tmp.write_text(text, encoding="utf-8")
+            except OSError as exc:
+                raise ComposeError(f"cannot write {path}: {exc.strerror or exc}") from None
+            written[path] = tmp
+        for path, tmp in list(written.items()):
+            try:
+                os.replace(tmp, os.path.realpath(path))
+            except OSError as exc:
+                raise ComposeError(f"cannot write {path}: {exc.strerror or exc}") from None
+            del written[path]
+    finally:
+        for tmp in written.values():
+            tmp.unlink(missing_ok=True)
     return list(files)
 
 

@@ -111,16 +111,25 @@ def generate(
 
 
 def write_bundle(bundle: K8sBundle, out: Path) -> list[Path]:
-    out.mkdir(parents=True, exist_ok=True)
+    """Writes omnirail.yaml (and secrets.yaml, owner-only) into the directory `out`,
+    made if missing; ComposeError names the path that cannot be written."""
+    try:
+        out.mkdir(parents=True, exist_ok=True)
+    except OSError as exc:
+        raise ComposeError(f"-o {out}: cannot make the directory: {exc.strerror or exc}") from None
     written = [out / "omnirail.yaml"]
-    written[0].write_text(bundle.text())
-    if bundle.secrets:
-        path = out / "secrets.yaml"
-        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
-        with os.fdopen(fd, "w") as f:
-            f.write("# Secrets: apply, do not commit.\n")
-            f.write(yaml.safe_dump_all(bundle.secrets, sort_keys=False))
-        written.append(path)
+    path = written[0]
+    try:
+        path.write_text(bundle.text())
+        if bundle.secrets:
+            path = out / "secrets.yaml"
+            fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+            with os.fdopen(fd, "w") as f:
+                f.write("# Secrets: apply, do not commit.\n")
+                f.write(yaml.safe_dump_all(bundle.secrets, sort_keys=False))
+            written.append(path)
+    except OSError as exc:
+        raise ComposeError(f"cannot write {path}: {exc.strerror or exc}") from None
     return written
 
 

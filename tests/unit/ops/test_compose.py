@@ -195,6 +195,32 @@ def test_edge_relay_writes_a_loadable_derived_pipeline(tmp_path: Path) -> None:
     assert yaml.safe_load(out.read_text()) == bundle.compose
 
 
+def test_a_compose_file_that_cannot_be_written_leaves_nothing_written(tmp_path: Path) -> None:
+    path = split_pipeline(tmp_path)
+    (tmp_path / "gone").mkdir()
+    before = sorted(tmp_path.iterdir())
+    bundle = gen(path, tmp_path / "gone" / "docker-compose.yml", "b->c_x=ucx")
+    (tmp_path / "gone").rmdir()  # between the checks and the writing
+    before.remove(tmp_path / "gone")
+    with pytest.raises(ComposeError, match=r"cannot write .*gone/docker-compose\.yml"):
+        write_bundle(bundle)
+    # Neither the side files beside the pipeline nor any temporary file.
+    assert sorted(tmp_path.iterdir()) == before
+
+
+def test_a_symlinked_compose_file_is_written_through(tmp_path: Path) -> None:
+    path = split_pipeline(tmp_path)
+    real = tmp_path / "deploy" / "compose.yml"
+    real.parent.mkdir()
+    real.write_text("old\n")
+    link = tmp_path / "docker-compose.yml"
+    link.symlink_to(real)
+    bundle = gen(path, link)
+    write_bundle(bundle)
+    assert link.is_symlink() and yaml.safe_load(real.read_text()) == bundle.compose
+    assert not [p for p in real.parent.iterdir() if p.name.endswith(".tmp")]
+
+
 def test_edge_relay_keeps_options_the_author_set_and_skips_no_ops(tmp_path: Path) -> None:
     # Options valid for the edge's backend as written (shm) and for the one compose picks.
     opts = {"relay_to": {"e": {"options": {"copy_threads": 1}}}}

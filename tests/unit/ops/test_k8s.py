@@ -160,6 +160,16 @@ def test_secured_deployments_probe_with_omnirail_health_and_mount_secrets(
     assert base64.b64encode(f"{token}\n".encode()).decode() in secret
 
 
+def test_an_output_that_cannot_be_written_is_one_error_naming_it(tmp_path: Path) -> None:
+    bundle = generate(REPO / "examples/quickstart/pipeline.yaml", K8sOptions())
+    (tmp_path / "file").write_text("")
+    with pytest.raises(ComposeError, match="file: cannot make the directory: File exists"):
+        write_bundle(bundle, tmp_path / "file")
+    (tmp_path / "out" / "omnirail.yaml").mkdir(parents=True)
+    with pytest.raises(ComposeError, match=r"cannot write .*out/omnirail\.yaml: Is a directory"):
+        write_bundle(bundle, tmp_path / "out")
+
+
 def _pipeline(tmp_path: Path, stages: str) -> Path:
     path = tmp_path / "pipeline.yaml"
     path.write_text(f"name: t\nstages:\n{stages}")
