@@ -22,7 +22,12 @@ def read_inputs(args: argparse.Namespace) -> dict:
     from omnirail.client.jsonio import parse_inputs
 
     if args.input_file:
-        return parse_inputs(Path(args.input_file).read_text(), source=args.input_file)
+        try:
+            text = Path(args.input_file).read_text()
+        except (OSError, UnicodeDecodeError) as exc:
+            why = exc.strerror if isinstance(exc, OSError) and exc.strerror else exc
+            raise ValueError(f"--input-file {args.input_file}: {why}") from None
+        return parse_inputs(text, source=args.input_file)
     if args.input is None:
         raise ValueError("--input or --input-file is required")
     return parse_inputs(args.input)
@@ -37,3 +42,14 @@ def wake_us(text: str) -> int:
         return check_us(value)
     except ValueError as exc:
         raise argparse.ArgumentTypeError(str(exc)) from None
+
+
+def seconds(text: str) -> float:
+    """A `--timeout`: a finite number of seconds above 0 (at most a year)."""
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a number of seconds: {text!r}") from None
+    if not 0 < value <= 365 * 86400:  # also refuses nan and inf
+        raise argparse.ArgumentTypeError(f"must be above 0 and at most a year, got {text}")
+    return value

@@ -14,7 +14,7 @@ from contextlib import AbstractContextManager, nullcontext
 from pathlib import Path
 from typing import Any
 
-from omnirail.cli.args import progress, read_inputs, wake_us
+from omnirail.cli.args import progress, read_inputs, seconds, wake_us
 from omnirail.cli.security import (
     add_client_flags,
     add_mesh_flags,
@@ -318,8 +318,10 @@ def cmd_stage(args: argparse.Namespace) -> int:
     _setup_logging(args.log_level)
     cfg = load_pipeline(args.pipeline)
     names = [s for s in args.stage.split(",") if s]
-    for name in names:
-        cfg.stage(name)  # unknown names fail here with a clear message
+    unknown = [n for n in names if n not in cfg.stage_names]
+    if unknown or not names:
+        what = f"unknown stage {unknown[0]!r}" if unknown else "names no stage"
+        raise ValueError(f"--stage {args.stage!r}: {what}; stages: {', '.join(cfg.stage_names)}")
     _pin(args.cpus, cfg.process_cpus(names))
     listen = args.listen or f"{cfg.endpoints.host}:0"
     with _wake_latency(args.cpu_wake_latency_us, cfg, f"stage process {args.stage}"):
@@ -361,6 +363,9 @@ def cmd_trace(args: argparse.Namespace) -> int:
     from omnirail.telemetry.waterfall import run_trace
 
     if args.run_dir:
+        missing = [d for d in args.run_dir if not Path(d).is_dir()]
+        if missing:
+            raise ValueError(f"--run-dir {missing[0]}: no such directory")
         dirs = [str(Path(d) / "spans") if (Path(d) / "spans").is_dir() else d for d in args.run_dir]
     else:
         states = running_meshes(args.name)
@@ -461,7 +466,7 @@ def build_parser() -> argparse.ArgumentParser:
     def input_flags(sp: argparse.ArgumentParser) -> None:
         sp.add_argument("--input", default=None, help="JSON object of inputs")
         sp.add_argument("--input-file", default=None, help="file holding the JSON object")
-        sp.add_argument("--timeout", type=float, default=None, help="seconds")
+        sp.add_argument("--timeout", type=seconds, default=None, help="seconds")
         sp.add_argument(
             "--stream",
             action="store_true",
@@ -580,7 +585,7 @@ def build_parser() -> argparse.ArgumentParser:
         default=None,
         help="e.g. omnirail.v1.Omnirail (default: $OMNIRAIL_HEALTH_SERVICE or the whole server)",
     )
-    h.add_argument("--timeout", type=float, default=5.0, help="seconds")
+    h.add_argument("--timeout", type=seconds, default=5.0, help="seconds")
     h.set_defaults(fn=cmd_health)
 
     from omnirail.cli.bench import add_bench_parser
@@ -605,7 +610,7 @@ def main(argv: list[str] | None = None) -> int:
     except ConfigError as exc:
         print(f"invalid pipeline:\n{exc}", file=sys.stderr)
         return EXIT_USAGE
-    except (ValueError, FileNotFoundError) as exc:
+    except (ValueError, OSError) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return EXIT_USAGE
     except OmniError as exc:

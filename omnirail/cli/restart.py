@@ -6,6 +6,8 @@ import argparse
 import sys
 from typing import Any
 
+from omnirail.cli.args import seconds
+
 
 def cmd_restart(args: argparse.Namespace) -> int:
     """Hands the roll to the launcher (omnirail/ops/control.py) and prints its steps."""
@@ -34,6 +36,6 @@ def add_restart_parser(sub: Any) -> None:
     rs.add_argument("stage")
     rs.add_argument("--name", default=None, help="the mesh (default: the only one running)")
     rs.add_argument(
-        "--timeout", type=float, default=900.0, help="seconds to wait for the whole roll"
+        "--timeout", type=seconds, default=900.0, help="seconds to wait for the whole roll"
     )
     rs.set_defaults(fn=cmd_restart)

@@ -481,6 +481,36 @@ def test_bench_relay_untuned_and_a_bad_wake_latency() -> None:
 @pytest.mark.parametrize(
     ("argv", "problem"),
     [
+        (
+            ("generate", "--address", "localhost:1", "--input-file", "/"),
+            "error: --input-file /: Is a directory",
+        ),
+        (
+            ("run", QUICKSTART, "--input-file", "/nonexistent/in.json"),
+            "error: --input-file /nonexistent/in.json: No such file or directory",
+        ),
+        (
+            ("generate", "--address", "localhost:1", "--input", "{}", "--timeout", "-5"),
+            "argument --timeout: must be above 0 and at most a year, got -5",
+        ),
+        (("health", "--timeout", "nan"), "argument --timeout: must be above 0"),
+        (("restart", "x", "--timeout", "0"), "argument --timeout: must be above 0"),
+        (("trace", "x", "--run-dir", "/nonexistent"), "error: --run-dir /nonexistent: no such"),
+        (
+            ("stage", "--pipeline", QUICKSTART, "--stage", "fuse,nosuch", "--coordinator", "x:1"),
+            "error: --stage 'fuse,nosuch': unknown stage 'nosuch'; stages: preprocess, ",
+        ),
+    ],
+)
+def test_bad_arguments_are_one_line_naming_the_flag(argv: tuple[str, ...], problem: str) -> None:
+    proc = omnirail(*argv, timeout=60)
+    assert proc.returncode == 2 and problem in proc.stderr, explain(proc)
+    assert "Traceback" not in proc.stderr, explain(proc)
+
+
+@pytest.mark.parametrize(
+    ("argv", "problem"),
+    [
         (("--backend", "nosuch"), "error: --backend 'nosuch': no such relay backend"),
         (("--receiver-option", "host=x"), "error: --receiver-option: host: unknown option"),
         (("--sizes", "4096,x"), "error: --sizes: expected byte counts N,M,...: '4096,x'"),
