@@ -53,3 +53,14 @@ def seconds(text: str) -> float:
     if not 0 < value <= 365 * 86400:  # also refuses nan and inf
         raise argparse.ArgumentTypeError(f"must be above 0 and at most a year, got {text}")
     return value
+
+
+def port_number(text: str) -> int:
+    """A TCP port: 0 (any free one) to 65535."""
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a port number: {text!r}") from None
+    if not 0 <= value <= 65535:
+        raise argparse.ArgumentTypeError(f"must be 0-65535 (0: any free one), got {value}")
+    return value

@@ -14,7 +14,7 @@ from contextlib import AbstractContextManager, nullcontext
 from pathlib import Path
 from typing import Any
 
-from omnirail.cli.args import progress, read_inputs, seconds, wake_us
+from omnirail.cli.args import port_number, progress, read_inputs, seconds, wake_us
 from omnirail.cli.security import (
     add_client_flags,
     add_mesh_flags,
@@ -444,7 +444,9 @@ def build_parser() -> argparse.ArgumentParser:
     u = sub.add_parser("up", help="start the coordinator and every stage process")
     mesh_flags(u)
     u.add_argument("--host", default=None)
-    u.add_argument("--port", type=int, default=0, help="coordinator port with --tcp (0 picks one)")
+    u.add_argument(
+        "--port", type=port_number, default=0, help="coordinator port with --tcp (0 picks one)"
+    )
     u.add_argument(
         "--detach", action="store_true", help="return once ready; stop with `omnirail down`"
     )

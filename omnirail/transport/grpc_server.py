@@ -53,9 +53,14 @@ def bind(
     """
 
     def add_port(where: str) -> int:
-        if credentials is None:
-            return server.add_insecure_port(where)
-        return server.add_secure_port(where, credentials)
+        try:
+            if credentials is None:
+                return server.add_insecure_port(where)
+            return server.add_secure_port(where, credentials)
+        except RuntimeError as exc:  # grpc's "Failed to bind to address ..."
+            # An address in use or not this host's is the caller's to fix: said as one
+            # OSError line (the CLI prints it), not a traceback from inside grpc.
+            raise OSError(f"cannot listen on {where}: {exc}") from None
 
     if address.startswith("unix:"):
         path = address.split(":", 1)[1].removeprefix("//")

@@ -496,6 +496,11 @@ def test_bench_relay_untuned_and_a_bad_wake_latency() -> None:
         (("health", "--timeout", "nan"), "argument --timeout: must be above 0"),
         (("restart", "x", "--timeout", "0"), "argument --timeout: must be above 0"),
         (("trace", "x", "--run-dir", "/nonexistent"), "error: --run-dir /nonexistent: no such"),
+        (("up", QUICKSTART, "--tcp", "--port", "-3"), "argument --port: must be 0-65535"),
+        (
+            ("coordinator", "--pipeline", QUICKSTART, "--listen", "192.0.2.1:0"),
+            "error: cannot listen on 192.0.2.1:0: Failed to bind",
+        ),
         (
             ("stage", "--pipeline", QUICKSTART, "--stage", "fuse,nosuch", "--coordinator", "x:1"),
             "error: --stage 'fuse,nosuch': unknown stage 'nosuch'; stages: preprocess, ",
