@@ -33,12 +33,12 @@ import yaml
 
 from omnirail.config import PipelineConfig, load_pipeline
 from omnirail.config import security as sec
-from omnirail.ops.compose_edges import EdgeRelay, derive_pipeline
+from omnirail.ops.compose_edges import derive_pipeline
 from omnirail.ops.compose_groups import ComposeError, dns_label
 from omnirail.ops.compose_models import MODEL_MOUNT, ModelMount, model_reads
+from omnirail.ops.k8s_options import IMAGE, K8sOptions
 from omnirail.ops.k8s_plan import Container, Workload, plan_workloads
 
-IMAGE = "omnirail:latest"
 GRPC_PORT = 50051
 HTTP_PORT = 8000
 METRICS_PORT = 9400
@@ -50,23 +50,6 @@ USER_ID = 10001  # the Dockerfile's USER
 KUBERNETES_VERSION = "1.37.0"  # what the tests validate against (kubernetes-validate)
 MAX_CONFIGMAP = 900 * 1024  # the API server's limit is 1 MiB, object and all
 _PIPELINE_SUFFIXES = (".py", ".yaml", ".yml", ".json", ".txt")
-
-
-@dataclass(frozen=True)
-class K8sOptions:
-    image: str = IMAGE
-    namespace: str | None = None
-    # A PersistentVolumeClaim holding the model directory the stages read (mounted
-    # read-only at /model; the pipeline's model paths point there).
-    model_claim: str | None = None
-    otlp_endpoint: str | None = None
-    service_monitor: bool = False
-    gpus_per_node: int | None = None
-    tls_dir: Path | None = None
-    tokens_file: Path | None = None
-    resolve: bool = True
-    edge_relays: tuple[EdgeRelay, ...] = ()
-    memory_request: str = "1Gi"
 
 
 @dataclass
@@ -85,6 +68,7 @@ def generate(
     """Checks everything and builds the manifests; writes nothing but, with `--tls`, the
     material it makes in that folder when it holds none. `output`: the folder they are
     for (named in the header's command)."""
+    options.check()
     source = Path(pipeline).resolve()
     cfg = load_pipeline(source, resolve=options.resolve)
     app = dns_label(cfg.name or "pipeline")[:40].rstrip("-")

@@ -170,6 +170,44 @@ def test_an_output_that_cannot_be_written_is_one_error_naming_it(tmp_path: Path)
         write_bundle(bundle, tmp_path / "out")
 
 
+@pytest.mark.parametrize(
+    ("options", "problem"),
+    [
+        ({"namespace": "Bad_NS"}, "--namespace 'Bad_NS': not a namespace name"),
+        ({"namespace": "a" * 64}, "not a namespace name"),
+        ({"model_claim": ""}, "--model-claim '': not a PersistentVolumeClaim name"),
+        ({"model_claim": "Models"}, "not a PersistentVolumeClaim name"),
+        ({"otlp_endpoint": "collector"}, "--otlp-endpoint 'collector': expected host:port"),
+        ({"otlp_endpoint": "ftp://c:4317"}, "expected host:port or http(s)://host:port"),
+        ({"otlp_endpoint": "c:99999"}, "--otlp-endpoint 'c:99999': Port out of range"),
+        ({"otlp_endpoint": "http://c:4317/v1/traces"}, "expected host:port"),
+        ({"image": "omnirail latest"}, "--image 'omnirail latest': not an image reference"),
+        ({"memory_request": "lots"}, "memory_request 'lots': not a quantity"),
+        ({"gpus_per_node": 0}, "--gpus-per-node 0: must be at least 1"),
+    ],
+)
+def test_options_kubernetes_would_refuse_are_refused_naming_the_flag(
+    options: dict[str, Any], problem: str
+) -> None:
+    with pytest.raises(ComposeError) as ei:
+        generate(REPO / "examples/quickstart/pipeline.yaml", K8sOptions(**options))
+    assert str(ei.value).startswith(problem) or problem in str(ei.value), ei.value
+
+
+@pytest.mark.parametrize(
+    "options",
+    [
+        {"namespace": "omni-prod", "model_claim": "models.v1"},
+        {"otlp_endpoint": "otel-collector.observability:4317"},
+        {"otlp_endpoint": "https://[fd00::1]:4317", "memory_request": "1.5Gi"},
+        {"image": "registry.example.com:5000/omnirail@sha256:" + "0" * 64},
+    ],
+)
+def test_options_kubernetes_takes_are_taken(options: dict[str, Any]) -> None:
+    bundle = generate(REPO / "examples/quickstart/pipeline.yaml", K8sOptions(**options))
+    _validate(bundle)
+
+
 def _pipeline(tmp_path: Path, stages: str) -> Path:
     path = tmp_path / "pipeline.yaml"
     path.write_text(f"name: t\nstages:\n{stages}")
