@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import shlex
+from collections.abc import Callable
 from typing import Any
 
 from omnirail.cli.args import progress, read_inputs, wake_us
@@ -35,6 +37,32 @@ def _levels(text: str) -> list[int]:
     if any(n < 1 for n in levels):
         raise argparse.ArgumentTypeError(f"levels must be at least 1: {text!r}")
     return levels
+
+
+def _at_least(low: int) -> Callable[[str], int]:
+    """An argparse type: an integer of at least `low` (counts, sizes)."""
+
+    def parse(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"not an integer: {text!r}") from None
+        if value < low:
+            raise argparse.ArgumentTypeError(f"must be at least {low}, got {value}")
+        return value
+
+    return parse
+
+
+def _duration(text: str) -> float:
+    """An argparse type: a finite duration of at least 0 (ms or s, as the flag says)."""
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a number: {text!r}") from None
+    if not 0 <= value < math.inf:  # also refuses nan
+        raise argparse.ArgumentTypeError(f"must be a finite number of at least 0, got {text}")
+    return value
 
 
 def _one_level(args: argparse.Namespace, default: int) -> int:
@@ -225,10 +253,10 @@ def add_bench_parser(sub: Any) -> None:
         help="relay: command prefix for the receiver, e.g. 'ip netns exec NS' (across hosts)",
     )
     b.add_argument("--stages", type=int, default=3)
-    b.add_argument("--payload-bytes", type=int, default=0)
+    b.add_argument("--payload-bytes", type=_at_least(0), default=0)
     b.add_argument(
         "--requests",
-        type=int,
+        type=_at_least(1),
         default=None,
         help="pipeline: sequential latency requests (default 300); omni: requests per "
         "concurrency level, in waves of that many at once (default 16)",
@@ -241,18 +269,18 @@ def add_bench_parser(sub: Any) -> None:
         help="pipeline: requests in flight (default 64); demo: streams at once (default 1); "
         "omni: levels, comma-separated (default 1,8)",
     )
-    b.add_argument("--throughput-requests", type=int, default=2048)
+    b.add_argument("--throughput-requests", type=_at_least(1), default=2048)
     b.add_argument(
         "--stage-ms",
-        type=float,
+        type=_duration,
         default=0.0,
         help="pipeline: each stage sleeps this long per request (GIL released, like a kernel)",
     )
-    b.add_argument("--chunks", type=int, default=50, help="streaming: chunks per request")
+    b.add_argument("--chunks", type=_at_least(1), default=50, help="streaming: chunks per request")
     b.add_argument(
-        "--interval-ms", type=float, default=10.0, help="streaming: producer time per chunk"
+        "--interval-ms", type=_duration, default=10.0, help="streaming: producer time per chunk"
     )
-    b.add_argument("--runs", type=int, default=5, help="streaming, demo: timed requests")
+    b.add_argument("--runs", type=_at_least(1), default=5, help="streaming, demo: timed requests")
     b.add_argument(
         "--rounds",
         type=int,
@@ -307,7 +335,7 @@ def add_bench_parser(sub: Any) -> None:
     )
     b.add_argument(
         "--replicas",
-        type=int,
+        type=_at_least(1),
         default=1,
         help="pipeline: one stage with this many replicas, replica 0 --slow-factor times "
         "slower, under each balance policy (least_outstanding against request_id hashing), "
@@ -335,7 +363,7 @@ def add_bench_parser(sub: Any) -> None:
     )
     chaos.add_argument(
         "--kill-every",
-        type=float,
+        type=_duration,
         default=3.0,
         metavar="S",
         help="chaos: SIGKILL a random stage process every S seconds (0: none)",
