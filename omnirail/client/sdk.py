@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import math
 import queue
 import threading
 import time
@@ -23,6 +24,7 @@ from omnirail.client.connect import client_channel
 from omnirail.client.readiness import not_ready
 from omnirail.client.session import AsyncSession, SyncSession
 from omnirail.client.span import ClientSpan
+from omnirail.config.limits import MAX_MESSAGE_MB
 from omnirail.v1 import client_pb2, client_pb2_grpc, common_pb2
 from omnirail.wire.errors import Code, OmniError, invalid
 from omnirail.wire.payload import PayloadError, decode_inline, encode_inline
@@ -77,6 +79,10 @@ def build_request(
 ) -> client_pb2.GenerateRequest:
     if not isinstance(inputs, Mapping):
         raise invalid(f"inputs: expected a mapping of names to values, got {type(inputs).__name__}")
+    try:
+        timeout = _check_timeout(timeout)
+    except ValueError as exc:
+        raise invalid(str(exc)) from None
     try:
         payload = encode_inline(dict(inputs))
     except PayloadError as exc:
@@ -155,6 +161,28 @@ def _deadline(timeout: float | None) -> float | None:
     return None if timeout is None else timeout + _DEADLINE_SLACK_S
 
 
+def _check_timeout(timeout: float | None, what: str = "timeout") -> float | None:
+    """None (no deadline) or a finite number of seconds above 0; ValueError otherwise (a
+    negative or nan deadline would be sent as none at all)."""
+    if timeout is None:
+        return None
+    if isinstance(timeout, bool) or not isinstance(timeout, int | float):
+        raise ValueError(f"{what} must be a number of seconds or None, not {timeout!r}")
+    if not 0 < timeout < math.inf:
+        raise ValueError(f"{what} must be above 0 and finite (None: no deadline), not {timeout}")
+    return float(timeout)
+
+
+def _check_client(address: str, timeout: float | None, max_message_mb: int) -> None:
+    if not isinstance(address, str) or not address.strip():
+        raise ValueError(f"address must be 'unix:///path' or 'host:port', not {address!r}")
+    _check_timeout(timeout)
+    if isinstance(max_message_mb, bool) or not isinstance(max_message_mb, int):
+        raise ValueError(f"max_message_mb must be an int, not {max_message_mb!r}")
+    if not 1 <= max_message_mb <= MAX_MESSAGE_MB:  # the pipeline's own bound
+        raise ValueError(f"max_message_mb must be 1-{MAX_MESSAGE_MB}, not {max_message_mb}")
+
+
 def _numpy_only(tensors: str) -> bool:
     if tensors not in ("auto", "numpy"):
         raise ValueError(f"tensors must be 'auto' or 'numpy', not {tensors!r}")
@@ -184,6 +212,7 @@ class Client:
         token: str | None = None,
         server_name: str | None = None,
     ) -> None:
+        _check_client(address, timeout, max_message_mb)
         self.address = address
         self.timeout = timeout
         self._numpy = _numpy_only(tensors)
@@ -382,6 +411,7 @@ class AsyncClient:
         token: str | None = None,
         server_name: str | None = None,
     ) -> None:
+        _check_client(address, timeout, max_message_mb)
         self.address = address
         self.timeout = timeout
         self._numpy = _numpy_only(tensors)
