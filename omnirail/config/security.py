@@ -50,6 +50,17 @@ def _path(default: str | None = None) -> str | None:
     return Field(default, min_length=1, max_length=4096)  # type: ignore[no-any-return]
 
 
+def _flag(name: str, value: str) -> bool:
+    """A yes/no environment variable; anything else is refused rather than read as no (a
+    mistyped OMNIRAIL_TLS_MUTUAL must not turn client certificates off unseen)."""
+    word = value.strip().lower()
+    if word in ("1", "true", "yes", "on"):
+        return True
+    if word in ("0", "false", "no", "off"):
+        return False
+    raise ValueError(f"{name}={value!r}: expected 1 or 0 (true/false, yes/no, on/off)")
+
+
 class _Model(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True)
 
@@ -125,7 +136,7 @@ class SecurityConfig(_Model):
             if environ.get(env):
                 tls[field] = environ[env]
         if environ.get(ENV_MUTUAL):
-            tls["mutual"] = environ[ENV_MUTUAL].strip().lower() in ("1", "true", "yes")
+            tls["mutual"] = _flag(ENV_MUTUAL, environ[ENV_MUTUAL])
         if tls:
             data["tls"] = tls
         for env, field in (

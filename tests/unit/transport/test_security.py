@@ -96,6 +96,20 @@ def test_generated_material_serves_mutual_tls(tmp_path: Path) -> None:
     )
 
 
+@pytest.mark.parametrize(("value", "mutual"), [("1", True), (" Yes ", True), ("off", False)])
+def test_mutual_from_the_environment(tmp_path: Path, value: str, mutual: bool) -> None:
+    paths = make_mesh_material(tmp_path / "tls", ["stage-a"])
+    environ = {**material_env(paths), "OMNIRAIL_TLS_MUTUAL": value}
+    assert MeshSecurity(None, environ=environ).mutual is mutual
+
+
+def test_a_mistyped_mutual_is_refused_not_read_as_no(tmp_path: Path) -> None:
+    paths = make_mesh_material(tmp_path / "tls", ["stage-a"])
+    environ = {**material_env(paths), "OMNIRAIL_TLS_MUTUAL": "ture"}
+    with pytest.raises(ValueError, match=r"OMNIRAIL_TLS_MUTUAL='ture': expected 1 or 0"):
+        MeshSecurity(None, environ=environ)
+
+
 def test_what_a_configuration_leaves_open_is_said(tmp_path: Path) -> None:
     tokens = tmp_path / "tokens"
     tokens.write_text("t\n")
