@@ -6,6 +6,7 @@ import argparse
 import sys
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 from omnirail.tuning.cpu_latency import check_us
 
@@ -44,23 +45,24 @@ def wake_us(text: str) -> int:
         raise argparse.ArgumentTypeError(str(exc)) from None
 
 
-def seconds(text: str) -> float:
-    """A `--timeout`: a finite number of seconds above 0 (at most a year)."""
-    try:
-        value = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"not a number of seconds: {text!r}") from None
-    if not 0 < value <= 365 * 86400:  # also refuses nan and inf
-        raise argparse.ArgumentTypeError(f"must be above 0 and at most a year, got {text}")
-    return value
+def checked(kind: type[Any], ok: Callable[[Any], bool], rule: str) -> Callable[[str], Any]:
+    """An argparse type: the text as `kind` (int or float) for which `ok` holds; otherwise a
+    usage error naming the flag and `rule` (comparisons refuse nan by themselves)."""
+    noun = "an integer" if kind is int else "a number"
+
+    def parse(text: str) -> Any:
+        try:
+            value = kind(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"not {noun}: {text!r}") from None
+        if not ok(value):
+            raise argparse.ArgumentTypeError(f"must be {rule}, got {text}")
+        return value
+
+    return parse
 
 
-def port_number(text: str) -> int:
-    """A TCP port: 0 (any free one) to 65535."""
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"not a port number: {text!r}") from None
-    if not 0 <= value <= 65535:
-        raise argparse.ArgumentTypeError(f"must be 0-65535 (0: any free one), got {value}")
-    return value
+# A `--timeout`: seconds above 0, finite (at most a year).
+seconds = checked(float, lambda v: 0 < v <= 365 * 86400, "above 0 and at most a year")
+# A TCP port to listen on.
+port_number = checked(int, lambda v: 0 <= v <= 65535, "0-65535 (0: any free one)")

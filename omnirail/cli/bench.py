@@ -9,7 +9,7 @@ import shlex
 from collections.abc import Callable
 from typing import Any
 
-from omnirail.cli.args import progress, read_inputs, wake_us
+from omnirail.cli.args import checked, progress, read_inputs, wake_us
 
 
 def _parse_options(items: list[str]) -> dict[str, object]:
@@ -41,28 +41,11 @@ def _levels(text: str) -> list[int]:
 
 def _at_least(low: int) -> Callable[[str], int]:
     """An argparse type: an integer of at least `low` (counts, sizes)."""
-
-    def parse(text: str) -> int:
-        try:
-            value = int(text)
-        except ValueError:
-            raise argparse.ArgumentTypeError(f"not an integer: {text!r}") from None
-        if value < low:
-            raise argparse.ArgumentTypeError(f"must be at least {low}, got {value}")
-        return value
-
-    return parse
+    return checked(int, lambda v: v >= low, f"at least {low}")
 
 
-def _duration(text: str) -> float:
-    """An argparse type: a finite duration of at least 0 (ms or s, as the flag says)."""
-    try:
-        value = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"not a number: {text!r}") from None
-    if not 0 <= value < math.inf:  # also refuses nan
-        raise argparse.ArgumentTypeError(f"must be a finite number of at least 0, got {text}")
-    return value
+# An argparse type: a finite duration of at least 0 (ms or s, as the flag says).
+_duration = checked(float, lambda v: 0 <= v < math.inf, "a finite number of at least 0")
 
 
 def _one_level(args: argparse.Namespace, default: int) -> int:
