@@ -44,6 +44,10 @@ class Mapping:
     marks: memoryview | None = None
     addr: int = 0  # where the mapping starts in this process (data segments)
 
+    def same_file(self, st: os.stat_result) -> bool:
+        """Whether `st` is the file this maps (not a restarted sender's new one)."""
+        return st.st_ino == self.ino and st.st_dev == self.dev
+
     @property
     def writable(self) -> bool:
         """A release-marks segment (data segments are mapped read-only)."""
@@ -68,18 +72,16 @@ class SegmentMaps:
     def still_current(self, name: str, mapping: Mapping) -> bool:
         """Whether the cached mapping is still the file named `name` (not a restarted
         sender's new one); one lstat, the only syscall on the cached path."""
-        st = self._lstat(name)
-        return st.st_ino == mapping.ino and st.st_dev == mapping.dev
+        return mapping.same_file(self._lstat(name))
 
     def open(self, name: str, writable: bool = False, end: int = 0) -> tuple[Mapping, bool]:
         """(mapping of segment `name`, whether it is new): the cached one while the file
         is the same, else a new one that the caller caches (or unmaps) itself. A data
         segment must hold `end` bytes, a marks segment exactly its slots; the size is
         checked on the open file before anything is mapped."""
-        path = os.path.join(SHM_DIR, name)
         st = self._lstat(name)
         cached = self.mapped.get(name)
-        if cached is not None and cached.ino == st.st_ino and cached.dev == st.st_dev:
+        if cached is not None and cached.same_file(st):
             return cached, False
         # New segment or sender restart: also forget mappings of senders that are gone, or
         # a long-lived receiver would pin every dead pool's memory.
@@ -90,7 +92,7 @@ class SegmentMaps:
         # wait for a writer (fstat refuses it below); it changes nothing for a file.
         flags = (os.O_RDWR if writable else os.O_RDONLY) | os.O_NOFOLLOW | os.O_NONBLOCK
         try:
-            fd = os.open(path, flags | os.O_CLOEXEC)
+            fd = os.open(os.path.join(SHM_DIR, name), flags | os.O_CLOEXEC)
         except OSError as e:
             raise RelayError(f"cannot open shm segment {shown(name)}: {e}") from None
         try:
@@ -138,7 +140,7 @@ class SegmentMaps:
             except OSError:
                 self.drop(name)
                 continue
-            if st.st_ino != mapping.ino or st.st_dev != mapping.dev:
+            if not mapping.same_file(st):
                 self.drop(name)
 
     def close(self) -> None:

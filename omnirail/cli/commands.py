@@ -318,10 +318,11 @@ def cmd_stage(args: argparse.Namespace) -> int:
     _setup_logging(args.log_level)
     cfg = load_pipeline(args.pipeline)
     names = [s for s in args.stage.split(",") if s]
-    unknown = [n for n in names if n not in cfg.stage_names]
+    known = cfg.stage_names
+    unknown = [n for n in names if n not in known]
     if unknown or not names:
         what = f"unknown stage {unknown[0]!r}" if unknown else "names no stage"
-        raise ValueError(f"--stage {args.stage!r}: {what}; stages: {', '.join(cfg.stage_names)}")
+        raise ValueError(f"--stage {args.stage!r}: {what}; stages: {', '.join(known)}")
     _pin(args.cpus, cfg.process_cpus(names))
     listen = args.listen or f"{cfg.endpoints.host}:0"
     with _wake_latency(args.cpu_wake_latency_us, cfg, f"stage process {args.stage}"):

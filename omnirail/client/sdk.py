@@ -161,15 +161,15 @@ def _deadline(timeout: float | None) -> float | None:
     return None if timeout is None else timeout + _DEADLINE_SLACK_S
 
 
-def _check_timeout(timeout: float | None, what: str = "timeout") -> float | None:
+def _check_timeout(timeout: float | None) -> float | None:
     """None (no deadline) or a finite number of seconds above 0; ValueError otherwise (a
     negative or nan deadline would be sent as none at all)."""
     if timeout is None:
         return None
     if isinstance(timeout, bool) or not isinstance(timeout, int | float):
-        raise ValueError(f"{what} must be a number of seconds or None, not {timeout!r}")
+        raise ValueError(f"timeout must be a number of seconds or None, not {timeout!r}")
     if not 0 < timeout < math.inf:
-        raise ValueError(f"{what} must be above 0 and finite (None: no deadline), not {timeout}")
+        raise ValueError(f"timeout must be above 0 and finite (None: no deadline), not {timeout}")
     return float(timeout)
 
 

@@ -183,7 +183,7 @@ def write_bundle(bundle: ComposeBundle) -> list[Path]:
             print(f"[omnirail] warning: {warning}", file=sys.stderr)
     if bundle.output is not None:
         files[bundle.output] = bundle.text
-    written: dict[Path, Path] = {}  # target -> its temporary file
+    written: dict[Path, tuple[Path, Path]] = {}  # target -> (the file it names, temporary)
     try:
         for path, text in files.items():
             real = Path(os.path.realpath(path))  # a symlinked target is written through
@@ -192,15 +192,15 @@ def write_bundle(bundle: ComposeBundle) -> list[Path]:
                 tmp.write_text(text, encoding="utf-8")
             except OSError as exc:
                 raise ComposeError(f"cannot write {path}: {exc.strerror or exc}") from None
-            written[path] = tmp
-        for path, tmp in list(written.items()):
+            written[path] = (real, tmp)
+        for path, (real, tmp) in list(written.items()):
             try:
-                os.replace(tmp, os.path.realpath(path))
+                os.replace(tmp, real)
             except OSError as exc:
                 raise ComposeError(f"cannot write {path}: {exc.strerror or exc}") from None
             del written[path]
     finally:
-        for tmp in written.values():
+        for _, tmp in written.values():
             tmp.unlink(missing_ok=True)
     return list(files)
 

@@ -16,7 +16,8 @@ from omnirail.ops.plan import plan_processes
 # Services the deployment adds beside the stages; a stage service may not take these names.
 RESERVED_SERVICES = ("coordinator", "gateway", "jaeger", "prometheus")
 
-_DNS_LABEL = re.compile(r"[a-z0-9]([a-z0-9-]{0,61}[a-z0-9])?")  # fullmatch: no trailing \n
+# RFC 1123 label: service, namespace and most object names (fullmatch: no trailing \n).
+DNS_LABEL = re.compile(r"[a-z0-9]([a-z0-9-]{0,61}[a-z0-9])?")
 # tmpfs headroom for the marks segments and page rounding of every pool.
 SHM_SLACK_MB = 64
 
@@ -49,7 +50,7 @@ class IpcGroup:
 def dns_label(name: str) -> str:
     """A stage or process name as a DNS label: lower case, '_' becomes '-'."""
     label = name.lower().replace("_", "-")
-    if not _DNS_LABEL.fullmatch(label):
+    if not DNS_LABEL.fullmatch(label):
         raise ComposeError(
             f"{name!r} cannot be a compose service name ({label!r} is not a DNS label: "
             "letters, digits and inner '-', at most 63); rename it"

@@ -11,13 +11,11 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from omnirail.ops.compose_edges import EdgeRelay
-from omnirail.ops.compose_groups import ComposeError
+from omnirail.ops.compose_groups import DNS_LABEL, ComposeError
 
 IMAGE = "omnirail:latest"
-# RFC 1123: a label (namespaces) and a subdomain (most object names, claims among them).
-_LABEL = r"[a-z0-9]([-a-z0-9]{0,61}[a-z0-9])?"
-_DNS_LABEL = re.compile(_LABEL)
-_DNS_SUBDOMAIN = re.compile(rf"{_LABEL}(\.{_LABEL})*")
+# RFC 1123 subdomain (claim names): labels joined by dots.
+_DNS_SUBDOMAIN = re.compile(rf"{DNS_LABEL.pattern}(\.{DNS_LABEL.pattern})*")
 # A container image reference: no whitespace or control characters (the registry judges
 # the rest).
 _IMAGE = re.compile(r"[^\s\x00-\x1f\x7f]{1,4096}")
@@ -43,7 +41,7 @@ class K8sOptions:
     def check(self) -> None:
         """Raises ComposeError naming the first option Kubernetes or the services would
         refuse."""
-        if self.namespace is not None and not _DNS_LABEL.fullmatch(self.namespace):
+        if self.namespace is not None and not DNS_LABEL.fullmatch(self.namespace):
             raise ComposeError(
                 f"--namespace {self.namespace!r}: not a namespace name (lower-case letters, "
                 "digits and inner '-', at most 63)"
