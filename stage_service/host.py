@@ -243,7 +243,9 @@ class StageHost(mesh_pb2_grpc.StageServicer):
         replica of a stage draining, as when a compose project stops, requests running
         elsewhere still pass it) and it has been idle, no request in a stage, nothing
         queued, sent or unreported, for `DRAIN_SETTLE_S` (items routed here before the
-        topology changed are still on their way). True when that came in time."""
+        topology changed are still on their way), or at once when no coordinator is
+        attached: a request cannot end without one, so nothing more is worth waiting for
+        (as when a whole mesh stops, its coordinator first). True when that came in time."""
         for attach in self._attach.values():
             attach.drain()
         loop = asyncio.get_running_loop()
@@ -254,10 +256,13 @@ class StageHost(mesh_pb2_grpc.StageServicer):
                 quiet_since = None
             elif quiet_since is None:
                 quiet_since = now
-            elif now - quiet_since >= DRAIN_SETTLE_S:
+            elif now - quiet_since >= (DRAIN_SETTLE_S if self._attached() else 0.0):
                 return True
             await asyncio.sleep(0.02)
         return not self._busy()
+
+    def _attached(self) -> bool:
+        return any(a.connected.is_set() for a in self._attach.values())
 
     def _needed(self) -> bool:
         """The coordinator may still send work here: a stage of this process is not
