@@ -3,10 +3,7 @@
 from __future__ import annotations
 
 import argparse
-import logging
 import os
-import signal
-import subprocess
 import sys
 import time
 from collections.abc import Iterator
@@ -15,11 +12,11 @@ from pathlib import Path
 from typing import Any
 
 from omnirail.cli.args import port_number, progress, read_inputs, seconds, wake_us
+from omnirail.cli.lifecycle import cmd_down, cmd_up, exit_now
 from omnirail.cli.security import (
     add_client_flags,
     add_mesh_flags,
     client_options,
-    mesh_argv,
     mesh_env,
 )
 from omnirail.config import ConfigError, PipelineConfig, format_topology, load_pipeline
@@ -44,161 +41,6 @@ def cmd_validate(args: argparse.Namespace) -> int:
     cfg = load_pipeline(args.file)
     print(format_topology(cfg))
     return 0
-
-
-def cmd_up(args: argparse.Namespace) -> int:
-    from omnirail.ops.control import serve_pending
-    from omnirail.ops.launcher import Mesh, read_states, write_state
-
-    if args.detach:
-        return _up_detached(args)
-    mesh = Mesh(
-        args.file,
-        transport="tcp" if args.tcp else None,
-        host=args.host,
-        port=args.port,
-        run_dir=args.run_dir,
-        progress=progress(args.quiet),
-        pin=args.pin,
-        cpu_wake_latency_us=args.cpu_wake_latency_us,
-        env=mesh_env(args),
-        tls=args.tls,
-        http=args.http,
-    )
-    name = args.name or mesh.pipeline.name or "pipeline"
-    if name in read_states():
-        raise ValueError(f"a mesh named {name!r} is already running; `omnirail down --name {name}`")
-    stop = False
-
-    def on_signal(*_: object) -> None:
-        nonlocal stop
-        stop = True
-
-    signal.signal(signal.SIGTERM, on_signal)
-    signal.signal(signal.SIGINT, on_signal)
-    state = None
-    try:
-        address = mesh.start()
-        state = write_state(
-            name,
-            {
-                "pid": os.getpid(),
-                "address": address,
-                "pipeline": mesh.pipeline_path,
-                "run_dir": str(mesh.run_dir),
-                "http": mesh.http_address,
-                # How clients reach it: paths only (the CA, where tokens are), no secrets.
-                "security": mesh.client_state(),
-            },
-        )
-        print(address, flush=True)
-        while not stop:
-            # `omnirail restart` and other commands from the run directory.
-            serve_pending(mesh.run_dir, mesh.handle_control)
-            # Stage processes restart on their own (or stay down past their budget while
-            # the rest serves); the coordinator's exit ends the mesh.
-            exited = mesh.poll_exited()
-            if exited:
-                for who, code in exited:
-                    print(f"[omnirail] {who} exited with code {code}; stopping", file=sys.stderr)
-                return 1
-            time.sleep(0.2)
-        return 0
-    finally:
-        progress(args.quiet)("stopping")
-        t0 = time.monotonic()
-        exits = mesh.stop()
-        bad = {who: code for who, code in exits.items() if code != 0}
-        codes = f"exit codes other than 0: {bad}" if bad else f"all {len(exits)} processes exited 0"
-        # Always said (also under --quiet: a detached mesh's log keeps it).
-        print(
-            f"[omnirail] stopped in {time.monotonic() - t0:.2f}s; {codes}",
-            file=sys.stderr,
-            flush=True,
-        )
-        if state is not None:
-            state.unlink(missing_ok=True)
-
-
-def _up_detached(args: argparse.Namespace) -> int:
-    from omnirail.ops.launcher import read_states, state_dir
-
-    cfg = load_pipeline(args.file)
-    name = args.name or cfg.name or "pipeline"
-    if name in read_states():
-        raise ValueError(f"a mesh named {name!r} is already running; `omnirail down --name {name}`")
-    log = state_dir() / f"{name}.log"
-    argv = [
-        sys.executable,
-        "-m",
-        "omnirail",
-        "up",
-        str(Path(args.file).resolve()),
-        "--name",
-        name,
-        "--quiet",
-    ]
-    if args.tcp:
-        argv += ["--tcp", "--host", args.host or "127.0.0.1", "--port", str(args.port)]
-    if args.run_dir:
-        argv += ["--run-dir", args.run_dir]
-    if args.http:
-        argv += ["--http", args.http]
-    if args.pin:
-        argv.append("--pin")
-    if args.cpu_wake_latency_us is not None:
-        argv += ["--cpu-wake-latency-us", str(args.cpu_wake_latency_us)]
-    argv += mesh_argv(args)
-    with open(log, "ab") as out:
-        proc = subprocess.Popen(
-            argv,
-            stdout=out,
-            stderr=subprocess.STDOUT,
-            stdin=subprocess.DEVNULL,
-            start_new_session=True,
-        )
-    deadline = time.monotonic() + 180
-    while time.monotonic() < deadline:
-        state = read_states().get(name)
-        if state is not None:
-            print(state["address"])
-            return 0
-        if proc.poll() is not None:
-            tail = log.read_text(errors="replace").splitlines()[-20:]
-            print("\n".join(tail), file=sys.stderr)
-            return 1
-        time.sleep(0.1)
-    proc.terminate()
-    print(f"mesh {name!r} did not become ready; see {log}", file=sys.stderr)
-    return 1
-
-
-def cmd_down(args: argparse.Namespace) -> int:
-    from omnirail.ops.launcher import pid_alive, running_meshes
-
-    states = running_meshes(args.name)
-    if args.name:
-        names = [args.name]
-    elif len(states) == 1 or (args.all and states):
-        names = sorted(states)
-    elif not states:
-        print("no mesh is running", file=sys.stderr)
-        return 0
-    else:
-        raise ValueError(f"several meshes are running ({sorted(states)}); pass --name or --all")
-    failed = 0
-    for name in names:
-        pid = int(states[name]["pid"])  # type: ignore[arg-type]
-        os.kill(pid, signal.SIGTERM)
-        deadline = time.monotonic() + 30
-        while pid_alive(pid) and time.monotonic() < deadline:
-            time.sleep(0.1)
-        if pid_alive(pid):
-            print(f"mesh {name!r} (pid {pid}) did not stop within 30 s", file=sys.stderr)
-            failed += 1
-        else:
-            print(f"stopped {name}")
-    return 1 if failed else 0
 
 
 def cmd_run(args: argparse.Namespace) -> int:
@@ -299,7 +141,7 @@ def cmd_coordinator(args: argparse.Namespace) -> int:
                 metrics_port=args.metrics_port,
             )
         )
-    _exit_now(0)
+    exit_now(0)
     return 0
 
 
@@ -341,22 +183,8 @@ def cmd_stage(args: argparse.Namespace) -> int:
                 heartbeat=args.heartbeat,
             )
         )
-    _exit_now(0)
+    exit_now(0)
     return 0
-
-
-def _exit_now(code: int) -> None:
-    """Ends a service process that has shut down cleanly (its relays closed, segments
-    unlinked, spans exported) without the interpreter's teardown: tearing down torch,
-    grpc and their threads costs 0.3-0.5 s of CPU per process, which made stopping the
-    8-process omni demo on 2 cores take 3 s. Logs and std streams are flushed first."""
-    logging.shutdown()
-    for stream in (sys.stdout, sys.stderr):
-        try:
-            stream.flush()
-        except (OSError, ValueError):
-            pass
-    os._exit(code)
 
 
 def cmd_trace(args: argparse.Namespace) -> int:
