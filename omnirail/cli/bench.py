@@ -112,6 +112,16 @@ def _run(args: argparse.Namespace) -> dict[str, Any]:
             via=args.via,
             progress=progress(args.json),
         )
+    elif args.what == "stop":
+        from omnirail.bench.stop_bench import run_stop_bench
+
+        report = run_stop_bench(
+            pipeline=args.pipeline,
+            inputs=read_inputs(args) if (args.input or args.input_file) else None,
+            runs=args.runs,
+            requests=1 if args.requests is None else args.requests,
+            progress=progress(args.json),
+        )
     elif args.what == "omni":
         from omnirail.bench.omni_bench import run_omni_bench
 
@@ -211,7 +221,17 @@ def add_bench_parser(sub: Any) -> None:
     b = sub.add_parser("bench", help="benchmarks (JSON output)")
     b.add_argument(
         "what",
-        choices=["pipeline", "relay", "streaming", "demo", "host", "omni", "chaos", "overload"],
+        choices=[
+            "pipeline",
+            "relay",
+            "streaming",
+            "demo",
+            "host",
+            "omni",
+            "chaos",
+            "overload",
+            "stop",
+        ],
     )
     b.add_argument("--json", action="store_true", help="one line of JSON, no progress")
     b.add_argument("--backend", default="shm")
@@ -242,7 +262,8 @@ def add_bench_parser(sub: Any) -> None:
         type=_at_least(1),
         default=None,
         help="pipeline: sequential latency requests (default 300); omni: requests per "
-        "concurrency level, in waves of that many at once (default 16)",
+        "concurrency level, in waves of that many at once (default 16); stop: requests "
+        "before each stop (default 1)",
     )
     b.add_argument(
         "--concurrency",
@@ -263,7 +284,12 @@ def add_bench_parser(sub: Any) -> None:
     b.add_argument(
         "--interval-ms", type=_duration, default=10.0, help="streaming: producer time per chunk"
     )
-    b.add_argument("--runs", type=_at_least(1), default=5, help="streaming, demo: timed requests")
+    b.add_argument(
+        "--runs",
+        type=_at_least(1),
+        default=5,
+        help="streaming, demo: timed requests; stop: up/down cycles",
+    )
     b.add_argument(
         "--rounds",
         type=int,
@@ -278,9 +304,11 @@ def add_bench_parser(sub: Any) -> None:
         help="demo: http also streams each request through the OpenAI gateway, against the "
         "SDK in the same run (what the gateway adds to time to first text and audio)",
     )
-    b.add_argument("--pipeline", default=None, help="demo: pipeline file (default: omni demo)")
-    b.add_argument("--input", default=None, help="demo: JSON object of inputs")
-    b.add_argument("--input-file", default=None, help="demo: file holding the JSON object")
+    b.add_argument(
+        "--pipeline", default=None, help="demo, stop: pipeline file (default: omni demo)"
+    )
+    b.add_argument("--input", default=None, help="demo, stop: JSON object of inputs")
+    b.add_argument("--input-file", default=None, help="demo, stop: file holding the JSON object")
     b.add_argument(
         "--model-path",
         default=None,
