@@ -123,7 +123,9 @@ def test_a_lost_replica_fails_what_already_streamed_and_spares_the_rest() -> Non
                 error = out[rid]
                 assert error.code == Code.UNAVAILABLE and error.stage == "thinker", error
                 assert dead_id in error.message and "went away" in error.message
-                assert out[rid + ":at"] - killed < 1.0  # within 1 s of the loss
+                # Noticed by the loss, not by the 60 s timeout (about 0.1 s on an idle
+                # host; the bound leaves room for a busy one).
+                assert out[rid + ":at"] - killed < 5.0
             for rid in set(got) - set(failed):
                 assert got[rid] == list(range(60)), got[rid]
     finally:
@@ -152,7 +154,7 @@ def test_a_hung_stage_is_noticed_its_requests_end_and_it_is_restarted(tmp_path: 
             except OmniError as exc:
                 assert exc.code == Code.DEADLINE_EXCEEDED, exc
                 assert "6s deadline" in exc.message
-            assert 5.5 < time.monotonic() - started < 9.0
+            assert 5.5 < time.monotonic() - started < 12.0  # the deadline, not a hang
 
             pid = mesh.processes()["stage-summarize"]
             os.kill(pid, signal.SIGSTOP)
@@ -164,8 +166,9 @@ def test_a_hung_stage_is_noticed_its_requests_end_and_it_is_restarted(tmp_path: 
                 took = time.monotonic() - stopped
                 assert exc.code == Code.UNAVAILABLE and exc.stage == "summarize", exc
                 assert "stopped answering" in exc.message
-            # liveness_s is 2: noticed within it and the coordinator's 0.5 s tick.
-            assert took < 2 + 0.5 + 1.5, took
+            # liveness_s is 2: noticed within it and the coordinator's 0.5 s tick (about
+            # 2.5 s), well before the request's 20 s timeout; room for a busy host.
+            assert took < 10.0, took
             # The launcher kills it (its heartbeat stopped) and starts it again.
             deadline = time.monotonic() + 90
             while True:

@@ -197,7 +197,7 @@ async def test_trust_peers_narrows_the_announced_prefixes(receiver: ShmRelay, pr
         started = time.monotonic()
         with pytest.raises(RelayError, match="not trusted"):
             await receiver.get(handle.descriptor)
-        assert time.monotonic() - started < 1
+        assert time.monotonic() - started < 4  # not the 5 s wait for an unknown peer
         receiver.trust_peers([other])
         (await receiver.get(handle.descriptor)).release()
         receiver.trust_peers([])  # its own prefix only: the cache forgets the other's
