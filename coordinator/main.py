@@ -11,8 +11,8 @@ from omnirail.coordinator.kserve import KServe
 from omnirail.coordinator.service import Coordinator
 from omnirail.kserve import grpc_predict_v2_pb2_grpc as pb_grpc
 from omnirail.telemetry import setup_tracing
-from omnirail.telemetry.metrics import (
-    CoordinatorMetrics,
+from omnirail.telemetry.metrics import CoordinatorMetrics
+from omnirail.telemetry.metrics_http import (
     metrics_endpoint,
     start_metrics_server,
     stop_metrics_server,
@@ -50,8 +50,10 @@ async def serve(
     endpoint = metrics_endpoint(pipeline.metrics, stage=False, host=metrics_host, port=metrics_port)
     if endpoint is not None:
         # Before the ready file: DescribePipeline reports it from the first call on.
-        coordinator.metrics_address = start_metrics_server(metrics.registry, *endpoint)
-        log.info("coordinator metrics at http://%s/metrics", coordinator.metrics_address)
+        tls = security.metrics_tls()
+        coordinator.metrics_address = start_metrics_server(metrics.registry, *endpoint, tls)
+        scheme = "https" if tls else "http"
+        log.info("coordinator metrics at %s://%s/metrics", scheme, coordinator.metrics_address)
     client_pb2_grpc.add_OmnirailServicer_to_server(coordinator, server)
     mesh_pb2_grpc.add_CoordinatorServicer_to_server(coordinator, server)
     # The Open Inference Protocol beside the native API, on the same port.

@@ -60,13 +60,14 @@ async def serve(
 ) -> None:
     from omnirail.stage_service.host import StageHost
     from omnirail.telemetry import setup_tracing
-    from omnirail.telemetry.metrics import (
-        StageMetrics,
+    from omnirail.telemetry.metrics import StageMetrics
+    from omnirail.telemetry.metrics_http import (
         dial_address,
         metrics_endpoint,
         start_metrics_server,
         stop_metrics_server,
     )
+    from omnirail.transport.security import mesh_security
 
     placed = configure_process(pipeline, stage_names, tp_rank)
     log.info("stages %s run on %s", stage_names, placed.device)
@@ -79,10 +80,13 @@ async def serve(
     telemetry = setup_tracing(f"omnirail-stage-{'+'.join(stage_names)}")
     metrics = StageMetrics()
     metrics_address = ""
+    security = mesh_security(pipeline)
     endpoint = metrics_endpoint(pipeline.metrics, stage=True, host=metrics_host, port=metrics_port)
     if endpoint is not None:
-        metrics_address = start_metrics_server(metrics.registry, *endpoint)
-        log.info("stages %s metrics at http://%s/metrics", stage_names, metrics_address)
+        tls = security.metrics_tls()
+        metrics_address = start_metrics_server(metrics.registry, *endpoint, tls)
+        scheme = "https" if tls else "http"
+        log.info("stages %s metrics at %s://%s/metrics", stage_names, scheme, metrics_address)
     host = StageHost(
         pipeline,
         stage_names,
@@ -95,6 +99,7 @@ async def serve(
         metrics_address=dial_address(metrics_address, endpoint[0], advertise) if endpoint else "",
         placement=placed,
         tp=tp,
+        security=security,
     )
     loop = asyncio.get_running_loop()
     signalled = asyncio.Event()

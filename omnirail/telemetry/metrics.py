@@ -1,11 +1,12 @@
-"""Prometheus metrics: one registry and one `/metrics` endpoint per service process.
+"""Prometheus metrics: one registry per service process (its `/metrics` endpoint is
+`omnirail.telemetry.metrics_http`).
 
 Names carry the `omnirail_` prefix and base units (seconds, bytes). Each service gets its
 own `CollectorRegistry`, not prometheus_client's process-global one, so services that
 share a process (tests, in-process meshes) never collide. Label children are bound once,
 so an observation on the request path costs one prometheus_client call (~1-2 µs) and at
 most a dict lookup. Observations happen on the service's event loop thread; the HTTP
-server reads them from its own thread (prometheus_client values are locked).
+server reads them from its own threads (prometheus_client values are locked).
 
 Queue depth, in-flight and running counts are read at scrape time from callables rather
 than kept up to date on the request path.
@@ -14,18 +15,14 @@ than kept up to date on the request path.
 from __future__ import annotations
 
 import math
-import threading
 from collections.abc import Callable
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
 from omnirail.v1.common_pb2 import ErrorCode, RequestState
 
 if TYPE_CHECKING:
-    from wsgiref.simple_server import WSGIServer
-
-    from omnirail.config import MetricsConfig
     from omnirail.wire.errors import OmniError
 
 # Seconds: sub-millisecond stage hops up to requests that run for a minute.
@@ -335,85 +332,3 @@ class StageRecorder:
             )
         pair[0].inc(nbytes)
         pair[1].observe(seconds)
-
-
-# ---- HTTP endpoint ------------------------------------------------------------------
-
-_WILDCARDS = ("", "0.0.0.0", "::")
-_servers: dict[str, tuple[WSGIServer, threading.Thread]] = {}
-_servers_lock = threading.Lock()
-
-
-def metrics_endpoint(
-    cfg: MetricsConfig, *, stage: bool, host: str | None = None, port: int | None = None
-) -> tuple[str, int] | None:
-    """Where a process serves /metrics: the `--metrics-host`/`--metrics-port` flags win
-    over the pipeline's `metrics` config; a port of -1 (or `enabled: false` without a
-    port flag) means no endpoint."""
-    if port is None:
-        if not cfg.enabled:
-            return None
-        port = cfg.stage_port if stage else cfg.port
-    if port == -1:
-        return None
-    if not 0 <= port <= 65535:
-        raise ValueError(f"metrics port {port} is out of range (0-65535, or -1 for none)")
-    return (cfg.host if host is None else host), port
-
-
-def start_metrics_server(registry: CollectorRegistry, host: str, port: int) -> str:
-    """Serves `registry` at http://ADDRESS/metrics on a daemon thread; returns ADDRESS
-    (host:port, the port actually bound: `port` 0 picks a free one).
-
-    A wildcard host comes back as loopback, like `omnirail.transport.grpc_server.bind`, since the
-    address is meant to be dialed. Stop it with `stop_metrics_server(ADDRESS)`.
-
-    Turns off prometheus_client's `*_created` series for the whole process: one more
-    unitless series per counter and histogram child that nothing here reads.
-    """
-    from prometheus_client import disable_created_metrics, start_http_server
-
-    disable_created_metrics()
-    host = host.strip("[]")
-    server, thread = start_http_server(port, addr=host or "0.0.0.0", registry=registry)
-    if host in _WILDCARDS:
-        host = "::1" if host == "::" else "127.0.0.1"
-    address = _join(host, server.server_port)
-    with _servers_lock:
-        _servers[address] = (server, thread)
-    return address
-
-
-def stop_metrics_server(address: str, *, wait: bool = True) -> None:
-    """Stops the endpoint `start_metrics_server` returned `address` for (blocks for up to
-    the server's 0.5 s poll interval; `wait=False`: stops it from a daemon thread, for a
-    process about to exit, whose exit must not wait on that poll)."""
-    with _servers_lock:
-        found = _servers.pop(address, None)
-    if found is None:
-        return
-    server, thread = found
-    if not wait:
-        threading.Thread(target=_stop, args=(server, thread), daemon=True).start()
-        return
-    _stop(server, thread)
-
-
-def _stop(server: Any, thread: threading.Thread) -> None:
-    server.shutdown()
-    server.server_close()
-    thread.join(timeout=5)
-
-
-def dial_address(address: str, host: str, advertise: str | None) -> str:
-    """The address to publish for discovery: an endpoint bound to every interface (`host`
-    a wildcard) is dialed at the host its stage advertises for Deliver, not loopback."""
-    if host.strip("[]") not in _WILDCARDS or not advertise or advertise.startswith("unix:"):
-        return address
-    if ":" not in advertise:
-        return address
-    return _join(advertise.rsplit(":", 1)[0].strip("[]"), int(address.rsplit(":", 1)[1]))
-
-
-def _join(host: str, port: int) -> str:
-    return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"

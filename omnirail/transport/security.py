@@ -23,6 +23,7 @@ import hashlib
 import hmac
 import logging
 import os
+import ssl
 import time
 from collections.abc import Awaitable, Callable, Mapping, Sequence
 from typing import Any
@@ -162,6 +163,24 @@ class MeshSecurity:
             root_certificates=self._ca if require else None,
             require_client_auth=require,
         )
+
+    def metrics_tls(self) -> ssl.SSLContext | None:
+        """TLS for this process's `/metrics` endpoint: the mesh's certificate, and when the
+        mesh is mutual a client certificate from its CA required (a scraper is a peer, not
+        a client of the API). None: plaintext."""
+        tls = self.config.tls
+        if tls is None:
+            return None
+        context = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
+        context.minimum_version = ssl.TLSVersion.TLSv1_2
+        try:
+            context.load_cert_chain(tls.cert, tls.key)
+        except (OSError, ssl.SSLError) as exc:
+            raise SecurityError(f"tls.cert {tls.cert!r} / tls.key {tls.key!r}: {exc}") from None
+        if self.mutual and self._ca is not None:
+            context.load_verify_locations(cadata=self._ca.decode())
+            context.verify_mode = ssl.CERT_REQUIRED
+        return context
 
     def interceptor(self) -> grpc.aio.ServerInterceptor | None:
         if not self.tokens and not self.mesh_secrets:

@@ -1,16 +1,20 @@
 """TLS, bearer tokens and mesh membership on a real mesh (`tls="auto"` + a tokens file).
 
 The quickstart over TCP with a throwaway CA: clients need TLS and a token; stages need the
-mesh secret (and, at the stages' servers, a certificate from the mesh CA) to join.
+mesh secret (and, at the stages' servers, a certificate from the mesh CA) to join; every
+/metrics endpoint serves HTTPS and asks its scrapers for a certificate from the mesh CA.
 """
 
 from __future__ import annotations
 
 import os
 import secrets
+import ssl
 import subprocess
 import sys
 import time
+import urllib.error
+import urllib.request
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -241,3 +245,27 @@ def test_omnirail_health_speaks_tls_from_the_environment(secured: Secured) -> No
     bare = {k: v for k, v in os.environ.items() if not k.startswith("OMNIRAIL_TLS")}
     plain = subprocess.run(probe, env=bare, capture_output=True, text=True, timeout=60)
     assert plain.returncode == 1 and "unreachable" in plain.stderr, explain(plain)
+
+
+def test_every_metrics_endpoint_is_https_and_asks_for_the_mesh_certificate(
+    secured: Secured,
+) -> None:
+    """DescribePipeline's metrics addresses serve HTTPS with the mesh certificate; the mesh
+    is mutual, so a scraper shows a certificate from the mesh CA, as a stage does."""
+    with Client(secured.address, tls=secured.ca, token=secured.token, timeout=20) as client:
+        info = client.describe()
+    addresses = [info.metrics_address] + [
+        r.metrics_address for s in info.stages for r in s.replicas
+    ]
+    assert len(addresses) == 1 + len(info.stages) and all(addresses), addresses
+    scraper = ssl.create_default_context(cafile=secured.ca)
+    scraper.load_cert_chain(str(secured.tls_dir / "mesh.pem"), str(secured.tls_dir / "mesh.key"))
+    anonymous = ssl.create_default_context(cafile=secured.ca)
+    for address in addresses:
+        url = f"https://{address.replace('127.0.0.1', 'localhost')}/metrics"
+        with urllib.request.urlopen(url, context=scraper, timeout=20) as resp:
+            assert "omnirail_" in resp.read().decode()
+        with pytest.raises((urllib.error.URLError, ConnectionError, ssl.SSLError)):
+            urllib.request.urlopen(url, context=anonymous, timeout=20).read()
+        with pytest.raises((urllib.error.URLError, ConnectionError, OSError)):
+            urllib.request.urlopen(f"http://{address}/metrics", timeout=20).read()

@@ -1,5 +1,5 @@
 """Prometheus metrics: names and units, label sets, abort reasons, the Stage's
-observations (with tracing off), endpoint resolution, and the HTTP endpoint."""
+observations (with tracing off), and the registries served over HTTP."""
 
 from __future__ import annotations
 
@@ -11,21 +11,13 @@ import pytest
 from prometheus_client import CollectorRegistry
 from prometheus_client.parser import text_string_to_metric_families
 
-from omnirail.config import ConfigError, MetricsConfig, PipelineConfig
+from omnirail.config import ConfigError, PipelineConfig
 from omnirail.relay.base import RelaySettings, create_relay
 from omnirail.stage_service.edges import EdgeRelays
 from omnirail.stage_service.scheduler import SimpleScheduler
 from omnirail.stage_service.stage import Stage
-from omnirail.telemetry.metrics import (
-    CoordinatorMetrics,
-    StageMetrics,
-    abort_reason,
-    dial_address,
-    metrics_endpoint,
-    start_metrics_server,
-    stop_metrics_server,
-    watch_relay,
-)
+from omnirail.telemetry.metrics import CoordinatorMetrics, StageMetrics, abort_reason, watch_relay
+from omnirail.telemetry.metrics_http import start_metrics_server, stop_metrics_server
 from omnirail.v1 import common_pb2
 from omnirail.wire.errors import Code, OmniError
 from tests.unit.stage_service.stage_fakes import (
@@ -272,21 +264,6 @@ async def test_stage_counts_aborts_and_reads_queue_depth_at_scrape() -> None:
         relay.close()
 
 
-def test_metrics_endpoint_flags_win_over_config() -> None:
-    cfg = MetricsConfig(host="0.0.0.0", port=9100, stage_port=9200)
-    assert metrics_endpoint(cfg, stage=False) == ("0.0.0.0", 9100)
-    assert metrics_endpoint(cfg, stage=True) == ("0.0.0.0", 9200)
-    assert metrics_endpoint(cfg, stage=True, port=0, host="127.0.0.2") == ("127.0.0.2", 0)
-    assert metrics_endpoint(cfg, stage=False, port=-1) is None
-    off = MetricsConfig(enabled=False)
-    assert metrics_endpoint(off, stage=False) is None
-    assert metrics_endpoint(off, stage=False, port=9300) == ("127.0.0.1", 9300)
-    with pytest.raises(ValueError, match="out of range"):
-        metrics_endpoint(cfg, stage=False, port=70000)
-    with pytest.raises(ValueError, match="out of range"):
-        metrics_endpoint(cfg, stage=False, port=-2)
-
-
 def test_metrics_config_defaults_and_ranges() -> None:
     stages = [
         {
@@ -301,14 +278,6 @@ def test_metrics_config_defaults_and_ranges() -> None:
     for bad in ({"port": 70000}, {"stage_port": -1}, {"host": ""}, {"colour": 1}):
         with pytest.raises(ConfigError, match="metrics"):
             PipelineConfig.from_dict({"stages": stages, "metrics": bad})
-
-
-def test_dial_address_uses_the_advertised_host_for_a_wildcard_bind() -> None:
-    assert dial_address("127.0.0.1:9100", "0.0.0.0", "10.0.0.5:7000") == "10.0.0.5:9100"
-    assert dial_address("[::1]:9100", "::", "[fd00::5]:7000") == "[fd00::5]:9100"
-    assert dial_address("127.0.0.1:9100", "127.0.0.1", "10.0.0.5:7000") == "127.0.0.1:9100"
-    assert dial_address("127.0.0.1:9100", "0.0.0.0", None) == "127.0.0.1:9100"
-    assert dial_address("127.0.0.1:9100", "0.0.0.0", "unix:///tmp/s.sock") == "127.0.0.1:9100"
 
 
 def _scrape(address: str) -> dict[str, object]:
@@ -337,13 +306,3 @@ def test_http_server_serves_the_registry_on_a_free_port() -> None:
         stop_metrics_server(stage_address)
     with pytest.raises(urllib.error.URLError):
         _scrape(coord_address)
-
-
-def test_wildcard_host_reports_a_dialable_address() -> None:
-    registry = CollectorRegistry()
-    address = start_metrics_server(registry, "0.0.0.0", 0)
-    try:
-        assert address.startswith("127.0.0.1:")
-        _scrape(address)
-    finally:
-        stop_metrics_server(address)
