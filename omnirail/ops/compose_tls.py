@@ -5,9 +5,11 @@ DIR holds the mesh's material (ops/certs.py); when it holds none, a fresh set is
 certificate names every service (the hosts peers dial inside the compose network) and
 localhost (health checks, the published port). It is bind-mounted read-only at
 /etc/omnirail/tls into every omnirail service, which read it through OMNIRAIL_TLS_*; the
-tokens file is mounted into the coordinator and the gateway alone. The image runs as uid/gid
-10001, and a bind mount shows the host's owners and modes: the key and the secret are made
-readable by group 10001 (which takes root here); otherwise the command says what to run.
+tokens file is mounted into the coordinator and the gateway alone. Prometheus gets the
+material too: every /metrics endpoint then serves HTTPS and asks for the mesh's
+certificate. The image runs as uid/gid 10001, and a bind mount shows the host's owners and
+modes: the key and the secret are made readable by group 10001 (which takes root here;
+Prometheus joins that group); otherwise the command says what to run.
 """
 
 from __future__ import annotations
@@ -82,6 +84,12 @@ def secure(
         service = services[name]
         service["environment"].update(env)
         service["volumes"].append(_bind(tls_source, TLS_MOUNT))
+    if "prometheus" in services:
+        # It scrapes every /metrics over HTTPS, showing the mesh's certificate: its user
+        # (nobody) reads the key through the group the material is made readable by.
+        prometheus = services["prometheus"]
+        prometheus.setdefault("volumes", []).append(_bind(tls_source, TLS_MOUNT))
+        prometheus["group_add"] = [str(IMAGE_GID)]
     if tokens_source is not None:
         # The coordinator checks clients' tokens; the gateway checks its callers' and shows
         # the file's first token to the coordinator.
@@ -89,6 +97,15 @@ def secure(
             if name in services:
                 services[name]["environment"][security.ENV_TOKENS_FILE] = TOKENS_MOUNT
                 services[name]["volumes"].append(_bind(tokens_source, TOKENS_MOUNT))
+
+
+def prometheus_tls() -> dict[str, str]:
+    """Prometheus's `tls_config` for scraping the mesh's /metrics (the material mounted)."""
+    return {
+        "ca_file": f"{TLS_MOUNT}/ca.pem",
+        "cert_file": f"{TLS_MOUNT}/mesh.pem",
+        "key_file": f"{TLS_MOUNT}/mesh.key",
+    }
 
 
 def check_tokens_file(path: Path) -> None:

@@ -423,6 +423,7 @@ class _Builder:
                 "prometheus.io/scrape": "true",
                 "prometheus.io/port": str(metrics),
                 "prometheus.io/path": "/metrics",
+                "prometheus.io/scheme": "https" if self.tls else "http",
             }
         template = {
             "metadata": {
@@ -467,13 +468,26 @@ class _Builder:
     def service_monitor(self, workloads: list[Workload]) -> dict[str, Any]:
         """One ServiceMonitor (prometheus-operator) scraping every metrics port."""
         ports = ["metrics", *(f"metrics-{i}" for w in workloads for i in range(len(w.containers)))]
+        endpoint: dict[str, Any] = {"path": "/metrics"}
+        if self.tls:
+            # HTTPS, showing the mesh's certificate (the mesh is mutual), and verifying the
+            # name every mesh hop verifies: Prometheus dials pod IPs, which no certificate
+            # names ahead.
+            secret = self.names.tls
+            endpoint["scheme"] = "https"
+            endpoint["tlsConfig"] = {
+                "ca": {"secret": {"name": secret, "key": "ca.pem"}},
+                "cert": {"secret": {"name": secret, "key": "mesh.pem"}},
+                "keySecret": {"name": secret, "key": "mesh.key"},
+                "serverName": self.names.mesh,
+            }
         return self.names.meta_obj(
             "monitoring.coreos.com/v1",
             "ServiceMonitor",
             self.names.app,
             spec={
                 "selector": {"matchLabels": self.names.labels()},
-                "endpoints": [{"port": p, "path": "/metrics"} for p in dict.fromkeys(ports)],
+                "endpoints": [{"port": p, **endpoint} for p in dict.fromkeys(ports)],
             },
         )
 

@@ -23,7 +23,7 @@ import yaml
 from omnirail import Chunk, Client
 from omnirail.bench.omni_bench import write_pipeline
 from tests.e2e import compose_env
-from tests.e2e.compose_env import Project
+from tests.e2e.compose_env import Project, http_json, wait_for
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(2400)]
 
@@ -177,3 +177,18 @@ def test_the_secured_gateway_needs_https_and_the_token(project: Project) -> None
         httpx2.get(f"http://localhost:{HTTP_PORT}/health", timeout=5).raise_for_status()
     (gateway,) = [n for n in project.containers() if "gateway" in n]
     project.podman("healthcheck", "run", gateway)  # raises unless healthy
+
+
+def test_prometheus_scrapes_every_service_over_https(project: Project) -> None:
+    """Every /metrics serves HTTPS and asks for a certificate from the mesh CA; Prometheus,
+    given the material and the image's group to read its key, scrapes every service."""
+    services = yaml.safe_load(project.file.read_text())["services"]
+    want = {n for n in services if n not in ("jaeger", "prometheus", "gateway")}
+
+    def all_up() -> list[dict[str, Any]] | None:
+        targets = http_json("http://localhost:9090/api/v1/targets")["data"]["activeTargets"]
+        up = {t["labels"].get("service") for t in targets if t["health"] == "up"}
+        return targets if want <= up else None
+
+    targets = wait_for(all_up, 120, "every service up in Prometheus, over HTTPS")
+    assert all(t["scrapeUrl"].startswith("https://") for t in targets), targets

@@ -1,5 +1,6 @@
 """`omnirail compose --tls DIR --tokens-file FILE`: material made or reused, mounted into
-every omnirail service, the token into the coordinator alone, and bad requests refused."""
+every omnirail service, the token into the coordinator alone, Prometheus scraping over HTTPS,
+and bad requests refused."""
 
 from __future__ import annotations
 
@@ -8,10 +9,11 @@ import shutil
 from pathlib import Path
 
 import pytest
+import yaml
 
 from omnirail.ops.compose import ComposeError, write_bundle
 from omnirail.ops.compose_tls import IMAGE_GID, TLS_MOUNT, TOKENS_MOUNT
-from tests.unit.ops.compose_helpers import QUICKSTART, gen, services
+from tests.unit.ops.compose_helpers import QUICKSTART, gen, services, side_file
 
 
 @pytest.fixture
@@ -98,3 +100,32 @@ def test_tokens_need_tls_and_a_file_only_the_image_may_read(pipeline: Path, tmp_
     empty.write_text("# nothing\n")
     with pytest.raises(ComposeError, match="no token in it"):
         gen(pipeline, None, tls_dir=tmp_path / "t", tokens_file=empty)
+
+
+def test_prometheus_scrapes_over_https_showing_the_mesh_certificate(
+    pipeline: Path, tmp_path: Path
+) -> None:
+    bundle = gen(pipeline, tmp_path / "docker-compose.yml", tls_dir=tmp_path / "tls")
+    prometheus = services(bundle)["prometheus"]
+    binds = {v["target"]: v for v in prometheus["volumes"]}
+    assert binds[TLS_MOUNT]["source"] == "./tls" and binds[TLS_MOUNT]["read_only"]
+    # Its user (nobody) reads the group-readable key through the image's group.
+    assert prometheus["group_add"] == [str(IMAGE_GID)]
+    _, text = side_file(bundle, ".prometheus.yml")
+    [job] = yaml.safe_load(text)["scrape_configs"]
+    assert job["scheme"] == "https"
+    assert job["tls_config"] == {
+        "ca_file": f"{TLS_MOUNT}/ca.pem",
+        "cert_file": f"{TLS_MOUNT}/mesh.pem",
+        "key_file": f"{TLS_MOUNT}/mesh.key",
+    }
+    # The targets are service names, which the mesh certificate names.
+    assert [t.split(":")[0] for sc in job["static_configs"] for t in sc["targets"]] == [
+        n for n in services(bundle) if n not in ("jaeger", "prometheus")
+    ]
+    # Without --tls: plain HTTP, no material.
+    plain = gen(pipeline, tmp_path / "plain.yml")
+    _, text = side_file(plain, ".prometheus.yml")
+    [job] = yaml.safe_load(text)["scrape_configs"]
+    assert "scheme" not in job and "tls_config" not in job
+    assert "group_add" not in services(plain)["prometheus"]

@@ -160,6 +160,32 @@ def test_secured_deployments_probe_with_omnirail_health_and_mount_secrets(
     assert base64.b64encode(f"{token}\n".encode()).decode() in secret
 
 
+def test_secured_metrics_are_scraped_over_https_with_the_mesh_certificate(
+    tmp_path: Path,
+) -> None:
+    bundle = generate(OMNI_DEMO, K8sOptions(tls_dir=tmp_path / "tls", service_monitor=True))
+    _validate(bundle)
+    (monitor,) = _of(bundle, "ServiceMonitor")
+    for endpoint in monitor["spec"]["endpoints"]:
+        assert endpoint["scheme"] == "https"
+        # prometheus-operator's SafeTLSConfig, from the Secret holding the material.
+        assert endpoint["tlsConfig"] == {
+            "ca": {"secret": {"name": "omni-demo-tls", "key": "ca.pem"}},
+            "cert": {"secret": {"name": "omni-demo-tls", "key": "mesh.pem"}},
+            "keySecret": {"name": "omni-demo-tls", "key": "mesh.key"},
+            "serverName": "omni-demo-mesh",
+        }
+    (secret,) = bundle.secrets
+    assert {"ca.pem", "mesh.pem", "mesh.key"} <= set(secret["data"])
+    for d in _of(bundle, "Deployment"):
+        annotations = d["spec"]["template"]["metadata"]["annotations"]
+        if "prometheus.io/port" in annotations:
+            assert annotations["prometheus.io/scheme"] == "https"
+    plain = generate(OMNI_DEMO, K8sOptions(service_monitor=True))
+    (monitor,) = _of(plain, "ServiceMonitor")
+    assert all("tlsConfig" not in e and "scheme" not in e for e in monitor["spec"]["endpoints"])
+
+
 def test_an_output_that_cannot_be_written_is_one_error_naming_it(tmp_path: Path) -> None:
     bundle = generate(REPO / "examples/quickstart/pipeline.yaml", K8sOptions())
     (tmp_path / "file").write_text("")
