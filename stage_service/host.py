@@ -280,7 +280,8 @@ class StageHost(mesh_pb2_grpc.StageServicer):
             or not all(a.idle for a in self._attach.values())
         )
 
-    async def stop(self) -> None:
+    async def stop(self, compute_wait_s: float | None = None) -> None:
+        """Stops everything this process runs (`compute_wait_s`: see `Stage.stop`)."""
         for attach in self._attach.values():
             attach.stop()
         for task in self._tasks:
@@ -290,7 +291,7 @@ class StageHost(mesh_pb2_grpc.StageServicer):
             self.tp.on_broken = None  # stopping anyway: a follower gone first is no news
             await asyncio.to_thread(self.tp.stop_followers)
         for stage in self.stages.values():
-            await stage.stop()
+            await stage.stop(compute_wait_s)
         for channel in self._channels.values():
             await channel.close()
         if self._server is not None:

@@ -16,6 +16,8 @@ from omnirail.stage_service.tp import TensorParallel
 log = logging.getLogger(__name__)
 
 HEARTBEAT_S = 1.0
+# How long a stopping process lets a compute thread that is still busy go on.
+STOP_COMPUTE_WAIT_S = 0.5
 
 
 def configure_process(
@@ -128,7 +130,10 @@ async def serve(
     finally:
         if beat is not None:
             beat.cancel()
-        await host.stop()
+        # What a compute thread still runs now is for no request this process holds (the
+        # drain waited for those, or ran out and they failed): its result would be dropped,
+        # so the process does not wait out the scheduler's 5 s join for it.
+        await host.stop(compute_wait_s=STOP_COMPUTE_WAIT_S)
         if tp is not None:
             tp.close()
         if metrics_address:

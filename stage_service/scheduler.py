@@ -258,6 +258,12 @@ class Scheduler(abc.ABC):
     @abc.abstractmethod
     def stop(self) -> None: ...
 
+    def stop_within(self, seconds: float) -> None:
+        """Stops, waiting at most about `seconds` for a compute still running (a process
+        about to exit, whose compute can only be for requests it no longer holds).
+        Schedulers whose `stop` may block override it; this one just stops."""
+        self.stop()
+
     def abort(self, request_id: str) -> None:
         self.aborted.add(request_id)
 
@@ -289,9 +295,16 @@ class ThreadScheduler(Scheduler):
             self._thread.start()
 
     def stop(self) -> None:
+        self.stop_within(5.0)
+
+    def stop_within(self, seconds: float) -> None:
         if self._thread is not None:
             self.inbox.put(None)
-            self._thread.join(timeout=5)
+            self._thread.join(timeout=seconds)
+            if self._thread.is_alive():
+                log.warning(
+                    "scheduler %s: still computing after %gs; not waiting", self._name, seconds
+                )
             self._thread = None
 
     @abc.abstractmethod

@@ -130,10 +130,16 @@ class Stage:
         self.scheduler.inbox.bind(lambda: loop.call_soon_threadsafe(self._on_taken))
         self.scheduler.start()
 
-    async def stop(self) -> None:
+    async def stop(self, compute_wait_s: float | None = None) -> None:
+        """Stops the stage; its compute thread may finish what it runs (the scheduler's
+        own bound, 5 s), or for at most `compute_wait_s` (a process about to exit, whose
+        compute can only be for requests it no longer holds)."""
         await self._senders.close()
         self.scheduler.outbox.close()
-        await asyncio.to_thread(self.scheduler.stop)
+        if compute_wait_s is None:
+            await asyncio.to_thread(self.scheduler.stop)
+        else:
+            await asyncio.to_thread(self.scheduler.stop_within, compute_wait_s)
         for rid in list(self._requests):
             self._requests.pop(rid).release()
 

@@ -47,7 +47,7 @@ def _during_stop(mesh: Mesh, sleep_s: float) -> tuple[dict[str, Any], float]:
         worker = threading.Thread(target=run)
         worker.start()
         time.sleep(0.7)  # running in `double`
-        stopper = threading.Thread(target=lambda: seen.update(stop_s=_timed(mesh.stop)))
+        stopper = threading.Thread(target=lambda: seen.update(stop_s=_timed(mesh.stop, seen)))
         stopper.start()
         time.sleep(0.5)
         try:
@@ -59,9 +59,9 @@ def _during_stop(mesh: Mesh, sleep_s: float) -> tuple[dict[str, Any], float]:
     return seen, seen["stop_s"]
 
 
-def _timed(fn: Any) -> float:
+def _timed(stop: Any, seen: dict[str, Any]) -> float:
     t0 = time.monotonic()
-    fn()
+    seen["exits"] = stop()
     return time.monotonic() - t0
 
 
@@ -82,6 +82,10 @@ def test_drain_s_bounds_the_wait(tmp_path: Path) -> None:
     error = seen["result"]
     assert isinstance(error, OmniError) and error.code == Code.UNAVAILABLE, error
     assert "shut down before the request ended" in error.message
+    # Every process ends on its own, `double` too, though its compute thread still sleeps:
+    # it does not wait for a computation whose request has failed (5 s, before), which
+    # left it a second from the launcher's SIGKILL at drain_s + 5.
+    assert set(seen["exits"].values()) == {0}, seen["exits"]
     assert stop_s < 15.0, stop_s
 
 
