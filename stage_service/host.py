@@ -28,7 +28,7 @@ from omnirail.stage_service.edge_sender import LocalValue, Releasable
 from omnirail.stage_service.edges import EdgeRelays
 from omnirail.stage_service.placement import Placement
 from omnirail.stage_service.relays import open_relays, plan_relays, relay_host
-from omnirail.stage_service.scheduler import Scheduler, SimpleScheduler
+from omnirail.stage_service.scheduler import STOP_WAIT_S, Scheduler, SimpleScheduler
 from omnirail.stage_service.stage import Stage
 from omnirail.stage_service.tp import TensorParallel
 from omnirail.telemetry.metrics import StageMetrics, watch_relay
@@ -280,7 +280,7 @@ class StageHost(mesh_pb2_grpc.StageServicer):
             or not all(a.idle for a in self._attach.values())
         )
 
-    async def stop(self, compute_wait_s: float | None = None) -> None:
+    async def stop(self, compute_wait_s: float = STOP_WAIT_S) -> None:
         """Stops everything this process runs (`compute_wait_s`: see `Stage.stop`)."""
         for attach in self._attach.values():
             attach.stop()

@@ -21,6 +21,9 @@ from omnirail.telemetry.logs import request_context
 
 log = logging.getLogger(__name__)
 
+# How long stopping a scheduler waits for the computation its thread still runs.
+STOP_WAIT_S = 5.0
+
 # OutgoingMessage.target for chunks meant for the client (not a valid stage name).
 CLIENT = "@client"
 
@@ -295,7 +298,7 @@ class ThreadScheduler(Scheduler):
             self._thread.start()
 
     def stop(self) -> None:
-        self.stop_within(5.0)
+        self.stop_within(STOP_WAIT_S)
 
     def stop_within(self, seconds: float) -> None:
         if self._thread is not None:

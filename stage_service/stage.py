@@ -32,6 +32,7 @@ from omnirail.stage_service.request_state import PENDING, AckFn, RequestState, a
 from omnirail.stage_service.routing import Router, Routes
 from omnirail.stage_service.scheduler import (
     CLIENT,
+    STOP_WAIT_S,
     AbortSet,
     IncomingMessage,
     OutgoingMessage,
@@ -130,16 +131,13 @@ class Stage:
         self.scheduler.inbox.bind(lambda: loop.call_soon_threadsafe(self._on_taken))
         self.scheduler.start()
 
-    async def stop(self, compute_wait_s: float | None = None) -> None:
-        """Stops the stage; its compute thread may finish what it runs (the scheduler's
-        own bound, 5 s), or for at most `compute_wait_s` (a process about to exit, whose
-        compute can only be for requests it no longer holds)."""
+    async def stop(self, compute_wait_s: float = STOP_WAIT_S) -> None:
+        """Stops the stage; its compute thread may finish what it runs for up to
+        `compute_wait_s` (less for a process about to exit, whose compute can only be for
+        requests it no longer holds)."""
         await self._senders.close()
         self.scheduler.outbox.close()
-        if compute_wait_s is None:
-            await asyncio.to_thread(self.scheduler.stop)
-        else:
-            await asyncio.to_thread(self.scheduler.stop_within, compute_wait_s)
+        await asyncio.to_thread(self.scheduler.stop_within, compute_wait_s)
         for rid in list(self._requests):
             self._requests.pop(rid).release()
 

@@ -73,7 +73,7 @@ def _one_stop(
     path: Path, inputs: dict[str, Any] | None, requests: int, progress: Callable[[str], None]
 ) -> dict[str, Any]:
     from omnirail.client.sdk import Client
-    from omnirail.ops.launcher import pid_alive, read_states, state_dir
+    from omnirail.ops.launcher import pid_alive, read_states, state_dir, terminate
 
     name = f"stopbench-{uuid.uuid4().hex[:8]}"
     log = state_dir() / f"{name}.log"
@@ -94,17 +94,16 @@ def _one_stop(
                     client.generate(dict(inputs or {}))
         progress("down")
         t0 = time.monotonic()
-        os.kill(pid, signal.SIGTERM)
-        while pid_alive(pid) and time.monotonic() - t0 < _EXIT_WAIT_S:
-            time.sleep(0.005)
+        exited = terminate(pid, _EXIT_WAIT_S, poll_s=0.005)
         down_s = time.monotonic() - t0
-        if pid_alive(pid):
+        if not exited:
             raise RuntimeError(f"the launcher did not exit within {_EXIT_WAIT_S:g}s of SIGTERM")
         text = log.read_text(errors="replace")
     finally:
         if pid is not None and pid_alive(pid):
             # A request that failed, or a launcher that hung: its mesh goes all the same.
-            _stop(pid)
+            if not terminate(pid, _EXIT_WAIT_S):
+                os.kill(pid, signal.SIGKILL)
         log.unlink(missing_ok=True)
     found = _STOPPED.findall(text)
     if not found:
@@ -117,15 +116,3 @@ def _one_stop(
         "all_exited_0": codes.startswith("all ") and codes.endswith("exited 0"),
         "sigkill": "SIGKILL" in text,
     }
-
-
-def _stop(pid: int) -> None:
-    """SIGTERM to the launcher (it stops its mesh), SIGKILL if it is still there later."""
-    from omnirail.ops.launcher import pid_alive
-
-    os.kill(pid, signal.SIGTERM)
-    deadline = time.monotonic() + _EXIT_WAIT_S
-    while pid_alive(pid) and time.monotonic() < deadline:
-        time.sleep(0.05)
-    if pid_alive(pid):
-        os.kill(pid, signal.SIGKILL)

@@ -180,7 +180,7 @@ def _up_detached(args: argparse.Namespace) -> int:
 
 
 def cmd_down(args: argparse.Namespace) -> int:
-    from omnirail.ops.launcher import pid_alive, running_meshes
+    from omnirail.ops.launcher import running_meshes, terminate
 
     states = running_meshes(args.name)
     if args.name:
@@ -195,11 +195,7 @@ def cmd_down(args: argparse.Namespace) -> int:
     failed = 0
     for name in names:
         pid = int(states[name]["pid"])  # type: ignore[arg-type]
-        os.kill(pid, signal.SIGTERM)
-        deadline = time.monotonic() + 30
-        while pid_alive(pid) and time.monotonic() < deadline:
-            time.sleep(0.1)
-        if pid_alive(pid):
+        if not terminate(pid, 30):
             print(f"mesh {name!r} (pid {pid}) did not stop within 30 s", file=sys.stderr)
             failed += 1
         else:

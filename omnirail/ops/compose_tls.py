@@ -23,6 +23,11 @@ from omnirail.config import security
 from omnirail.ops.compose_groups import ComposeError
 
 TLS_MOUNT = "/etc/omnirail/tls"
+# The material's files (ops/certs.py's names) as every container sees them.
+CA_PATH = f"{TLS_MOUNT}/ca.pem"
+CERT_PATH = f"{TLS_MOUNT}/mesh.pem"
+KEY_PATH = f"{TLS_MOUNT}/mesh.key"
+SECRET_PATH = f"{TLS_MOUNT}/mesh-secret"
 TOKENS_MOUNT = "/etc/omnirail/tokens"
 IMAGE_GID = 10001  # the Dockerfile's USER
 
@@ -73,13 +78,7 @@ def secure(
     tokens_source: str | None,
 ) -> None:
     """Mounts the material into every omnirail service and points OMNIRAIL_TLS_* at it."""
-    env = {
-        security.ENV_CERT: f"{TLS_MOUNT}/mesh.pem",
-        security.ENV_KEY: f"{TLS_MOUNT}/mesh.key",
-        security.ENV_CA: f"{TLS_MOUNT}/ca.pem",
-        security.ENV_MUTUAL: "1",
-        security.ENV_MESH_SECRET_FILE: f"{TLS_MOUNT}/mesh-secret",
-    }
+    env = material_env()
     for name in omnirail_services:
         service = services[name]
         service["environment"].update(env)
@@ -99,13 +98,21 @@ def secure(
                 services[name]["volumes"].append(_bind(tokens_source, TOKENS_MOUNT))
 
 
+def material_env() -> dict[str, str]:
+    """What points a container's omnirail process at the mounted material (mutual TLS and
+    the mesh secret), for compose and k8s alike."""
+    return {
+        security.ENV_CERT: CERT_PATH,
+        security.ENV_KEY: KEY_PATH,
+        security.ENV_CA: CA_PATH,
+        security.ENV_MUTUAL: "1",
+        security.ENV_MESH_SECRET_FILE: SECRET_PATH,
+    }
+
+
 def prometheus_tls() -> dict[str, str]:
     """Prometheus's `tls_config` for scraping the mesh's /metrics (the material mounted)."""
-    return {
-        "ca_file": f"{TLS_MOUNT}/ca.pem",
-        "cert_file": f"{TLS_MOUNT}/mesh.pem",
-        "key_file": f"{TLS_MOUNT}/mesh.key",
-    }
+    return {"ca_file": CA_PATH, "cert_file": CERT_PATH, "key_file": KEY_PATH}
 
 
 def check_tokens_file(path: Path) -> None:

@@ -36,6 +36,7 @@ from omnirail.config import security as sec
 from omnirail.ops.compose_edges import derive_pipeline
 from omnirail.ops.compose_groups import ComposeError, dns_label
 from omnirail.ops.compose_models import MODEL_MOUNT, ModelMount, model_reads
+from omnirail.ops.compose_tls import TLS_MOUNT, ensure_material, material_env
 from omnirail.ops.k8s_options import IMAGE, K8sOptions
 from omnirail.ops.k8s_plan import Container, Workload, plan_workloads
 
@@ -44,7 +45,6 @@ HTTP_PORT = 8000
 METRICS_PORT = 9400
 TP_PORT = 29500
 PIPELINE_MOUNT = "/pipeline"
-TLS_MOUNT = "/etc/omnirail/tls"
 TOKENS_MOUNT = "/etc/omnirail/tokens"
 USER_ID = 10001  # the Dockerfile's USER
 KUBERNETES_VERSION = "1.37.0"  # what the tests validate against (kubernetes-validate)
@@ -321,12 +321,8 @@ class _Builder:
             env.append({"name": "OTEL_EXPORTER_OTLP_ENDPOINT", "value": self.options.otlp_endpoint})
         mounts = [{"name": "pipeline", "mountPath": PIPELINE_MOUNT, "readOnly": True}]
         if self.tls:
+            env += [{"name": k, "value": v} for k, v in material_env().items()]
             env += [
-                {"name": sec.ENV_CERT, "value": f"{TLS_MOUNT}/mesh.pem"},
-                {"name": sec.ENV_KEY, "value": f"{TLS_MOUNT}/mesh.key"},
-                {"name": sec.ENV_CA, "value": f"{TLS_MOUNT}/ca.pem"},
-                {"name": sec.ENV_MUTUAL, "value": "1"},
-                {"name": sec.ENV_MESH_SECRET_FILE, "value": f"{TLS_MOUNT}/mesh-secret"},
                 # Stages dial each other at pod IPs, which no certificate can name ahead:
                 # every mesh hop verifies this name, which the mesh certificate carries.
                 {"name": sec.ENV_SERVER_NAME, "value": self.names.mesh},
@@ -533,8 +529,6 @@ def _pipeline_files(folder: Path, name: str, pipeline_text: str) -> dict[str, st
 def _secrets(names: _Names, options: K8sOptions, hosts: list[str]) -> list[dict[str, Any]]:
     out = []
     if options.tls_dir is not None:
-        from omnirail.ops.compose_tls import ensure_material
-
         ensure_material(options.tls_dir, [*hosts, "localhost"])
         data = {
             p.name: base64.b64encode(p.read_bytes()).decode()

@@ -538,6 +538,16 @@ def pid_alive(pid: int) -> bool:
     return stat.rsplit(")", 1)[1].split()[0] != "Z"
 
 
+def terminate(pid: int, timeout_s: float, poll_s: float = 0.1) -> bool:
+    """SIGTERM to a detached mesh's launcher (it stops its mesh); True once it has exited,
+    False if it is still there after `timeout_s`."""
+    os.kill(pid, signal.SIGTERM)
+    deadline = time.monotonic() + timeout_s
+    while pid_alive(pid) and time.monotonic() < deadline:
+        time.sleep(poll_s)
+    return not pid_alive(pid)
+
+
 def read_states() -> dict[str, dict[str, object]]:
     states = {}
     for path in state_dir().glob("*.json"):

@@ -68,7 +68,7 @@ class MetricsServer(ThreadingMixIn, WSGIServer):
         try:
             super().finish_request(secured, client_address)
         finally:
-            _close(secured)
+            secured.close()
 
     def handle_error(self, request: Any, client_address: Any) -> None:
         """One connection's failure (a reset, a timeout) is that connection's; the default
@@ -162,13 +162,6 @@ def _family(host: str) -> socket.AddressFamily:
     except socket.gaierror:
         return socket.AF_INET
     return socket.AddressFamily(infos[0][0])
-
-
-def _close(sock: ssl.SSLSocket) -> None:
-    try:
-        sock.close()
-    except OSError:
-        pass
 
 
 def _join(host: str, port: int) -> str:
