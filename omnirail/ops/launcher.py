@@ -61,10 +61,43 @@ def die_with_parent() -> None:
 
 
 def state_dir() -> Path:
+    """Where this process writes a detached mesh's state and log: under
+    ``$XDG_RUNTIME_DIR``, else the temporary directory."""
     base = os.environ.get("XDG_RUNTIME_DIR") or tempfile.gettempdir()
     path = Path(base) / f"omnirail-{os.getuid()}"
     path.mkdir(mode=0o700, exist_ok=True)
     return path
+
+
+# Where a mesh started from another shell may have its state: the usual XDG_RUNTIME_DIR
+# (systemd's), and the temporary directory of a shell with no TMPDIR.
+STATE_BASES = ("/run/user/{uid}", "/tmp")
+
+
+def state_dirs() -> list[Path]:
+    """Every place a mesh of this user may have written its state: a shell whose
+    ``XDG_RUNTIME_DIR`` (or ``TMPDIR``) differs from the one that started the mesh (su,
+    ssh, sudo -u, a service) still finds it. Only directories this user owns and nobody
+    else may write are read: a state file names a pid that `down` signals."""
+    uid = os.getuid()
+    bases = [
+        os.environ.get("XDG_RUNTIME_DIR"),
+        tempfile.gettempdir(),
+        *(base.format(uid=uid) for base in STATE_BASES),
+    ]
+    found: list[Path] = []
+    for base in bases:
+        if not base:
+            continue
+        path = Path(base) / f"omnirail-{uid}"
+        try:
+            st = path.stat()
+        except OSError:
+            continue
+        if st.st_uid != uid or st.st_mode & 0o022 or path.resolve() in found:
+            continue
+        found.append(path.resolve())
+    return found
 
 
 @dataclass
@@ -549,8 +582,13 @@ def terminate(pid: int, timeout_s: float, poll_s: float = 0.1) -> bool:
 
 
 def read_states() -> dict[str, dict[str, object]]:
-    states = {}
-    for path in state_dir().glob("*.json"):
+    """The running detached meshes of this user by name, wherever they were started from
+    (`state_dirs`)."""
+    states: dict[str, dict[str, object]] = {}
+    paths = [path for folder in state_dirs() for path in sorted(folder.glob("*.json"))]
+    for path in paths:
+        if path.stem in states:
+            continue
         try:
             data = json.loads(path.read_text())
             pid = int(data["pid"])

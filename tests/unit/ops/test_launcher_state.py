@@ -12,6 +12,35 @@ from omnirail.ops import launcher
 @pytest.fixture(autouse=True)
 def private_state_dir(tmp_path, monkeypatch):
     monkeypatch.setenv("XDG_RUNTIME_DIR", str(tmp_path))
+    monkeypatch.setenv("TMPDIR", str(tmp_path))
+    monkeypatch.setattr(launcher.tempfile, "tempdir", None)  # gettempdir() reads TMPDIR anew
+    monkeypatch.setattr(launcher, "STATE_BASES", ())
+
+
+def test_a_mesh_started_under_another_runtime_dir_is_found(tmp_path, monkeypatch) -> None:
+    """`omnirail status`/`down` from a shell whose XDG_RUNTIME_DIR differs from the one
+    that started the mesh (su, ssh): the usual places are read too."""
+    started, other = tmp_path / "run-user", tmp_path / "other"
+    started.mkdir()
+    other.mkdir()
+    monkeypatch.setattr(launcher, "STATE_BASES", (str(started),))
+    monkeypatch.setenv("XDG_RUNTIME_DIR", str(started))
+    launcher.write_state("m", {"pid": os.getpid(), "address": "unix:/x"})
+    monkeypatch.setenv("XDG_RUNTIME_DIR", str(other))
+    assert launcher.read_states() == {"m": {"pid": os.getpid(), "address": "unix:/x"}}
+    monkeypatch.delenv("XDG_RUNTIME_DIR")
+    assert list(launcher.read_states()) == ["m"]
+
+
+def test_a_state_dir_others_may_write_is_not_read(tmp_path, monkeypatch) -> None:
+    # A state file names a pid that `down` signals: a directory another user could have
+    # made or written is not trusted.
+    launcher.write_state("m", {"pid": os.getpid(), "address": "unix:/x"})
+    launcher.state_dir().chmod(0o777)
+    try:
+        assert launcher.read_states() == {}
+    finally:
+        launcher.state_dir().chmod(0o700)
 
 
 def test_written_state_is_listed_and_leaves_no_temp_file() -> None:
