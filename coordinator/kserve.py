@@ -15,7 +15,6 @@ from __future__ import annotations
 import asyncio
 import logging
 import uuid
-from collections import deque
 from importlib import metadata
 from typing import TYPE_CHECKING, Any
 
@@ -30,6 +29,7 @@ from omnirail.coordinator.kserve_tensors import (
     tensor_metadata,
     to_array,
 )
+from omnirail.coordinator.outbox import ClientOutbox
 from omnirail.coordinator.requests import RequestRecord, State
 from omnirail.coordinator.session import traceparent_of
 from omnirail.kserve import grpc_predict_v2_pb2 as pb
@@ -136,42 +136,49 @@ class KServe(pb_grpc.GRPCInferenceServiceServicer):
     async def ModelStreamInfer(
         self, request_iterator: Any, context: grpc.aio.ServicerContext
     ) -> None:
-        out: deque[pb.ModelStreamInferResponse] = deque()
-        wake = asyncio.Event()
+        outbox: ClientOutbox[pb.ModelStreamInferResponse] = self.coordinator.client_outbox(
+            "kserve_stream"
+        )
         live: dict[str, _Call] = {}
         caller_traceparent = traceparent_of(context)
         malformed: list[str] = []
-
-        def push(message: pb.ModelStreamInferResponse) -> None:
-            out.append(message)
-            wake.set()
-            if len(out) > self.coordinator.client_buffer:
-                for call in list(live.values()):
-                    self.coordinator.client_too_slow(call.rec, len(out))
 
         def failed(request: pb.ModelInferRequest, error: OmniError) -> None:
             response = pb.ModelInferResponse(
                 model_name=self.model, model_version=VERSION, id=request.id
             )
-            push(pb.ModelStreamInferResponse(error_message=error.message, infer_response=response))
+            outbox.push(
+                pb.ModelStreamInferResponse(error_message=error.message, infer_response=response)
+            )
 
         def on_done(call: _Call) -> None:
             live.pop(call.rec.request_id, None)
             if isinstance(call.answer, OmniError):
                 failed(call.request, call.answer)
             elif call.answer is not None:
-                push(pb.ModelStreamInferResponse(infer_response=call.answer))
-            wake.set()
+                outbox.push(pb.ModelStreamInferResponse(infer_response=call.answer))
+            outbox.wake.set()
+
+        def stream_to(call: _Call, message: pb.ModelStreamInferResponse) -> None:
+            if outbox.full(2):  # the client reads nothing, even now that no request starts
+                self.coordinator.client_too_slow(call.rec, outbox)
+                return
+            outbox.push(message)
 
         async def read() -> None:
-            while (msg := await context.read()) is not grpc.aio.EOF:
+            while True:
+                # Full: no new work for a client that does not read (coordinator/outbox.py).
+                await outbox.room.wait()
+                msg = await context.read()
+                if msg is grpc.aio.EOF:
+                    return
                 if is_malformed(msg):
                     malformed.append(
                         malformed_message("/inference.GRPCInferenceService/ModelStreamInfer", msg)
                     )
                     return
                 try:
-                    call = self._start(msg, None, caller_traceparent, stream_to=push)
+                    call = self._start(msg, None, caller_traceparent, stream_to=stream_to)
                 except OmniError as exc:
                     failed(msg, exc)
                     continue
@@ -179,17 +186,9 @@ class KServe(pb_grpc.GRPCInferenceServiceServicer):
                 call.rec.on_done.append(lambda _, c=call: on_done(c))
 
         reader = asyncio.get_running_loop().create_task(read())
-        reader.add_done_callback(lambda _: wake.set())
         try:
             # Until the client half-closes and every request it sent has answered.
-            while True:
-                if out:
-                    await context.write(out.popleft())
-                elif reader.done() and not live:
-                    break
-                else:
-                    wake.clear()
-                    await wake.wait()
+            await outbox.pump(context.write, reader, lambda: bool(malformed) or not live)
             if malformed:
                 await context.abort(grpc.StatusCode.INVALID_ARGUMENT, malformed[0])
         finally:
@@ -280,7 +279,7 @@ class _Call:
                 add_output(response, spec, to_array(spec, spec.of_chunk(data)))
             if self.empty_final:
                 response.parameters[FINAL].bool_param = False
-            self.stream_to(pb.ModelStreamInferResponse(infer_response=response))
+            self.stream_to(self, pb.ModelStreamInferResponse(infer_response=response))
         except (OmniError, PayloadError) as exc:
             # The pipeline broke its declaration: the request fails, nothing else does.
             err = exc if isinstance(exc, OmniError) else internal(f"chunk payload: {exc}")

@@ -6,7 +6,8 @@ import asyncio
 import logging
 import time
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
+from typing import Any
 
 import grpc
 from grpc_health.v1 import health
@@ -27,6 +28,7 @@ from omnirail.coordinator.failover import (
     touched,
     watch_liveness,
 )
+from omnirail.coordinator.outbox import ClientOutbox
 from omnirail.coordinator.registry import Replica, StageRegistry, describe
 from omnirail.coordinator.requests import (
     EarlyAborts,
@@ -93,6 +95,7 @@ class Coordinator(client_pb2_grpc.OmnirailServicer, mesh_pb2_grpc.CoordinatorSer
         self._max_input = pipeline.max_input_mb << 20
         self._max_live = pipeline.max_live_requests
         self.client_buffer = pipeline.client_stream_buffer
+        self.client_buffer_bytes = pipeline.client_buffer_mb << 20
         self._max_message = pipeline.endpoints.max_message_mb << 20
         self._channels: dict[str, DeliverChannel] = {}
         # Stages whose work may run again (a lost replica's requests are re-dispatched).
@@ -175,8 +178,9 @@ class Coordinator(client_pb2_grpc.OmnirailServicer, mesh_pb2_grpc.CoordinatorSer
         response = client_pb2.AbortResponse(request_id=rec.request_id)
         if rec.finished:
             return response
-        acked = await self.abort(rec, OmniError(Code.CANCELLED, reason), wait=True)
+        acked, missing = await self.abort(rec, OmniError(Code.CANCELLED, reason), wait=True)
         response.acknowledged_by.extend(acked)
+        response.not_acknowledged.extend(missing)
         return response
 
     async def DescribePipeline(
@@ -350,13 +354,26 @@ class Coordinator(client_pb2_grpc.OmnirailServicer, mesh_pb2_grpc.CoordinatorSer
             if rec is not None:
                 self._lost(rec, unavailable(f"could not deliver to the entry stage: {why}"))
 
-    def client_too_slow(self, rec: RequestRecord, waiting: int) -> None:
+    def client_outbox(
+        self, call: str, combine: Callable[[list[Any]], Any] | None = None
+    ) -> ClientOutbox[Any]:
+        """The bounded outbox of one client call of kind `call` (session, kserve_stream,
+        generate): client_buffer_mb and client_stream_buffer bound it."""
+        return ClientOutbox(
+            call,
+            self.client_buffer_bytes,
+            self.client_buffer,
+            combine,
+            on_full=lambda: self.metrics.slow_client(call, "paused"),
+        )
+
+    def client_too_slow(self, rec: RequestRecord, outbox: ClientOutbox[Any]) -> None:
+        self.metrics.slow_client(outbox.call, "failed")
         self._fail(
             rec,
             OmniError(
                 Code.RESOURCE_EXHAUSTED,
-                f"the client is not reading its stream: {waiting} chunks waiting "
-                f"(client_stream_buffer is {self.client_buffer})",
+                f"the client is not reading its stream: {outbox.describe()}",
             ),
         )
 
@@ -394,21 +411,33 @@ class Coordinator(client_pb2_grpc.OmnirailServicer, mesh_pb2_grpc.CoordinatorSer
         elif self.requests.get(request_id) is None:
             self._early_aborts.add(request_id, reason)
 
-    async def abort(self, rec: RequestRecord, error: OmniError, *, wait: bool) -> list[str]:
-        """Ends `rec` as aborted and waits for every replica to acknowledge cleanup."""
+    async def abort(
+        self, rec: RequestRecord, error: OmniError, *, wait: bool
+    ) -> tuple[list[str], list[str]]:
+        """Ends `rec` as aborted; with `wait`, waits up to abort_ack_timeout_s for every
+        replica to acknowledge cleanup. Returns the replicas that did ("stage/replica") and
+        those that did not in time."""
         if not self.requests.finish(rec, State.ABORTED, error):
-            return []
+            return [], []
         event = self._broadcast_abort(rec.wire_id, error.message)
         if self._unreleased:
             self._unreleased = self.registry.release_drained(self.requests.live.values())
         if not wait:
-            return []
+            return [], []
         try:
             await asyncio.wait_for(event.wait(), self.pipeline.abort_ack_timeout_s)
         except TimeoutError:
-            log.warning("abort of %s: not every stage acknowledged in time", rec.request_id)
-        _, acked, _ = self._abort_waits.pop(rec.wire_id, (set(), [], event))
-        return acked
+            pass
+        owed, acked, _ = self._abort_waits.pop(rec.wire_id, (set(), [], event))
+        missing = sorted(f"{stage}/{replica}" for stage, replica in owed)
+        if missing:
+            log.warning(
+                "abort of %s: not acknowledged within %gs by %s",
+                rec.request_id,
+                self.pipeline.abort_ack_timeout_s,
+                ", ".join(missing),
+            )
+        return acked, missing
 
     def _broadcast_abort(self, rid: str, reason: str) -> asyncio.Event:
         """Tells every replica to drop what it holds of `rid` (a wire id)."""

@@ -2,21 +2,24 @@
 
 A Session carries many requests (and their aborts) over one call: the client writes
 batches of Generate and Abort messages; the coordinator answers with batches of chunks,
-results and errors, each tagged with its request id. Requests started on a session end
-with it: closing the stream aborts those still live.
+results and errors, each tagged with its request id. A half-close means "no more
+requests": every request sent is answered, then the call ends OK. A cancel (the SDK's
+close, a client that goes away) aborts those still live.
+
+What waits to be written to the client is bounded (coordinator/outbox.py): a Session
+whose client does not read stops reading its new requests.
 """
 
 from __future__ import annotations
 
 import asyncio
-from collections import deque
 from collections.abc import AsyncIterator
 from typing import TYPE_CHECKING
 
 import grpc
 
+from omnirail.coordinator.outbox import ClientOutbox
 from omnirail.coordinator.requests import RequestRecord, State
-from omnirail.transport.grpc_server import write_until_read_ends
 from omnirail.transport.malformed import is_malformed, malformed_message
 from omnirail.v1 import client_pb2
 from omnirail.wire.errors import Code, OmniError, internal, invalid
@@ -30,23 +33,17 @@ async def serve_session(
     request_iterator: AsyncIterator[client_pb2.SessionRequest],
     context: grpc.aio.ServicerContext,
 ) -> None:
-    events = client_pb2.SessionEvents()
-    wake = asyncio.Event()
     mine: set[str] = set()
-    # Chunks per request waiting for the client to read the stream (since the last write).
-    unread: dict[str, int] = {}
     requests = coordinator.requests
-
-    def emit(event: client_pb2.SessionEvent) -> None:
-        events.events.append(event)
-        wake.set()
+    outbox: ClientOutbox[client_pb2.SessionEvent] = coordinator.client_outbox(
+        "session", lambda events: client_pb2.SessionEvents(events=events)
+    )
 
     def emit_chunk(rec: RequestRecord, chunk: client_pb2.Chunk) -> None:
-        rid = rec.request_id
-        emit(client_pb2.SessionEvent(request_id=rid, chunk=chunk))
-        unread[rid] = n = unread.get(rid, 0) + 1
-        if n > coordinator.client_buffer:
-            coordinator.client_too_slow(rec, n)
+        if outbox.full(2):  # the client reads nothing, even now that no request starts
+            coordinator.client_too_slow(rec, outbox)
+            return
+        outbox.push(client_pb2.SessionEvent(request_id=rec.request_id, chunk=chunk))
 
     # The call's traceparent parents requests that carry none of their own.
     caller_traceparent = traceparent_of(context)
@@ -54,27 +51,35 @@ async def serve_session(
     def on_done(rec: RequestRecord) -> None:
         mine.discard(rec.request_id)
         if rec.state == State.COMPLETED:
-            emit(client_pb2.SessionEvent(request_id=rec.request_id, result=rec.result()))
+            outbox.push(client_pb2.SessionEvent(request_id=rec.request_id, result=rec.result()))
         else:
             err = rec.error or internal("request ended without a result")
-            emit(client_pb2.SessionEvent(request_id=rec.request_id, error=err.to_proto()))
+            outbox.push(client_pb2.SessionEvent(request_id=rec.request_id, error=err.to_proto()))
 
     malformed: list[str] = []
 
     async def read() -> None:
-        while (msg := await context.read()) is not grpc.aio.EOF:
+        while True:
+            # A client that does not read what it asked for gets no new work started:
+            # its sends wait at HTTP/2 flow control until it reads (coordinator/outbox.py).
+            await outbox.room.wait()
+            msg = await context.read()
+            if msg is grpc.aio.EOF:
+                # A half-close: no more requests. What was sent is answered (the writer
+                # ends the call once `mine` is empty); only a cancel aborts it.
+                return
             if is_malformed(msg):  # a broken client: the session ends, requests with it
                 malformed.append(malformed_message("/omnirail.v1.Omnirail/Session", msg))
                 return
             for request in msg.generate:
                 if not request.request_id:
                     error = invalid("request_id: required in a Session")
-                    emit(client_pb2.SessionEvent(error=error.to_proto()))
+                    outbox.push(client_pb2.SessionEvent(error=error.to_proto()))
                     continue
                 try:
                     rec = coordinator.start(request, None, caller_traceparent)
                 except OmniError as exc:
-                    emit(
+                    outbox.push(
                         client_pb2.SessionEvent(request_id=request.request_id, error=exc.to_proto())
                     )
                     continue
@@ -85,19 +90,13 @@ async def serve_session(
             for abort in msg.abort:
                 coordinator.abort_soon(abort.request_id, abort.reason or "aborted by client")
 
-    def take() -> client_pb2.SessionEvents | None:
-        nonlocal events
-        if not events.events:
-            return None
-        batch, events = events, client_pb2.SessionEvents()
-        unread.clear()
-        return batch
-
+    reader = asyncio.get_running_loop().create_task(read())
     try:
-        await write_until_read_ends(context, read(), wake, take)
+        await outbox.pump(context.write, reader, lambda: bool(malformed) or not mine)
         if malformed:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, malformed[0])
     finally:
+        reader.cancel()
         for rid in list(mine):
             rec = requests.live.get(rid)
             if rec is not None:
@@ -109,26 +108,27 @@ async def serve_session(
 async def stream_chunks(
     coordinator: Coordinator, rec: RequestRecord, context: grpc.aio.ServicerContext
 ) -> None:
-    """A streaming Generate: writes the request's chunks as they come, until it ends."""
-    chunks: deque[client_pb2.Chunk] = deque()
-    wake = asyncio.Event()
+    """A streaming Generate: writes the request's chunks as they come, until it ends. A
+    chunk that finds the call full fails the request (there is nothing else to hold back)."""
+    outbox: ClientOutbox[client_pb2.GenerateEvent] = coordinator.client_outbox("generate")
 
     def on_chunk(chunk: client_pb2.Chunk) -> None:
-        chunks.append(chunk)
-        wake.set()
-        if len(chunks) > coordinator.client_buffer:
-            coordinator.client_too_slow(rec, len(chunks))
+        if outbox.full():
+            coordinator.client_too_slow(rec, outbox)
+            return
+        outbox.push(client_pb2.GenerateEvent(chunk=chunk))
 
     rec.on_chunk.append(on_chunk)
-    rec.on_done.append(lambda _: wake.set())
+    rec.on_done.append(lambda _: outbox.wake.set())
     while True:
         # A failed request's chunks are moot: its error goes out next.
-        while chunks and (not rec.finished or rec.state == State.COMPLETED):
-            await context.write(client_pb2.GenerateEvent(chunk=chunks.popleft()))
+        if not rec.finished or rec.state == State.COMPLETED:
+            if await outbox.write_next(context.write):
+                continue
         if rec.finished:
             return
-        wake.clear()
-        await wake.wait()
+        outbox.wake.clear()
+        await outbox.wake.wait()
 
 
 def traceparent_of(context: grpc.aio.ServicerContext) -> str:

@@ -9,6 +9,7 @@ from typing import TYPE_CHECKING, Any
 
 __version__ = "0.1.0"
 __all__ = [
+    "AbortResult",
     "AsyncClient",
     "Chunk",
     "Client",
@@ -19,13 +20,13 @@ __all__ = [
 ]
 
 if TYPE_CHECKING:
-    from omnirail.client.sdk import AsyncClient, Chunk, Client, GenerateResult
+    from omnirail.client.sdk import AbortResult, AsyncClient, Chunk, Client, GenerateResult
     from omnirail.wire.errors import InputError, OmniError
 
 
 def __getattr__(name: str) -> Any:
     # Lazy so `import omnirail.config` does not pull grpc into config-only users.
-    if name in ("AsyncClient", "Chunk", "Client", "GenerateResult"):
+    if name in ("AbortResult", "AsyncClient", "Chunk", "Client", "GenerateResult"):
         from omnirail.client import sdk as client
 
         return getattr(client, name)

@@ -62,6 +62,26 @@ StreamEvent = Chunk | GenerateResult
 
 
 @dataclass(frozen=True)
+class AbortResult:
+    """What an abort reached: the stage replicas ("stage/replica") that acknowledged their
+    cleanup, and those that did not within the pipeline's abort_ack_timeout_s (a stopped or
+    hung process; it drops the request when it next hears from the coordinator)."""
+
+    request_id: str
+    acknowledged: list[str]
+    not_acknowledged: list[str]
+
+
+def _abort_result(reply: client_pb2.AbortResponse) -> AbortResult:
+    return AbortResult(reply.request_id, list(reply.acknowledged_by), list(reply.not_acknowledged))
+
+
+def closed_error() -> OmniError:
+    """What a call on a closed client raises (grpc's own is a bare ValueError)."""
+    return OmniError(Code.FAILED_PRECONDITION, "the client is closed: make a new one")
+
+
+@dataclass(frozen=True)
 class RequestStatus:
     request_id: str
     state: str  # pending, running, completed, failed, aborted
@@ -228,6 +248,7 @@ class Client:
         self._stub = client_pb2_grpc.OmnirailStub(self._channel)
         self._sess: SyncSession | None = None
         self._lock = threading.Lock()
+        self._closed = False
 
     def __enter__(self) -> Client:
         return self
@@ -235,7 +256,12 @@ class Client:
     def __exit__(self, *exc: object) -> None:
         self.close()
 
+    def _check_open(self) -> None:
+        if self._closed:
+            raise closed_error()
+
     def close(self) -> None:
+        self._closed = True
         if self._sess is not None:
             self._sess.close()
             self._sess = None
@@ -315,6 +341,7 @@ class Client:
             end_stream(session, rid, ended, error, span)
 
     def _session(self) -> SyncSession:
+        self._check_open()
         with self._lock:
             if self._sess is None or self._sess.broken:
                 self._sess = SyncSession(self._stub, self._max_bytes, self._md)
@@ -327,6 +354,7 @@ class Client:
         request_id: str | None = None,
         timeout: float | None = None,
     ) -> str:
+        self._check_open()
         request = build_request(inputs, request_id, timeout or self.timeout, None)
         try:
             return self._stub.Submit(request, metadata=self._md).request_id
@@ -334,6 +362,7 @@ class Client:
             raise OmniError.from_rpc_error(err) from None
 
     def wait(self, request_id: str, timeout: float | None = None) -> RequestStatus:
+        self._check_open()
         try:
             status = self._stub.Wait(
                 client_pb2.RequestRef(request_id=request_id), timeout=timeout, metadata=self._md
@@ -343,6 +372,7 @@ class Client:
         return parse_status(status, self._numpy)
 
     def status(self, request_id: str) -> RequestStatus:
+        self._check_open()
         try:
             status = self._stub.GetRequest(
                 client_pb2.RequestRef(request_id=request_id), metadata=self._md
@@ -351,17 +381,20 @@ class Client:
         except grpc.RpcError as err:
             raise OmniError.from_rpc_error(err) from None
 
-    def abort(self, request_id: str, reason: str = "") -> list[str]:
-        """Aborts a request everywhere; returns the stage replicas that acknowledged."""
+    def abort(self, request_id: str, reason: str = "") -> AbortResult:
+        """Aborts a request everywhere; returns which stage replicas acknowledged (within
+        the pipeline's abort_ack_timeout_s) and which did not."""
+        self._check_open()
         try:
             reply = self._stub.Abort(
                 client_pb2.AbortRequest(request_id=request_id, reason=reason), metadata=self._md
             )
         except grpc.RpcError as err:
             raise OmniError.from_rpc_error(err) from None
-        return list(reply.acknowledged_by)
+        return _abort_result(reply)
 
     def describe(self) -> client_pb2.PipelineInfo:
+        self._check_open()
         try:
             return self._stub.DescribePipeline(
                 client_pb2.DescribePipelineRequest(), metadata=self._md
@@ -379,6 +412,7 @@ class Client:
         """Blocks until every stage of the pipeline has a live replica (with `replicas`,
         until each named stage has that many). `on_wait(reason)` runs before each retry
         (the launcher checks its processes there; what it raises ends the wait)."""
+        self._check_open()
         deadline = time.monotonic() + timeout
         while True:
             try:
@@ -426,6 +460,7 @@ class AsyncClient:
         )
         self._stub = client_pb2_grpc.OmnirailStub(self._channel)
         self._sess: AsyncSession | None = None
+        self._closed = False
 
     async def __aenter__(self) -> AsyncClient:
         return self
@@ -433,7 +468,12 @@ class AsyncClient:
     async def __aexit__(self, *exc: object) -> None:
         await self.close()
 
+    def _check_open(self) -> None:
+        if self._closed:
+            raise closed_error()
+
     async def close(self) -> None:
+        self._closed = True
         if self._sess is not None:
             await self._sess.close()
             self._sess = None
@@ -510,6 +550,7 @@ class AsyncClient:
             end_stream(session, rid, ended, error, span)
 
     def _session(self) -> AsyncSession:
+        self._check_open()
         if self._sess is None or self._sess.broken:
             self._sess = AsyncSession(self._stub, self._max_bytes, self._md)
         return self._sess
@@ -521,6 +562,7 @@ class AsyncClient:
         request_id: str | None = None,
         timeout: float | None = None,
     ) -> str:
+        self._check_open()
         request = build_request(inputs, request_id, timeout or self.timeout, None)
         try:
             return (await self._stub.Submit(request, metadata=self._md)).request_id
@@ -528,6 +570,7 @@ class AsyncClient:
             raise OmniError.from_rpc_error(err) from None
 
     async def wait(self, request_id: str, timeout: float | None = None) -> RequestStatus:
+        self._check_open()
         try:
             status = await self._stub.Wait(
                 client_pb2.RequestRef(request_id=request_id), timeout=timeout, metadata=self._md
@@ -537,6 +580,7 @@ class AsyncClient:
         return parse_status(status, self._numpy)
 
     async def status(self, request_id: str) -> RequestStatus:
+        self._check_open()
         try:
             status = await self._stub.GetRequest(
                 client_pb2.RequestRef(request_id=request_id), metadata=self._md
@@ -545,16 +589,18 @@ class AsyncClient:
         except grpc.RpcError as err:
             raise OmniError.from_rpc_error(err) from None
 
-    async def abort(self, request_id: str, reason: str = "") -> list[str]:
+    async def abort(self, request_id: str, reason: str = "") -> AbortResult:
+        self._check_open()
         try:
             reply = await self._stub.Abort(
                 client_pb2.AbortRequest(request_id=request_id, reason=reason), metadata=self._md
             )
         except grpc.RpcError as err:
             raise OmniError.from_rpc_error(err) from None
-        return list(reply.acknowledged_by)
+        return _abort_result(reply)
 
     async def describe(self) -> client_pb2.PipelineInfo:
+        self._check_open()
         try:
             return await self._stub.DescribePipeline(
                 client_pb2.DescribePipelineRequest(), metadata=self._md

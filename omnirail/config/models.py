@@ -326,15 +326,21 @@ class PipelineConfig(_Model):
     # How the coordinator picks the entry stage's replica for a new request (see
     # coordinator/registry.py): least_outstanding, round_robin or request_id.
     balance: Literal["least_outstanding", "round_robin", "request_id"] = "least_outstanding"
-    abort_ack_timeout_s: float = Field(5.0, gt=0, le=MAX_SECONDS)
+    # How long an Abort call waits for the stage replicas' acknowledgements; those that
+    # have not answered by then are named in its reply as not acknowledged.
+    abort_ack_timeout_s: float = Field(0.5, gt=0, le=MAX_SECONDS)
     # A replica not heard from for this long (stages report every second) is taken for
     # hung: treated like a dead one (coordinator/failover.py).
     liveness_s: float = Field(5.0, ge=2.0, le=MAX_SECONDS)
     # How many times a request may be dispatched again after losing a replica (0: never).
     redispatch_attempts: int = Field(2, ge=0, le=10)
-    # Chunks of one streaming request the coordinator holds for a client that does not read
-    # them; past this the request fails with RESOURCE_EXHAUSTED instead of growing memory.
+    # What the coordinator holds for one client call that does not read (a Session, a
+    # KServe stream, a streaming Generate), in messages and in MiB: a full call stops
+    # reading new requests; a stream chunk that finds it past twice the bound (a streaming
+    # Generate: past the bound) fails its request with RESOURCE_EXHAUSTED
+    # (coordinator/outbox.py).
     client_stream_buffer: int = Field(4096, gt=0, le=MAX_COUNT)
+    client_buffer_mb: int = Field(16, gt=0, le=MAX_MESSAGE_MB)
     # CPUs the coordinator process is pinned to (see StageConfig.cpus).
     coordinator_cpus: CpuList = None
     # Idle CPUs must wake within this many µs while the mesh's processes run (a PM QoS

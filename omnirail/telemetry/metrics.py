@@ -170,6 +170,15 @@ class CoordinatorMetrics:
             ["stage"],
             registry=r,
         )
+        self._slow_clients = Counter(
+            "omnirail_slow_client_total",
+            "Client calls whose unread output reached client_buffer_mb or "
+            "client_stream_buffer, by kind of call (session, kserve_stream, generate) and "
+            "what the coordinator did: paused (stopped reading the call's new requests) or "
+            "failed (failed a streaming request whose chunk found the call past its bound).",
+            ["call", "action"],
+            registry=r,
+        )
         self._ended = {
             state: (requests.labels(name), duration.labels(name))
             for state, name in _STATE_NAMES.items()
@@ -192,6 +201,9 @@ class CoordinatorMetrics:
 
     def refused(self) -> None:
         self._refused.inc()
+
+    def slow_client(self, call: str, action: str) -> None:
+        self._slow_clients.labels(call, action).inc()
 
     def deadline_overrun(self, seconds: float) -> None:
         self._deadline_overrun.observe(max(0.0, seconds))

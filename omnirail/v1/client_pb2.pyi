@@ -117,12 +117,14 @@ class AbortRequest(_message.Message):
     def __init__(self, request_id: _Optional[str] = ..., reason: _Optional[str] = ...) -> None: ...
 
 class AbortResponse(_message.Message):
-    __slots__ = ("request_id", "acknowledged_by")
+    __slots__ = ("request_id", "acknowledged_by", "not_acknowledged")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     ACKNOWLEDGED_BY_FIELD_NUMBER: _ClassVar[int]
+    NOT_ACKNOWLEDGED_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     acknowledged_by: _containers.RepeatedScalarFieldContainer[str]
-    def __init__(self, request_id: _Optional[str] = ..., acknowledged_by: _Optional[_Iterable[str]] = ...) -> None: ...
+    not_acknowledged: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, request_id: _Optional[str] = ..., acknowledged_by: _Optional[_Iterable[str]] = ..., not_acknowledged: _Optional[_Iterable[str]] = ...) -> None: ...
 
 class DescribePipelineRequest(_message.Message):
     __slots__ = ()

@@ -86,8 +86,12 @@ class OmnirailServicer:
     def Session(self, request_iterator, context):
         """Many requests over one long-lived stream (what the SDK uses): requests and aborts
         go up, each request's result or error comes down tagged with its id. A new call per
-        request costs several times the CPU of a stream message. Ending the stream aborts
-        the requests still running on it. `request_id` is required here.
+        request costs several times the CPU of a stream message. `request_id` is required
+        here. A half-close means "no more requests": every request sent is answered, then
+        the call ends OK. Cancelling the call aborts the requests still running on it. A
+        client that does not read what comes down gets no new request read while what waits
+        for it is at the pipeline's client_buffer_mb or client_stream_buffer (its sends wait
+        at flow control).
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')

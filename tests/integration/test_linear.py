@@ -93,7 +93,7 @@ def test_abort_mid_flight_frees_everything(client: Client, linear_mesh: Mesh) ->
         time.sleep(0.05)
     for rid in rids:
         acked = client.abort(rid, reason="test abort")
-        assert {a.split("/")[0] for a in acked} == {"source", "double", "summarize"}
+        assert {a.split("/")[0] for a in acked.acknowledged} == {"source", "double", "summarize"}
     for t in threads:
         t.join(30)
     assert {rid: e.code for rid, e in errors.items()} == {rid: Code.CANCELLED for rid in rids}

@@ -220,7 +220,7 @@ def test_abort_through_local_edges(fused_streaming: Mesh) -> None:
         acked = client.abort("local-abort", "test abort")
         reader.join(30)
         assert ended and ended[0].code == Code.CANCELLED
-        assert {a.split("/")[0] for a in acked} == {"thinker", "talker", "vocoder"}
+        assert {a.split("/")[0] for a in acked.acknowledged} == {"thinker", "talker", "vocoder"}
         # Nothing is left in flight at any stage, and the edges still carry a full stream.
         wait_nothing_in_flight(client)
         chunks, _ = collect_stream(client.stream({"n": 9}))

@@ -47,3 +47,44 @@ def test_good_deadlines_are_sent() -> None:
     assert build_request({}, "r", None, None).timeout_s == 0.0  # none
     assert build_request({}, "r", 2, None).timeout_s == 2.0
     Client("localhost:1", timeout=0.5, max_message_mb=1024).close()
+
+
+CALLS = [
+    ("generate", ({"n": 1},)),
+    ("submit", ({"n": 1},)),
+    ("wait", ("r",)),
+    ("status", ("r",)),
+    ("abort", ("r",)),
+    ("describe", ()),
+    ("wait_ready", ()),
+]
+
+
+@pytest.mark.parametrize(("method", "args"), CALLS)
+def test_a_closed_client_says_so(method: str, args: tuple[object, ...]) -> None:
+    """Every call on a closed client is one OmniError (grpc's own is a bare ValueError:
+    "Channel closed!")."""
+    client = Client("127.0.0.1:1")
+    client.close()
+    with pytest.raises(OmniError) as err:
+        getattr(client, method)(*args)
+    assert err.value.code == Code.FAILED_PRECONDITION
+    assert "the client is closed" in err.value.message
+    with pytest.raises(OmniError, match="the client is closed"):
+        list(client.stream({"n": 1}))
+
+
+@pytest.mark.parametrize(("method", "args"), CALLS[:-1])  # wait_ready: the blocking client's
+async def test_a_closed_async_client_says_so(method: str, args: tuple[object, ...]) -> None:
+    client = AsyncClient("127.0.0.1:1")
+    await client.close()
+    with pytest.raises(OmniError) as err:
+        await getattr(client, method)(*args)
+    assert err.value.code == Code.FAILED_PRECONDITION
+
+    async def consume() -> None:
+        async for _ in client.stream({"n": 1}):
+            pass
+
+    with pytest.raises(OmniError, match="the client is closed"):
+        await consume()

@@ -129,7 +129,7 @@ def test_endpoint_defaults() -> None:
     )
     cfg = PipelineConfig.from_dict(pipe(st("a", terminal=True)))
     assert cfg.endpoints == e
-    assert (cfg.default_timeout_s, cfg.max_input_mb, cfg.abort_ack_timeout_s) == (60.0, 32, 5.0)
+    assert (cfg.default_timeout_s, cfg.max_input_mb, cfg.abort_ack_timeout_s) == (60.0, 32, 0.5)
 
 
 def test_gpu_placement_and_gpus() -> None:

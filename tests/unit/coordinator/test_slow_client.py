@@ -11,7 +11,7 @@ from omnirail.config import PipelineConfig
 from omnirail.coordinator.requests import RequestRecord, State
 from omnirail.coordinator.service import Coordinator
 from omnirail.coordinator.session import stream_chunks
-from omnirail.v1 import client_pb2
+from omnirail.v1 import client_pb2, common_pb2
 from omnirail.wire.errors import Code
 
 HERE = "tests.unit.coordinator.test_slow_client"
@@ -58,4 +58,32 @@ async def test_generate_stream_fails_a_request_whose_client_stops_reading() -> N
     # Once failed, nothing more is queued for it (chunks stop reaching the call).
     assert rec.on_chunk == []
     assert context.writes == 1  # stuck on the first write; the rest was never attempted
+    writer.cancel()
+
+
+async def test_generate_stream_bounds_the_bytes_waiting_too() -> None:
+    """Few, large chunks: the byte bound (client_buffer_mb) fails the request where the
+    message bound would not."""
+    pipeline = PipelineConfig.from_dict(
+        {
+            "name": "slow-client-bytes",
+            "client_buffer_mb": 1,
+            "stages": [{"name": "a", "factory": f"{HERE}:make_stage", "terminal": True}],
+        }
+    )
+    coordinator = Coordinator(pipeline, health.aio.HealthServicer())
+    rec = RequestRecord("r", ("a",), frozenset({"a"}), deadline=0.0)
+    rec.state = State.RUNNING
+    coordinator.requests.add(rec)
+    context = StalledContext()
+    writer = asyncio.get_running_loop().create_task(stream_chunks(coordinator, rec, context))
+    await asyncio.sleep(0)
+    data = common_pb2.Payload(inline_data=b"x" * (300 << 10))
+    for i in range(5):
+        for on_chunk in list(rec.on_chunk):
+            on_chunk(client_pb2.Chunk(stage="a", chunk_id=i, data=data))
+        await asyncio.sleep(0)
+    assert rec.state == State.FAILED and rec.error is not None
+    assert rec.error.code == Code.RESOURCE_EXHAUSTED
+    assert "client_buffer_mb 1" in rec.error.message, rec.error.message
     writer.cancel()

@@ -41,6 +41,7 @@ LABELS = {
     "omnirail_requests_redispatched": set(),
     "omnirail_replicas_lost": {"stage"},
     "omnirail_deadline_overrun_seconds": set(),
+    "omnirail_slow_client": {"call", "action"},
     "omnirail_stage_queue_depth": {"stage"},
     "omnirail_stage_inflight": {"stage"},
     "omnirail_stage_held_requests": {"stage"},
@@ -62,6 +63,7 @@ COORDINATOR_FAMILIES = {
     "omnirail_requests_redispatched",
     "omnirail_replicas_lost",
     "omnirail_deadline_overrun_seconds",
+    "omnirail_slow_client",
 }
 
 
@@ -73,6 +75,7 @@ def _filled() -> tuple[CoordinatorMetrics, StageMetrics]:
     coord.first_chunk(0.01)
     coord.replica_lost("a")
     coord.deadline_overrun(0.003)
+    coord.slow_client("session", "paused")
     stage = StageMetrics()
     rec = stage.stage("a", queue_depth=lambda: 3, inflight=lambda: 4, held=lambda: 1)
     watch_relay(stage, "shm", lambda: 0)
