@@ -123,7 +123,10 @@ def test_abort_mid_stream(project: Project) -> None:
             for _ in events:
                 pass
         assert info.value.code == Code.CANCELLED
-        assert {"thinker", "talker", "code2wav"} <= {a.split("/")[0] for a in acked}
+        # Every stage was told; containers on a busy host may ack past abort_ack_timeout_s
+        # (0.5 s), and are then named as not acknowledged rather than waited for.
+        told = acked.acknowledged + acked.not_acknowledged
+        assert {"thinker", "talker", "code2wav"} <= {a.split("/")[0] for a in told}
         assert client.status("e2e-abort").state == "aborted"
         chunks, result = _stream(client, {"text": "after abort", "max_new_tokens": 5})
     _check(chunks, result.outputs)
