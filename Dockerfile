@@ -7,7 +7,7 @@
 #   BASE_IMAGE  python:3.11-slim-bookworm (scripts/container/base_image.sh makes a local one)
 #   EXTRAS      omnirail extras to install, comma-separated ("" for none). The default,
 #               nixl,ucx,hf, has the cross-host relays and transformers + pillow (about
-#               200 MB), which the shipped examples/qwen3_omni and omni_demo's hf_thinker
+#               200 MB), which the shipped omnirail/models/qwen3_omni and omni_demo's hf_thinker
 #               import; the coordinator imports the factories too. scripts/container/
 #               wheelhouse.sh takes its default from this line.
 #   TORCH       cpu (torch from the PyTorch CPU index) or cuda (torch from PyPI); used only

@@ -28,7 +28,8 @@ PYPROJECT = REPO / "pyproject.toml"
 
 
 def layout(dest: Path) -> Path:
-    """Copies every package pyproject lists into `dest` at its import path; returns dest."""
+    """Copies every package pyproject lists into `dest` at its import path, and examples/;
+    returns dest."""
     setuptools = tomllib.loads(PYPROJECT.read_text())["tool"]["setuptools"]
     package_dir: dict[str, str] = setuptools.get("package-dir", {})
     for package in setuptools["packages"]:
@@ -37,6 +38,16 @@ def layout(dest: Path) -> Path:
         target.mkdir(parents=True, exist_ok=True)
         for module in source.glob("*.py"):
             shutil.copy2(module, target / module.name)
+    # examples/ (not installed) is linted too: model code must not import the runtime.
+    shutil.copytree(
+        REPO / "examples",
+        dest / "examples",
+        ignore=lambda folder, names: (
+            [n for n in names if not n.endswith(".py") and not (Path(folder) / n).is_dir()]
+            + ["__pycache__"]
+        ),
+        dirs_exist_ok=True,
+    )
     return dest
 
 

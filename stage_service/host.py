@@ -23,14 +23,14 @@ import grpc
 
 from omnirail.config import PipelineConfig, dotted
 from omnirail.relay.base import Relay
+from omnirail.stage.scheduler import STOP_WAIT_S, Scheduler, SimpleScheduler
+from omnirail.stage.tp import TensorParallel
 from omnirail.stage_service.attach import AttachClient
 from omnirail.stage_service.edge_sender import LocalValue, Releasable
 from omnirail.stage_service.edges import EdgeRelays
 from omnirail.stage_service.placement import Placement
 from omnirail.stage_service.relays import open_relays, plan_relays, relay_host
-from omnirail.stage_service.scheduler import STOP_WAIT_S, Scheduler, SimpleScheduler
 from omnirail.stage_service.stage import Stage
-from omnirail.stage_service.tp import TensorParallel
 from omnirail.telemetry.metrics import StageMetrics, watch_relay
 from omnirail.telemetry.tracer import Tracer
 from omnirail.transport.deliver import DeliverChannel

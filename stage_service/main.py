@@ -9,9 +9,9 @@ import signal
 from typing import Any
 
 from omnirail.config import PipelineConfig
+from omnirail.stage.tp import TensorParallel
 from omnirail.stage_service import placement
 from omnirail.stage_service.placement import Placement
-from omnirail.stage_service.tp import TensorParallel
 
 log = logging.getLogger(__name__)
 

@@ -11,8 +11,8 @@ from __future__ import annotations
 import time
 from collections.abc import Callable
 
+from omnirail.stage.scheduler import OutgoingMessage
 from omnirail.stage_service.request_state import RequestState
-from omnirail.stage_service.scheduler import OutgoingMessage
 from omnirail.telemetry.metrics import StageMetrics
 from omnirail.telemetry.tracer import STATUS_OK, Tracer, parse_traceparent
 from omnirail.v1 import common_pb2, mesh_pb2

@@ -11,7 +11,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from omnirail.relay.io import ReceivedPayload
-from omnirail.stage_service.scheduler import IncomingMessage
+from omnirail.stage.scheduler import IncomingMessage
 from omnirail.stage_service.stream_in import InStreams
 from omnirail.telemetry.tracer import Span
 from omnirail.v1 import mesh_pb2

@@ -18,6 +18,14 @@ from typing import Any, Protocol
 from omnirail.config import PipelineConfig
 from omnirail.relay.base import Relay, RelayError
 from omnirail.relay.io import ReceivedPayload, inline_payload, receive_payload
+from omnirail.stage.scheduler import (
+    CLIENT,
+    STOP_WAIT_S,
+    AbortSet,
+    IncomingMessage,
+    OutgoingMessage,
+    Scheduler,
+)
 from omnirail.stage_service.edge_sender import (
     EdgeSender,
     EdgeSenders,
@@ -30,14 +38,6 @@ from omnirail.stage_service.fanin import FanIn
 from omnirail.stage_service.observe import StageObserver
 from omnirail.stage_service.request_state import PENDING, AckFn, RequestState, as_error
 from omnirail.stage_service.routing import Router, Routes
-from omnirail.stage_service.scheduler import (
-    CLIENT,
-    STOP_WAIT_S,
-    AbortSet,
-    IncomingMessage,
-    OutgoingMessage,
-    Scheduler,
-)
 from omnirail.stage_service.stream_in import drain
 from omnirail.stage_service.stream_out import StreamSender
 from omnirail.telemetry.logs import ids

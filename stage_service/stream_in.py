@@ -12,7 +12,7 @@ from dataclasses import dataclass, field
 
 from omnirail.relay.base import Relay, RelayError
 from omnirail.relay.io import receive_payload
-from omnirail.stage_service.scheduler import IncomingMessage
+from omnirail.stage.scheduler import IncomingMessage
 from omnirail.v1 import mesh_pb2
 from omnirail.wire.payload import PayloadError
 

@@ -27,7 +27,7 @@ from typing import Any
 
 import torch
 
-from omnirail.stage_service.ar import ARRequest, ARScheduler, ARStep
+from omnirail.stage import ARRequest, ARScheduler, ARStep
 
 from .thinker import sample
 

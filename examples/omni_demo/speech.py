@@ -17,8 +17,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from omnirail.stage_service.ar import ARRequest, ARScheduler, ARStep
-from omnirail.stage_service.streaming import StreamingScheduler, StreamState
+from omnirail.stage import ARRequest, ARScheduler, ARStep, StreamingScheduler, StreamState
 
 from .text import detokenize_piece
 from .weights import seeded

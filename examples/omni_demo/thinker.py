@@ -22,8 +22,7 @@ import torch
 from torch import nn
 from torch.nn import functional as F
 
-from omnirail.stage_service.ar import ARRequest, ARScheduler, ARStep
-from omnirail.stage_service.tp import TensorParallel
+from omnirail.stage import ARRequest, ARScheduler, ARStep, TensorParallel
 
 from .text import BOS, EOS, PAD, VOCAB
 

@@ -15,9 +15,7 @@ from typing import Any
 import torch
 
 from omnirail import InputError
-from omnirail.stage_service.ar import ARRequest, ARScheduler, ARStep
-from omnirail.stage_service.scheduler import CLIENT
-from omnirail.stage_service.streaming import StreamingScheduler, StreamState
+from omnirail.stage import CLIENT, ARRequest, ARScheduler, ARStep, StreamingScheduler, StreamState
 
 _MAX_TEXT = 512
 

@@ -1,8 +1,9 @@
 """`omnirail bench omni`: Qwen3-Omni on the mesh against transformers' own `generate()`.
 
-Starts examples/qwen3_omni/pipeline.yaml (each stage its own process, loading only its
-submodule) on `model_path`, or on a tiny random checkpoint made here in a temporary folder
-when none is given (`tiny_model.make_tiny_model`; nothing is downloaded), with the token
+Starts the installed Qwen3-Omni pipeline (`omnirail.models.qwen3_omni`; each stage its own
+process, loading only its submodule) on `model_path`, or on a tiny random checkpoint made
+here in a temporary folder when none is given (`omnirail.testing.tiny`; nothing is
+downloaded), with the token
 limits given. At each concurrency `c` the requests arrive in waves of `c` at once (the
 next wave when the last one has ended), and for every request the client times its first
 text chunk, its first audio chunk and its end; its audio is `code2wav.samples` at 24 kHz.
@@ -22,10 +23,6 @@ mesh then one of transformers, in turn, so both sample the same minutes of a noi
 threads). Ratios per level: the mesh's first audio over transformers' end-to-end time,
 the mesh's requests/s and audio-seconds/s over transformers', and its CPU seconds per
 request over theirs (transformers': this process's CPU time during its waves).
-
-The example (pipeline and `tiny_model`) is the checkout's `examples/qwen3_omni`, found by
-path like the demo bench's pipeline: `examples` is not part of the installed `omnirail`
-package, so nothing here imports it as a package at import time.
 """
 
 from __future__ import annotations
@@ -33,7 +30,6 @@ from __future__ import annotations
 import importlib
 import math
 import os
-import shutil
 import statistics
 import tempfile
 import threading
@@ -45,7 +41,7 @@ from typing import Any
 
 from omnirail.bench import cpu_seconds
 
-EXAMPLE = Path(__file__).resolve().parents[2] / "examples" / "qwen3_omni"
+QWEN3_OMNI = "omnirail.models.qwen3_omni"
 AUDIO_SAMPLE_RATE = 24_000  # code2wav's output: 1920 samples per 12.5 Hz code frame
 KINDS = ("text", "image", "audio")
 TEXT = "Describe this."
@@ -58,19 +54,9 @@ BASELINE_BATCHING = (
 )
 
 
-def _example(module: str) -> Any:
-    """`examples/qwen3_omni/<module>` of this checkout, imported from its folder as the mesh
-    imports a pipeline's own modules (`dir_package`: a package made for the folder, so the
-    example's relative imports work), not as `examples.qwen3_omni`: `examples` is no part
-    of the omnirail package (an installed wheel has no such package), and the layer
-    contract covers omnirail's own modules only."""
-    from omnirail.config.dotted import dir_package
-
-    if not (EXAMPLE / "pipeline.yaml").is_file():
-        raise FileNotFoundError(
-            f"{EXAMPLE}: the Qwen3-Omni example is not here (run from a source checkout)"
-        )
-    return importlib.import_module(f"{dir_package(str(EXAMPLE))}.{module}")
+def _model(module: str) -> Any:
+    """`omnirail.models.qwen3_omni.<module>` (the installed model; it needs the hf extra)."""
+    return importlib.import_module(f"{QWEN3_OMNI}.{module}")
 
 
 def _request(tiny_model: Any, kind: str, max_new_tokens: int) -> dict[str, Any]:
@@ -85,14 +71,14 @@ def _request(tiny_model: Any, kind: str, max_new_tokens: int) -> dict[str, Any]:
 
 
 def write_pipeline(where: Path, model_path: str, max_new_tokens: int, talker_tokens: int) -> Path:
-    """Copies the example folder (its modules sit next to its pipeline file) into `where`
-    and writes its pipeline.yaml with `model_path` and the token limits set; its path."""
+    """Writes the installed Qwen3-Omni pipeline into `where` with `model_path` and the token
+    limits set; its path."""
     import yaml
 
-    shutil.copytree(
-        EXAMPLE, where, dirs_exist_ok=True, ignore=shutil.ignore_patterns("__pycache__")
-    )
-    cfg = yaml.safe_load((EXAMPLE / "pipeline.yaml").read_text())
+    from omnirail.models.registry import by_name
+
+    where.mkdir(parents=True, exist_ok=True)
+    cfg = yaml.safe_load(by_name("qwen3-omni").pipeline_file.read_text())
     cfg["model_path"] = model_path
     for stage in cfg["stages"]:
         args = stage.setdefault("factory_args", {})
@@ -208,7 +194,7 @@ class _Transformers:
     def __init__(
         self, tiny_model: Any, model_path: str, kind: str, max_new_tokens: int, talker: int
     ) -> None:
-        processor_mod = _example("processor")
+        processor_mod = _model("processor")
         self.model = tiny_model.load_reference(model_path)
         self.processor = processor_mod.load_processor(model_path)
         # Rows of one batch are the same prompt here, but a batch for generate() is padded
@@ -377,7 +363,8 @@ def run_omni_bench(
         raise ValueError("concurrency levels and requests must be at least 1")
     if max_new_tokens < 1 or talker_max_new_tokens < 1 or torch_threads < 1:
         raise ValueError("token limits and torch threads must be at least 1")
-    tiny_model = _example("tiny_model")
+    from omnirail.testing.tiny import qwen3_omni as tiny_model
+
     with tempfile.TemporaryDirectory(prefix="omnirail-qwen3-omni-") as tmp:
         if model_path is None:
             say("making the tiny random Qwen3-Omni checkpoint")
@@ -409,7 +396,7 @@ def run_omni_bench(
                 mesh.stop()
     report: dict[str, Any] = {
         "model": TINY if model_path is None else path,
-        "pipeline": str(EXAMPLE / "pipeline.yaml"),
+        "pipeline": f"{QWEN3_OMNI} (installed)",
         "kind": kind,
         "max_new_tokens": max_new_tokens,
         "talker_max_new_tokens": talker_max_new_tokens,

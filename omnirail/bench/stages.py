@@ -69,7 +69,7 @@ def stream_producer(chunks: int = 50, interval_ms: float = 10.0, chunk_floats: i
     step on a GPU: a sleep releases the GIL as a kernel would)."""
     import torch
 
-    from omnirail.stage_service.ar import ARRequest, ARScheduler, ARStep
+    from omnirail.stage import ARRequest, ARScheduler, ARStep
 
     def step(batch: list[ARRequest]) -> list[ARStep]:
         time.sleep(interval_ms / 1000.0)
@@ -86,7 +86,7 @@ def stream_producer(chunks: int = 50, interval_ms: float = 10.0, chunk_floats: i
 
 def stream_forward() -> Any:
     """Passes every chunk on as it arrives."""
-    from omnirail.stage_service.streaming import StreamingScheduler
+    from omnirail.stage import StreamingScheduler
 
     return StreamingScheduler(
         lambda state, chunks, final: chunks[0], window=1, metadata={"modality": "audio"}

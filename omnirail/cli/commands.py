@@ -19,6 +19,7 @@ from omnirail.cli.security import (
     client_options,
     mesh_env,
 )
+from omnirail.cli.serve import cmd_serve
 from omnirail.config import ConfigError, PipelineConfig, format_topology, load_pipeline
 from omnirail.tuning import aio
 from omnirail.tuning.cpu_latency import hold_or_warn
@@ -257,8 +258,9 @@ def build_parser() -> argparse.ArgumentParser:
     v.add_argument("file")
     v.set_defaults(fn=cmd_validate)
 
-    def mesh_flags(sp: argparse.ArgumentParser) -> None:
-        sp.add_argument("file", help="pipeline YAML (or .py)")
+    def mesh_flags(sp: argparse.ArgumentParser, file: bool = True) -> None:
+        if file:
+            sp.add_argument("file", help="pipeline YAML (or .py)")
         sp.add_argument("--tcp", action="store_true", help="TCP instead of Unix sockets")
         sp.add_argument("--quiet", action="store_true", help="no progress on stderr")
         sp.add_argument(
@@ -270,24 +272,52 @@ def build_parser() -> argparse.ArgumentParser:
         _add_wake_flag(sp, "the mesh")
         add_mesh_flags(sp)
 
+    def up_flags(sp: argparse.ArgumentParser) -> None:
+        sp.add_argument("--host", default=None)
+        sp.add_argument(
+            "--port", type=port_number, default=0, help="coordinator port with --tcp (0 picks one)"
+        )
+        sp.add_argument(
+            "--detach", action="store_true", help="return once ready; stop with `omnirail down`"
+        )
+        sp.add_argument("--name", default=None, help="mesh name (default: the pipeline's name)")
+        sp.add_argument(
+            "--run-dir", default=None, help="sockets and logs (default: a new temp dir)"
+        )
+        sp.add_argument(
+            "--http",
+            default=None,
+            metavar="HOST:PORT",
+            help="also serve the OpenAI-compatible HTTP gateway there (the pipeline's api.openai)",
+        )
+
     u = sub.add_parser("up", help="start the coordinator and every stage process")
     mesh_flags(u)
-    u.add_argument("--host", default=None)
-    u.add_argument(
-        "--port", type=port_number, default=0, help="coordinator port with --tcp (0 picks one)"
-    )
-    u.add_argument(
-        "--detach", action="store_true", help="return once ready; stop with `omnirail down`"
-    )
-    u.add_argument("--name", default=None, help="mesh name (default: the pipeline's name)")
-    u.add_argument("--run-dir", default=None, help="sockets and logs (default: a new temp dir)")
-    u.add_argument(
-        "--http",
-        default=None,
-        metavar="HOST:PORT",
-        help="also serve the OpenAI-compatible HTTP gateway there (the pipeline's api.openai)",
-    )
+    up_flags(u)
     u.set_defaults(fn=cmd_up)
+
+    sv = sub.add_parser(
+        "serve",
+        help="serve a checkpoint directory with the installed pipeline of its architecture",
+        description="Reads MODEL_DIR/config.json, picks the installed pipeline that serves its "
+        "architecture, points it at MODEL_DIR and runs it as `omnirail up` does.",
+    )
+    sv.add_argument("model_dir", metavar="MODEL_DIR", help="a local checkpoint directory")
+    mesh_flags(sv, file=False)
+    up_flags(sv)
+    sv.add_argument(
+        "--set",
+        action="append",
+        default=[],
+        metavar="PATH=VALUE",
+        help="change a setting, e.g. stages.thinker.gpu=0 or stages.talker.replicas=2 (repeatable)",
+    )
+    sv.add_argument(
+        "--print-pipeline",
+        action="store_true",
+        help="print the resolved pipeline YAML (to edit and run with `omnirail up`) and exit",
+    )
+    sv.set_defaults(fn=cmd_serve)
 
     d = sub.add_parser("down", help="stop a detached mesh")
     d.add_argument("--name", default=None)

@@ -193,6 +193,14 @@ def read_yaml(p: Path) -> Any:
         text = raw.decode("utf-8")
     except (OSError, UnicodeDecodeError) as exc:
         raise ConfigError(f"{p}: cannot read: {clip(str(exc), 200)}") from None
+    return read_yaml_text(text, p)
+
+
+def read_yaml_text(text: str, p: Path | str) -> Any:
+    """The data of YAML `text`, read as `read_yaml` reads a file; errors name `p` (a file,
+    or what the text is, such as a command-line flag)."""
+    if len(text) > MAX_FILE_BYTES:
+        raise ConfigError(f"{p}: larger than {MAX_FILE_BYTES >> 20} MiB")
     loader: ConfigLoader | None = None
     try:
         # The reader checks the characters as it is made: constructed inside the try.
@@ -222,13 +230,13 @@ def read_yaml(p: Path) -> Any:
             loader.dispose()
 
 
-def _at(p: Path, mark: Any) -> str:
+def _at(p: Path | str, mark: Any) -> str:
     if mark is None:
         return str(p)
     return f"{p}:{mark.line + 1}:{mark.column + 1}"
 
 
-def _at_offset(p: Path, text: str, offset: int) -> str:
+def _at_offset(p: Path | str, text: str, offset: int) -> str:
     line = text.count("\n", 0, offset)
     column = offset - (text.rfind("\n", 0, offset) + 1)
     return f"{p}:{line + 1}:{column + 1}"

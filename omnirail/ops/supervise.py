@@ -2,7 +2,7 @@
 
 Every stage process is a *unit*, and so is every tensor-parallel rank group (its ranks
 only work together: when one exits, rank 0 has already failed the calls in flight with
-UNAVAILABLE, see `stage_service/tp.py`, and the group's other ranks are stopped). A unit
+UNAVAILABLE, see `omnirail/stage/tp.py`, and the group's other ranks are stopped). A unit
 whose process exits while the mesh runs is restarted after a backoff (the stage's
 `restart` config: `backoff_s` doubling up to `backoff_max_s`), a TP group on a fresh
 rendezvous port. More than `max` restarts within `window_s` is a crash loop: the unit

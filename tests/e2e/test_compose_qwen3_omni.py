@@ -1,4 +1,4 @@
-"""examples/qwen3_omni in containers: `omnirail compose` on the pipeline with a model
+"""omnirail/models/qwen3_omni in containers: `omnirail compose` on the pipeline with a model
 directory (a tiny random checkpoint made here; nothing is downloaded), brought up with podman
 and docker-compose from the real image. Each model stage reads the checkpoint from its
 read-only /model bind; the mesh answers a text request with the reference generate()'s
@@ -38,7 +38,7 @@ MODEL_STAGES = ("image-encoder", "audio-encoder", "thinker", "talker", "code2wav
 
 @pytest.fixture(scope="module")
 def model(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    from examples.qwen3_omni import tiny_model
+    from omnirail.testing.tiny import qwen3_omni as tiny_model
 
     return tiny_model.make_tiny_model(tmp_path_factory.mktemp("qwen3_omni_e2e") / "tiny")
 
@@ -88,8 +88,8 @@ def _stream(request: dict[str, Any]) -> tuple[dict[str, list], Any]:
 
 
 def test_text_request_equals_generate_in_containers(project: Project, model: Path) -> None:
-    from examples.qwen3_omni import tiny_model
-    from examples.qwen3_omni.processor import load_processor
+    from omnirail.models.qwen3_omni.processor import load_processor
+    from omnirail.testing.tiny import qwen3_omni as tiny_model
 
     reference = tiny_model.load_reference(model)
     processor = load_processor(model)

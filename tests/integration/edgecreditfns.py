@@ -7,7 +7,7 @@ from typing import Any
 
 import numpy as np
 
-from omnirail.stage_service.scheduler import SimpleScheduler
+from omnirail.stage import SimpleScheduler
 
 
 def make_blob(nbytes: int = 64 << 10) -> Any:

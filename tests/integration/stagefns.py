@@ -145,7 +145,7 @@ def pick_terminals(request_id: str, inputs: dict[str, Any]) -> list[str] | None:
 
 
 def make_batch_square() -> Any:
-    from omnirail.stage_service.scheduler import SimpleScheduler
+    from omnirail.stage import SimpleScheduler
 
     def batch(payloads: list[Any]) -> list[Any]:
         return [{"value": p["value"] ** 2, "batch": len(payloads)} for p in payloads]

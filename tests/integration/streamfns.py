@@ -13,8 +13,7 @@ from typing import Any
 
 import torch
 
-from omnirail.stage_service.ar import ARRequest, ARScheduler, ARStep
-from omnirail.stage_service.streaming import StreamingScheduler, StreamState
+from omnirail.stage import ARRequest, ARScheduler, ARStep, StreamingScheduler, StreamState
 
 # ---- thinker: continuous batching, one chunk per step ---------------------------------
 

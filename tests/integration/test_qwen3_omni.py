@@ -1,7 +1,7 @@
 """The Qwen3-Omni pipeline on real processes against transformers' own `generate()`.
 
-The mesh runs examples/qwen3_omni/pipeline.yaml on a tiny random checkpoint made here
-(`tiny_model.make_tiny_model`; nothing is downloaded), each stage in its own process with
+The mesh runs the installed Qwen3-Omni pipeline on a tiny random checkpoint made here
+(`omnirail.testing.tiny`; nothing is downloaded), each stage in its own process with
 only its submodule's weights. Greedy thinker and talker: the text token ids and the codec
 codes must equal the reference's exactly, and the streamed audio must match its waveform
 within AUDIO_BOUND (code2wav is causal; the reference decodes these short requests in one
@@ -29,12 +29,13 @@ import torch
 pytest.importorskip("transformers")
 pytest.importorskip("PIL")
 
-from examples.qwen3_omni import tiny_model, weights
-from examples.qwen3_omni.processor import load_processor
-from examples.qwen3_omni.sizes import STAGE_SUBMODULES
 from omnirail.bench.omni_bench import write_pipeline
 from omnirail.client.sdk import Chunk, Client
+from omnirail.models.qwen3_omni import weights
+from omnirail.models.qwen3_omni.processor import load_processor
+from omnirail.models.qwen3_omni.sizes import STAGE_SUBMODULES
 from omnirail.ops.launcher import Mesh
+from omnirail.testing.tiny import qwen3_omni as tiny_model
 from omnirail.wire.errors import Code, OmniError
 from tests.integration.conftest import collect_stream, shm_names
 

@@ -11,7 +11,7 @@ from typing import Any
 
 import torch
 
-from omnirail.stage_service.tp import TensorParallel
+from omnirail.stage import TensorParallel
 
 
 def make_mlp(

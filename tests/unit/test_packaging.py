@@ -134,3 +134,14 @@ def test_an_import_cycle_inside_a_package_is_caught(tree: Path) -> None:
     proc = _run(sys.executable, LINT, "--tree", tree)
     assert proc.returncode == 1, proc.stdout + proc.stderr
     assert "No cycles are allowed in omnirail.ops" in proc.stdout
+
+
+def test_model_code_importing_the_stage_runtime_is_caught(tree: Path) -> None:
+    """examples/ (and the installed models) import `omnirail.stage`, the public API for
+    model authors, never `omnirail.stage_service`."""
+    models = tree / "examples" / "streaming" / "models.py"
+    models.write_text(models.read_text() + "\nfrom omnirail.stage_service import host  # noqa\n")
+    proc = _run(sys.executable, LINT, "--tree", tree)
+    assert proc.returncode == 1, proc.stdout + proc.stderr
+    assert "model code imports omnirail.stage, never the stage runtime BROKEN" in proc.stdout
+    assert "examples.streaming.models -> omnirail.stage_service.host" in proc.stdout

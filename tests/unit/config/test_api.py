@@ -13,7 +13,7 @@ from omnirail.wire.errors import Code, OmniError
 from tests.unit.config.helpers import config_error, pipe, st
 
 ROOT = Path(__file__).resolve().parents[3]
-EXAMPLES = ["examples/quickstart", "examples/omni_demo", "examples/qwen3_omni"]
+EXAMPLES = ["examples/quickstart", "examples/omni_demo", "omnirail/models/qwen3_omni"]
 
 
 def _pipe(api: dict[str, Any], **kw: Any) -> dict[str, Any]:
@@ -63,7 +63,7 @@ def test_omni_demo_api_is_typed() -> None:
 
 
 def test_qwen3_api_passes_messages() -> None:
-    api = load_pipeline(ROOT / "examples/qwen3_omni/pipeline.yaml", resolve=False).api
+    api = load_pipeline(ROOT / "omnirail/models/qwen3_omni/pipeline.yaml", resolve=False).api
     assert api.openai is not None
     assert api.openai.messages_input == "messages" and api.openai.text_input is None
     assert api.input("messages").format == "json"  # type: ignore[union-attr]

@@ -21,7 +21,7 @@ from omnirail.gateway.requests import RequestMapper
 
 ROOT = Path(__file__).resolve().parents[3]
 DEMO = load_pipeline(ROOT / "examples/omni_demo/pipeline.yaml").api
-QWEN = load_pipeline(ROOT / "examples/qwen3_omni/pipeline.yaml", resolve=False).api
+QWEN = load_pipeline(ROOT / "omnirail/models/qwen3_omni/pipeline.yaml", resolve=False).api
 
 
 def _variant(api: ApiConfig, **openai: Any) -> ApiConfig:

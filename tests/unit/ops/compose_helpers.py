@@ -17,7 +17,7 @@ from omnirail.ops.compose import ComposeBundle, ComposeOptions, EdgeRelay, gener
 REPO = Path(__file__).resolve().parents[3]
 QUICKSTART = REPO / "examples/quickstart/pipeline.yaml"
 STREAMING = REPO / "examples/streaming/pipeline.yaml"
-QWEN3_OMNI = REPO / "examples/qwen3_omni/pipeline.yaml"
+QWEN3_OMNI = REPO / "omnirail/models/qwen3_omni/pipeline.yaml"
 FIXED = ["coordinator", "jaeger", "prometheus"]
 # After the coordinator in pipelines with api.openai (the OpenAI gateway).
 GATEWAY = "gateway"

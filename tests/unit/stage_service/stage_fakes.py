@@ -19,15 +19,15 @@ import pytest
 
 from omnirail.config import PipelineConfig
 from omnirail.relay.base import RelaySettings, create_relay
-from omnirail.stage_service.edges import EdgeRelays
-from omnirail.stage_service.scheduler import (
+from omnirail.stage.scheduler import (
     IncomingMessage,
     OutgoingMessage,
     Scheduler,
     SimpleScheduler,
 )
+from omnirail.stage.streaming import StreamingScheduler, StreamState
+from omnirail.stage_service.edges import EdgeRelays
 from omnirail.stage_service.stage import Stage
-from omnirail.stage_service.streaming import StreamingScheduler, StreamState
 from omnirail.v1 import common_pb2, mesh_pb2
 from omnirail.wire.errors import OmniError
 from omnirail.wire.payload import decode_inline, encode_inline

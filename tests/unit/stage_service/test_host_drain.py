@@ -11,10 +11,10 @@ import time
 
 import pytest
 
+from omnirail.stage.scheduler import ThreadScheduler
 from omnirail.stage_service import host as host_module
 from omnirail.stage_service.attach import AttachClient
 from omnirail.stage_service.host import StageHost
-from omnirail.stage_service.scheduler import ThreadScheduler
 from omnirail.v1 import mesh_pb2
 from omnirail.wire.errors import unavailable
 from tests.unit.stage_service.stage_fakes import pipeline, running

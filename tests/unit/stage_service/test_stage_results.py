@@ -9,8 +9,8 @@ from contextlib import asynccontextmanager
 
 import numpy as np
 
+from omnirail.stage.scheduler import IncomingMessage, OutgoingMessage
 from omnirail.stage_service.edges import EdgeRelays
-from omnirail.stage_service.scheduler import IncomingMessage, OutgoingMessage
 from omnirail.stage_service.stage import Stage
 from tests.unit.stage_service.relay_fakes import ScriptedRelay
 from tests.unit.stage_service.stage_fakes import (

@@ -12,8 +12,8 @@ from typing import Any
 import pytest
 
 from omnirail.config import PipelineConfig
+from omnirail.stage.streaming import StreamingScheduler
 from omnirail.stage_service.host import build_scheduler
-from omnirail.stage_service.streaming import StreamingScheduler
 from omnirail.wire.errors import Code, OmniError
 from tests.unit.stage_service.stage_fakes import (
     HERE,

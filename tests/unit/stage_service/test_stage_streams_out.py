@@ -10,7 +10,7 @@ from __future__ import annotations
 import pytest
 
 from omnirail.config import PipelineConfig
-from omnirail.stage_service.scheduler import CLIENT
+from omnirail.stage.scheduler import CLIENT
 from omnirail.wire.errors import Code
 from tests.unit.stage_service.stage_fakes import (
     HERE,

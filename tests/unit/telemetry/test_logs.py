@@ -6,7 +6,7 @@ import io
 import logging
 import threading
 
-from omnirail.stage_service.scheduler import IncomingMessage, SimpleScheduler
+from omnirail.stage.scheduler import IncomingMessage, SimpleScheduler
 from omnirail.telemetry.logs import FORMAT, ContextFilter, ids, request_context, trace_id_of
 
 TP = "00-0af7651916cd43dd8448eb211c80319c-b7ad6b7169203331-01"

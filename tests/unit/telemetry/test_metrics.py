@@ -13,8 +13,8 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from omnirail.config import ConfigError, PipelineConfig
 from omnirail.relay.base import RelaySettings, create_relay
+from omnirail.stage.scheduler import SimpleScheduler
 from omnirail.stage_service.edges import EdgeRelays
-from omnirail.stage_service.scheduler import SimpleScheduler
 from omnirail.stage_service.stage import Stage
 from omnirail.telemetry.metrics import CoordinatorMetrics, StageMetrics, abort_reason, watch_relay
 from omnirail.telemetry.metrics_http import start_metrics_server, stop_metrics_server

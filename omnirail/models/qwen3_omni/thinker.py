@@ -1,0 +1,472 @@
+"""Qwen3-Omni's thinker as a per-request step machine, token-for-token equal to transformers.
+
+`ThinkerRunner` holds the thinker's text model (`thinker.model`, a
+`Qwen3OmniMoeThinkerTextModel`: token embedding, MoE decoder layers, norm) and its `lm_head`,
+nothing else: the encoders run elsewhere (`encoders.py`) and their outputs come in with the
+request. Each request has its own `ThinkerState` (its KV cache, its 3D rope positions and
+rope deltas, its tokens), so requests can join and leave between steps, as
+`omnirail.stage.ar.ARScheduler` runs them: `prefill` when a request joins
+(`init_fn`), `step` / `step_many` for one decode step of the running requests (`step_fn`).
+No per-request value is ever stored on the shared modules (transformers' own thinker keeps
+`rope_deltas` on the module, which would mix up interleaved requests).
+
+Exactness. `prefill` calls the text model with exactly the arguments
+`Qwen3OmniMoeForConditionalGeneration.generate()` gives it (transformers 5.24): the input
+embeddings with audio and image features scattered in, the deepstack features and their
+mask, the 4-row position ids (text positions, then the 3D mRoPE positions from transformers'
+own `get_rope_index`), no attention mask (all ones is dropped by `generate()`), a
+`DynamicCache`; `lm_head` over the same rows; greedy `argmax` of the float32 logits. So the
+first token and the talker's prompt tensors are bitwise the reference's. Decode steps
+(`step_many`) advance the positions by one as `generate()` does and keep its stop rule (an
+`eos_token_id` or `max_new_tokens`), but run the running requests together in fixed slots
+(`rows.decode_rows`): a request's floats then never depend on who else runs, and differ
+from `generate()`'s one-row forward by rounding only, so the tokens are the reference's
+(the unit tests check text, image and audio prompts and interleaved batches).
+
+What the talker needs (`generate()` builds its inputs from the thinker's hidden states):
+the prompt's input embeddings (`hidden_states[0]`), the hidden state at
+`talker_config.accept_hidden_layer`, the multimodal mask and the prompt ids (`TalkerPrompt`,
+from `prefill`), then the input embedding of every generated token fed back (`StepOutput.
+fed_embed`, from each step; the last generated token is never fed, as in `generate()`).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from .encoders import AudioEncoding, ImageEncoding, InputError, audio_output_lengths
+from .rows import decode_rows, pad_slots, slot_groups
+
+
+class _RopeIndex:
+    """transformers' `get_rope_index` (3D mRoPE positions and deltas) run on a thinker config
+    alone, without the thinker module (whose encoders live in other processes)."""
+
+    def __init__(self, thinker_config: Any) -> None:
+        from transformers.models.qwen3_omni_moe.modeling_qwen3_omni_moe import (
+            Qwen3OmniMoePreTrainedModelForConditionalGeneration as Base,
+        )
+
+        self.config = thinker_config
+        self.spatial_merge_size = thinker_config.vision_config.spatial_merge_size
+        self._get_rope_index = Base.get_rope_index.__get__(self)
+        self.get_llm_pos_ids_for_vision = Base.get_llm_pos_ids_for_vision.__get__(self)
+
+    def __call__(self, input_ids, image_grid_thw, attention_mask, audio_seqlens):
+        return self._get_rope_index(
+            input_ids,
+            image_grid_thw=image_grid_thw,
+            video_grid_thw=None,
+            attention_mask=attention_mask,
+            use_audio_in_video=False,
+            audio_seqlens=audio_seqlens,
+            second_per_grids=None,
+        )
+
+
+@dataclass
+class TalkerPrompt:
+    """What the talker needs of a request's prompt (batch dim 1, as in `generate()`).
+
+    `input_ids`: (1, L) long; `embeds`: (1, L, H) the thinker's input embeddings, audio and
+    image features scattered in (`thinker_result.hidden_states[0][0]`); `accept_hidden`:
+    (1, L, H) the hidden state after `talker_config.accept_hidden_layer` layers (index
+    `accept_hidden_layer` of the text model's hidden states; before the deepstack addition;
+    normed if it is the last); `multimodal_mask`: (1, L) bool, audio/image/video pad
+    positions. The talker reads `accept_hidden` at the masked positions only
+    (`multimodal_hidden()`), `embeds` elsewhere. All contiguous, on the runner's device.
+    """
+
+    input_ids: torch.Tensor
+    embeds: torch.Tensor
+    accept_hidden: torch.Tensor | None
+    multimodal_mask: torch.Tensor
+
+    def multimodal_hidden(self) -> torch.Tensor | None:
+        """(multimodal positions, H): the rows of `accept_hidden` the talker projects."""
+        if self.accept_hidden is None:
+            return None
+        return self.accept_hidden[self.multimodal_mask].contiguous()
+
+
+@dataclass
+class StepOutput:
+    """One generated token. `fed_embed`: (1, 1, H) the input embedding of the token this step
+    fed to the model (the previous token; None for the prefill's token), what `generate()`
+    records as that step's `hidden_states[0]`. `finished`: no more tokens (this one is an
+    `eos_token_id` or the `max_new_tokens`-th)."""
+
+    token: int
+    finished: bool
+    fed_embed: torch.Tensor | None = None
+
+
+@dataclass
+class ThinkerState:
+    """One request's decoding state; touch it only through the runner."""
+
+    cache: Any
+    position: torch.Tensor  # (4, 1, 1) float: the last fed position, text row first
+    rope_deltas: torch.Tensor  # (1, 1): 3D positions minus text positions after the prompt
+    prompt_length: int
+    max_new_tokens: int
+    eos_token_ids: frozenset[int]
+    tokens: list[int] = field(default_factory=list)
+    finished: bool = False
+
+    @property
+    def last_token(self) -> int:
+        return self.tokens[-1]
+
+
+@dataclass
+class Prefill:
+    """`prefill`'s result: the request's state, its first token and its talker prompt."""
+
+    state: ThinkerState
+    first: StepOutput
+    talker: TalkerPrompt
+
+
+_DEFAULT = object()
+
+
+class ThinkerRunner:
+    """Greedy decoding of the thinker's text model, one `ThinkerState` per request.
+
+    `text_model`: `thinker.model` (a `Qwen3OmniMoeThinkerTextModel`); `lm_head`:
+    `thinker.lm_head`; `config`: the checkpoint's `Qwen3OmniMoeConfig` (thinker token ids
+    and rope settings, the talker's `accept_hidden_layer`, the default end-of-turn id).
+    `accept_hidden_layer=None` (or a config without audio output) skips that hidden state.
+    """
+
+    def __init__(
+        self,
+        text_model: torch.nn.Module,
+        lm_head: torch.nn.Module,
+        config: Any,
+        *,
+        accept_hidden_layer: int | object | None = _DEFAULT,
+        slots: int = 8,
+    ) -> None:
+        if slots < 1:
+            raise ValueError(f"slots must be >= 1, got {slots}")
+        self.slots = slots
+        self.model = text_model.eval()
+        self.lm_head = lm_head.eval()
+        self.config = config
+        self.thinker_config = config.thinker_config
+        self.text_config = text_model.config
+        self.device = next(text_model.parameters()).device
+        self.hidden_size = self.text_config.hidden_size
+        tc = self.thinker_config
+        self.audio_token_id = tc.audio_token_id
+        self.image_token_id = tc.image_token_id
+        self.video_token_id = tc.video_token_id
+        self.n_window = tc.audio_config.n_window
+        self.spatial_merge_size = tc.vision_config.spatial_merge_size
+        if accept_hidden_layer is _DEFAULT:
+            talker = getattr(config, "talker_config", None)
+            enabled = getattr(config, "enable_audio_output", True)
+            accept_hidden_layer = talker.accept_hidden_layer if talker and enabled else None
+        layers = self.text_config.num_hidden_layers
+        if accept_hidden_layer is not None and not 0 <= accept_hidden_layer <= layers:
+            raise ValueError(f"accept_hidden_layer must be within 0..{layers}")
+        self.accept_hidden_layer = accept_hidden_layer
+        self.default_eos = getattr(config, "im_end_token_id", None)
+        self.max_positions = self.text_config.max_position_embeddings
+        self._rope_index = _RopeIndex(tc)
+
+    @classmethod
+    def from_pretrained(
+        cls,
+        model_path: str,
+        device: torch.device | str = "cpu",
+        dtype: torch.dtype | None = None,
+        **kwargs: Any,
+    ) -> ThinkerRunner:
+        """Loads only the checkpoint's `thinker.model` and `thinker.lm_head` tensors
+        (`weights.load_submodule(..., "thinker.text")`) and its config."""
+        from .weights import load_submodule, read_config
+
+        text = load_submodule(model_path, "thinker.text", device, dtype)
+        return cls(text.model, text.lm_head, read_config(model_path), **kwargs)
+
+    # ---- public API ---------------------------------------------------------------------
+
+    def embed(self, token_ids: torch.Tensor | Sequence[int]) -> torch.Tensor:
+        """The thinker's input embeddings of `token_ids`, (..., H) (e.g. the talker's
+        tts_bos/eos/pad embeddings, which `generate()` takes from the thinker)."""
+        ids = torch.as_tensor(token_ids, dtype=torch.long, device=self.device)
+        with torch.no_grad():
+            return self.model.embed_tokens(ids).contiguous()
+
+    @torch.inference_mode()
+    def prefill(
+        self,
+        input_ids: torch.Tensor,
+        *,
+        max_new_tokens: int,
+        attention_mask: torch.Tensor | None = None,
+        audio: AudioEncoding | None = None,
+        image: ImageEncoding | None = None,
+        eos_token_id: int | Iterable[int] | object | None = _DEFAULT,
+    ) -> Prefill:
+        """Runs the prompt through the model into a new cache; returns the request's state,
+        its first greedy token and its `TalkerPrompt`.
+
+        `input_ids`: (1, L) or (L,) long, the processor's ids with every audio/image pad
+        token expanded; `attention_mask`: None or all ones (1, L) (one request, no padding);
+        `audio` / `image`: the encoders' outputs for this request's audios / images, in
+        prompt order (their `feature_lengths` / `grid_thw` give the 3D rope);
+        `max_new_tokens`: 1.. (max_position_embeddings - L); `eos_token_id`: an id or ids
+        that end generation (default: the config's `im_end_token_id`; None: none).
+        """
+        ids = self._check_ids(input_ids, attention_mask)
+        length = ids.shape[1]
+        max_new_tokens = self._check_max_new_tokens(max_new_tokens, length)
+        eos = self._eos_ids(eos_token_id)
+        self._check_media(ids, audio, image)
+
+        # 1. Input embeddings, as Qwen3OmniMoeThinkerModel.forward builds them.
+        embeds = self.model.embed_tokens(ids)
+        if audio is not None:
+            audio_mask = (ids == self.audio_token_id).unsqueeze(-1)
+            features = audio.embeds.to(embeds.device, embeds.dtype)
+            embeds = embeds.masked_scatter(audio_mask, features)
+        visual_pos_masks = deepstack = None
+        if image is not None:
+            image_mask = (ids == self.image_token_id).unsqueeze(-1)
+            features = image.embeds.to(embeds.device, embeds.dtype)
+            embeds = embeds.masked_scatter(image_mask, features)
+            visual_pos_masks = image_mask[..., 0]
+            deepstack = list(image.deepstack)
+
+        # 2. Positions, as generate()'s `_prepare_position_ids_for_generation`.
+        mask = torch.ones_like(ids)
+        text_positions = mask.long().cumsum(-1) - 1
+        rope_positions, rope_deltas = self._rope_index(
+            ids,
+            image.grid_thw.to(self.device) if image is not None else None,
+            mask,
+            audio.feature_lengths.to(self.device) if audio is not None else None,
+        )
+        position_ids = torch.cat([text_positions[None, ...], rope_positions], dim=0)
+
+        # 3. The prompt through the model, into this request's own cache.
+        from transformers import DynamicCache
+
+        cache = DynamicCache(config=self.text_config)
+        kwargs: dict[str, Any] = {}
+        if self.accept_hidden_layer is not None:
+            kwargs["output_hidden_states"] = [self.accept_hidden_layer]
+        out = self.model(
+            inputs_embeds=embeds,
+            attention_mask=None,
+            position_ids=position_ids,
+            cache=cache,
+            use_cache=True,
+            visual_pos_masks=visual_pos_masks,
+            deepstack_visual_embeds=deepstack,
+            **kwargs,
+        )
+        token = self._greedy(out.last_hidden_state)
+
+        accept_hidden = None
+        if self.accept_hidden_layer is not None:
+            accept_hidden = out.hidden_states[self.accept_hidden_layer].contiguous()
+        multimodal = (
+            (ids == self.audio_token_id)
+            | (ids == self.image_token_id)
+            | (ids == self.video_token_id)
+        )
+        state = ThinkerState(
+            cache=cache,
+            position=position_ids[..., -1:].clone(),
+            rope_deltas=rope_deltas,
+            prompt_length=length,
+            max_new_tokens=max_new_tokens,
+            eos_token_ids=eos,
+        )
+        first = self._record(state, token, None)
+        talker = TalkerPrompt(
+            input_ids=ids.contiguous(),
+            embeds=embeds.contiguous(),
+            accept_hidden=accept_hidden,
+            multimodal_mask=multimodal.contiguous(),
+        )
+        return Prefill(state=state, first=first, talker=talker)
+
+    def step(self, state: ThinkerState) -> StepOutput:
+        """Feeds the request's last token and returns the next one (with the fed token's
+        input embedding). Raises once the request has finished. The same forward as
+        `step_many` (the slots padded), so a request alone gets what it gets batched."""
+        return self.step_many([state])[0]
+
+    @torch.inference_mode()
+    def step_many(self, states: Sequence[ThinkerState]) -> list[StepOutput]:
+        """One decode step for each of `states` (the running requests), in order, `slots` at
+        a time in one forward (`rows.decode_rows`: rows padded to `slots`, each request's
+        attention over its own cache), so every request's floats, and so its tokens, are the
+        same whoever else is stepped with it (see `rows` for why fixed slots)."""
+        if any(state.finished for state in states):
+            raise RuntimeError("thinker: step on a finished request")
+        return [out for group in slot_groups(states, self.slots) for out in self._step_slots(group)]
+
+    def _step_slots(self, states: Sequence[ThinkerState]) -> list[StepOutput]:
+        ids = torch.tensor([[s.last_token] for s in states], dtype=torch.long, device=self.device)
+        fed = self.model.embed_tokens(ids)  # (n, 1, H)
+        # generate()'s `_update_model_kwargs_for_generation`: last position + 1, every row.
+        new_positions = torch.cat([s.position for s in states], dim=1) + 1  # (4, n, 1)
+        hidden = decode_rows(
+            self.model,
+            pad_slots(fed, self.slots),
+            pad_slots(new_positions, self.slots, dim=1),
+            [s.cache for s in states],
+        )
+        logits = self.lm_head(hidden)[: len(states), -1].to(dtype=torch.float32)
+        tokens = torch.argmax(logits, dim=-1).tolist()
+        positions = new_positions.split(1, dim=1)
+        fed_rows = fed.split(1)
+        out = []
+        for i, state in enumerate(states):
+            state.position = positions[i]
+            out.append(self._record(state, int(tokens[i]), fed_rows[i]))
+        return out
+
+    def release(self, state: ThinkerState) -> None:
+        """Drops the request's KV cache (a finished or aborted request)."""
+        state.cache = None
+        state.finished = True
+
+    # ---- internals ----------------------------------------------------------------------
+
+    def _greedy(self, hidden: torch.Tensor) -> int:
+        logits = self.lm_head(hidden)
+        scores = logits[:, -1].to(copy=True, dtype=torch.float32)
+        return int(torch.argmax(scores, dim=-1)[0])
+
+    def _record(self, state: ThinkerState, token: int, fed: torch.Tensor | None) -> StepOutput:
+        state.tokens.append(token)
+        if token in state.eos_token_ids or len(state.tokens) >= state.max_new_tokens:
+            state.finished = True
+        return StepOutput(token=token, finished=state.finished, fed_embed=fed)
+
+    def _eos_ids(self, eos_token_id: Any) -> frozenset[int]:
+        if eos_token_id is _DEFAULT:
+            eos_token_id = self.default_eos
+        if eos_token_id is None:
+            return frozenset()
+        ids = [eos_token_id] if isinstance(eos_token_id, int) else list(eos_token_id)
+        if not all(isinstance(i, int) and 0 <= i < self.text_config.vocab_size for i in ids):
+            raise InputError("eos_token_id", f"expected token ids, got {eos_token_id!r}")
+        return frozenset(ids)
+
+    def _check_max_new_tokens(self, max_new_tokens: Any, length: int) -> int:
+        limit = self.max_positions - length
+        if (
+            isinstance(max_new_tokens, bool)
+            or not isinstance(max_new_tokens, int)
+            or not 1 <= max_new_tokens <= limit
+        ):
+            raise InputError(
+                "max_new_tokens",
+                f"expected an integer within 1..{limit} (max_position_embeddings "
+                f"{self.max_positions} minus the {length} prompt tokens), got {max_new_tokens!r}",
+            )
+        return max_new_tokens
+
+    def _check_ids(
+        self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None
+    ) -> torch.Tensor:
+        if not isinstance(input_ids, torch.Tensor) or input_ids.dtype not in (
+            torch.int64,
+            torch.int32,
+        ):
+            raise InputError("input_ids", "expected an int64 tensor")
+        ids = input_ids.unsqueeze(0) if input_ids.ndim == 1 else input_ids
+        if ids.ndim != 2 or ids.shape[0] != 1 or ids.shape[1] < 1:
+            raise InputError(
+                "input_ids", f"expected shape (1, length) for one request, got {tuple(ids.shape)}"
+            )
+        vocab = self.text_config.vocab_size
+        if int(ids.min()) < 0 or int(ids.max()) >= vocab:
+            raise InputError("input_ids", f"token ids must be within 0..{vocab - 1}")
+        if (ids == self.video_token_id).any():
+            raise InputError("input_ids", "video tokens: video input is not supported")
+        if attention_mask is not None:
+            mask = attention_mask.unsqueeze(0) if attention_mask.ndim == 1 else attention_mask
+            if tuple(mask.shape) != tuple(ids.shape) or not bool((mask == 1).all()):
+                raise InputError(
+                    "attention_mask",
+                    f"expected all ones of shape {tuple(ids.shape)} (one request, no padding)",
+                )
+        return ids.to(self.device, torch.long)
+
+    def _check_media(
+        self, ids: torch.Tensor, audio: AudioEncoding | None, image: ImageEncoding | None
+    ) -> None:
+        hidden = self.hidden_size
+        n_audio_tokens = int((ids == self.audio_token_id).sum())
+        n_audio_starts = int((ids == self.thinker_config.audio_start_token_id).sum())
+        if audio is None:
+            if n_audio_tokens:
+                raise InputError("audio", f"input_ids has {n_audio_tokens} audio tokens, no audio")
+        else:
+            emb, lengths = audio.embeds, audio.feature_lengths
+            if emb.ndim != 2 or emb.shape[1] != hidden:
+                raise InputError(
+                    "audio.embeds", f"expected (tokens, {hidden}), got {tuple(emb.shape)}"
+                )
+            if lengths.ndim != 1 or lengths.dtype.is_floating_point or (lengths < 1).any():
+                raise InputError("audio.feature_lengths", "expected positive ints (audios,)")
+            if lengths.shape[0] != n_audio_starts:
+                raise InputError(
+                    "audio.feature_lengths",
+                    f"{lengths.shape[0]} audios, but input_ids has {n_audio_starts}",
+                )
+            expected = int(audio_output_lengths(lengths.cpu(), self.n_window).sum())
+            if not n_audio_tokens == emb.shape[0] == expected:
+                raise InputError(
+                    "audio.embeds",
+                    f"{emb.shape[0]} rows for {n_audio_tokens} audio tokens in input_ids "
+                    f"({expected} from feature_lengths {lengths.tolist()})",
+                )
+        n_image_tokens = int((ids == self.image_token_id).sum())
+        if image is None:
+            if n_image_tokens:
+                raise InputError("image", f"input_ids has {n_image_tokens} image tokens, no image")
+            return
+        emb, grid = image.embeds, image.grid_thw
+        if emb.ndim != 2 or emb.shape[1] != hidden:
+            raise InputError("image.embeds", f"expected (tokens, {hidden}), got {tuple(emb.shape)}")
+        if grid.ndim != 2 or grid.shape[1] != 3 or grid.dtype.is_floating_point:
+            raise InputError(
+                "image.grid_thw", f"expected ints (images, 3), got {tuple(grid.shape)}"
+            )
+        flat = ids[0]
+        starts = torch.nonzero(flat[:-1] == self.thinker_config.vision_start_token_id)[:, 0]
+        n_images = int((flat[starts + 1] == self.image_token_id).sum())
+        if grid.shape[0] != n_images:
+            raise InputError(
+                "image.grid_thw", f"{grid.shape[0]} images, but input_ids has {n_images}"
+            )
+        expected = int((grid.prod(-1) // self.spatial_merge_size**2).sum())
+        if not n_image_tokens == emb.shape[0] == expected:
+            raise InputError(
+                "image.embeds",
+                f"{emb.shape[0]} rows for {n_image_tokens} image tokens in input_ids "
+                f"({expected} from grid_thw {grid.tolist()})",
+            )
+        layers = self.text_config.num_hidden_layers
+        if len(image.deepstack) > layers or any(
+            tuple(f.shape) != tuple(emb.shape) for f in image.deepstack
+        ):
+            raise InputError(
+                "image.deepstack",
+                f"expected at most {layers} tensors shaped like image.embeds {tuple(emb.shape)}",
+            )
