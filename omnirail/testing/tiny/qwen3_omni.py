@@ -35,7 +35,7 @@ import numpy as np
 import torch
 
 if TYPE_CHECKING:
-    from .thinker import TalkerPrompt
+    from omnirail.models.qwen3_omni.thinker import TalkerPrompt
 
 SPEAKERS = {"chelsie": 253, "ethan": 254, "aiden": 255}  # offsets from the codebook size
 SPEAKER = "ethan"
@@ -189,7 +189,7 @@ def build_processor(tokenizer):
         Qwen2VLImageProcessorPil,
     )
 
-    from .processor import Qwen3OmniMoeProcessorNoVideo
+    from omnirail.models.qwen3_omni.processor import Qwen3OmniMoeProcessorNoVideo
 
     image_processor = Qwen2VLImageProcessorPil(
         patch_size=16,
@@ -529,7 +529,7 @@ def inputs_from_thinker_generate(
     the `TalkerPrompt`, the media keyword arguments of `TalkerRunner.start`, and the
     generated tokens' input embeddings `(n - 1, D)` (every generated token but the last,
     which the thinker never feeds back). Tests use it on the reference thinker."""
-    from .thinker import TalkerPrompt
+    from omnirail.models.qwen3_omni.thinker import TalkerPrompt
 
     layer = config.talker_config.accept_hidden_layer
     steps = thinker_result.hidden_states

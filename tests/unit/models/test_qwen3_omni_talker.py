@@ -22,8 +22,8 @@ from omnirail.models.qwen3_omni.code2wav import Code2WavStreamer
 from omnirail.models.qwen3_omni.talker import TalkerRunner
 from omnirail.models.qwen3_omni.talker_prompt import read_tts_embeds
 from omnirail.models.qwen3_omni.thinker import TalkerPrompt
-from omnirail.models.qwen3_omni.tiny_model import inputs_from_thinker_generate
 from omnirail.testing.tiny import qwen3_omni as tiny_model
+from omnirail.testing.tiny.qwen3_omni import inputs_from_thinker_generate
 from tests.unit.models.code2wav_helpers import assert_audio_close, stream_audio
 
 # Streamed audio against the reference waveform; measured here: ~1e-8 (peaks ~2e-2).
