@@ -65,6 +65,21 @@ def collect_stream(events: Iterable[Any]) -> tuple[list[Chunk], GenerateResult]:
     raise AssertionError("stream ended without a result")
 
 
+def read_openai_stream(stream: Iterable[Any]) -> tuple[str, bytes]:
+    """A streamed chat completion from the `openai` SDK: its text, and its audio's bytes
+    (the base64 `audio.data` of each delta, decoded)."""
+    import base64
+
+    pieces, audio = [], bytearray()
+    for chunk in stream:
+        delta = chunk.choices[0].delta
+        pieces.append(delta.content or "")
+        extra = (delta.model_extra or {}).get("audio") or getattr(delta, "audio", None)
+        if extra:
+            audio += base64.b64decode(extra["data"] if isinstance(extra, dict) else extra.data)
+    return "".join(pieces), bytes(audio)
+
+
 def wait_nothing_in_flight(client: Client, timeout: float = 15.0) -> None:
     """Until no stage replica reports a request in flight (loads refresh every moment)."""
     deadline = time.monotonic() + timeout

@@ -13,7 +13,6 @@ import statistics
 import subprocess
 import threading
 import time
-import urllib.request
 from collections import Counter
 from collections.abc import Iterator
 from pathlib import Path
@@ -22,13 +21,13 @@ import grpc
 import pytest
 import yaml
 from google.protobuf import json_format
-from prometheus_client.parser import text_string_to_metric_families
 
 from omnirail.client.sdk import Client, build_request
 from omnirail.ops.launcher import Mesh
 from omnirail.v1 import client_pb2, client_pb2_grpc
 from omnirail.wire.errors import Code, OmniError
 from tests.integration.conftest import PIPELINES, explain
+from tests.integration.test_metrics import Samples, scrape
 
 # A half-closed Session's requests (the issue saw 20, 1,000 and 10,000 dropped).
 HALF_CLOSED = 1000
@@ -62,16 +61,9 @@ def _requests(prefix: str, n: int, batch: int = 64) -> list[client_pb2.SessionRe
     return [client_pb2.SessionRequest(generate=reqs[i : i + batch]) for i in range(0, n, batch)]
 
 
-def _coordinator_metrics(mesh: Mesh) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
+def _coordinator_metrics(mesh: Mesh) -> Samples:
     with Client(mesh.address or "") as client:
-        address = client.describe().metrics_address
-    with urllib.request.urlopen(f"http://{address}/metrics", timeout=10) as resp:
-        text = resp.read().decode()
-    return {
-        (s.name, tuple(sorted(s.labels.items()))): s.value
-        for family in text_string_to_metric_families(text)
-        for s in family.samples
-    }
+        return scrape(client.describe().metrics_address)
 
 
 def _rss_mb(pid: int) -> float:

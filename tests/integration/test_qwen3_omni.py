@@ -37,7 +37,7 @@ from omnirail.models.qwen3_omni.sizes import STAGE_SUBMODULES
 from omnirail.ops.launcher import Mesh
 from omnirail.testing.tiny import qwen3_omni as tiny_model
 from omnirail.wire.errors import Code, OmniError
-from tests.integration.conftest import collect_stream, shm_names
+from tests.integration.conftest import collect_stream, read_openai_stream, shm_names
 
 THINKER_TOKENS = 16
 TALKER_TOKENS = 64
@@ -179,14 +179,8 @@ def test_front_doors_answer_what_the_sdk_does(mesh: Mesh) -> None:
         audio={"voice": "ethan", "format": "pcm16"},
         stream=True,
     )  # fmt: skip
-    pieces, audio = [], bytearray()
-    for chunk in stream:
-        delta = chunk.choices[0].delta
-        pieces.append(delta.content or "")
-        extra = (delta.model_extra or {}).get("audio") or getattr(delta, "audio", None)
-        if extra:
-            audio += base64.b64decode(extra["data"] if isinstance(extra, dict) else extra.data)
-    assert "".join(pieces) == text
+    said, audio = read_openai_stream(stream)
+    assert said == text
     want = np.rint(np.clip(pcm, -1, 1) * 32767).astype(np.int16)
     np.testing.assert_array_equal(np.frombuffer(bytes(audio), "<i2"), want)
 

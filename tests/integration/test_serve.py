@@ -5,7 +5,6 @@ output, run with `omnirail up`, gives the same answers."""
 
 from __future__ import annotations
 
-import base64
 import os
 from collections.abc import Iterator
 from pathlib import Path
@@ -22,7 +21,7 @@ pytest.importorskip("transformers")
 from omnirail.client.sdk import Client
 from omnirail.ops.launcher import Mesh, read_states
 from omnirail.testing.tiny import qwen3_omni as tiny_model
-from tests.integration.conftest import collect_stream, explain, omnirail
+from tests.integration.conftest import collect_stream, explain, omnirail, read_openai_stream
 
 pytestmark = pytest.mark.slow
 
@@ -99,14 +98,8 @@ def test_the_openai_sdk_gets_what_generate_gives(
         audio={"voice": "ethan", "format": "pcm16"},
         stream=True,
     )
-    pieces, audio = [], bytearray()
-    for chunk in stream:
-        delta = chunk.choices[0].delta
-        pieces.append(delta.content or "")
-        extra = (delta.model_extra or {}).get("audio") or getattr(delta, "audio", None)
-        if extra:
-            audio += base64.b64decode(extra["data"] if isinstance(extra, dict) else extra.data)
-    assert "".join(pieces) == text
+    said, audio = read_openai_stream(stream)
+    assert said == text
     got = np.frombuffer(bytes(audio), "<i2").astype(np.int32)
     want = np.rint(np.clip(wav, -1, 1) * 32767).astype(np.int32)
     assert got.shape == want.shape and len(got) > 0

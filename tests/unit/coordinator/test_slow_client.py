@@ -32,11 +32,13 @@ class StalledContext:
         await asyncio.Event().wait()
 
 
-async def test_generate_stream_fails_a_request_whose_client_stops_reading() -> None:
+def streaming_generate(**limits: int) -> tuple[RequestRecord, StalledContext, asyncio.Task[None]]:
+    """A streaming Generate of one running request, to a client that never reads, on a
+    coordinator with `limits` (client_stream_buffer, client_buffer_mb)."""
     pipeline = PipelineConfig.from_dict(
         {
             "name": "slow-client",
-            "client_stream_buffer": 8,
+            **limits,
             "stages": [{"name": "a", "factory": f"{HERE}:make_stage", "terminal": True}],
         }
     )
@@ -46,6 +48,11 @@ async def test_generate_stream_fails_a_request_whose_client_stops_reading() -> N
     coordinator.requests.add(rec)
     context = StalledContext()
     writer = asyncio.get_running_loop().create_task(stream_chunks(coordinator, rec, context))
+    return rec, context, writer
+
+
+async def test_generate_stream_fails_a_request_whose_client_stops_reading() -> None:
+    rec, context, writer = streaming_generate(client_stream_buffer=8)
     await asyncio.sleep(0)  # the writer subscribes to the request's chunks
     for i in range(20):
         for on_chunk in list(rec.on_chunk):
@@ -64,19 +71,7 @@ async def test_generate_stream_fails_a_request_whose_client_stops_reading() -> N
 async def test_generate_stream_bounds_the_bytes_waiting_too() -> None:
     """Few, large chunks: the byte bound (client_buffer_mb) fails the request where the
     message bound would not."""
-    pipeline = PipelineConfig.from_dict(
-        {
-            "name": "slow-client-bytes",
-            "client_buffer_mb": 1,
-            "stages": [{"name": "a", "factory": f"{HERE}:make_stage", "terminal": True}],
-        }
-    )
-    coordinator = Coordinator(pipeline, health.aio.HealthServicer())
-    rec = RequestRecord("r", ("a",), frozenset({"a"}), deadline=0.0)
-    rec.state = State.RUNNING
-    coordinator.requests.add(rec)
-    context = StalledContext()
-    writer = asyncio.get_running_loop().create_task(stream_chunks(coordinator, rec, context))
+    rec, _, writer = streaming_generate(client_buffer_mb=1)
     await asyncio.sleep(0)
     data = common_pb2.Payload(inline_data=b"x" * (300 << 10))
     for i in range(5):
