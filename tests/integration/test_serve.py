@@ -65,9 +65,8 @@ def served(tiny_dir: Path) -> Iterator[dict[str, Any]]:
         assert down.returncode == 0, explain(down)
 
 
-@pytest.fixture(scope="module")
-def reference(tiny_dir: Path) -> tuple[str, np.ndarray]:
-    """What transformers' generate() says and speaks for the text turn."""
+def reference_of(tiny_dir: Path, thinker_tokens: int, talker_tokens: int) -> tuple[str, Any]:
+    """What transformers' generate() says and speaks for the text turn "Hello there."."""
     from omnirail.models.qwen3_omni.processor import load_processor
 
     model = tiny_model.load_reference(tiny_dir)
@@ -78,11 +77,16 @@ def reference(tiny_dir: Path) -> tuple[str, np.ndarray]:
         model,
         processor,
         conversation,
-        thinker_max_new_tokens=THINKER_TOKENS,
-        talker_max_new_tokens=TALKER_TOKENS,
+        thinker_max_new_tokens=thinker_tokens,
+        talker_max_new_tokens=talker_tokens,
     )
     text = processor.tokenizer.decode(sequences[0, prompt:], skip_special_tokens=True)
     return text, wav.numpy()
+
+
+@pytest.fixture(scope="module")
+def reference(tiny_dir: Path) -> tuple[str, np.ndarray]:
+    return reference_of(tiny_dir, THINKER_TOKENS, TALKER_TOKENS)
 
 
 def test_the_openai_sdk_gets_what_generate_gives(
