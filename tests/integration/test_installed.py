@@ -21,15 +21,14 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-import numpy as np
 import pytest
 
 pytest.importorskip("transformers")
-openai = pytest.importorskip("openai")
+pytest.importorskip("openai")
 
-from omnirail.ops.launcher import read_states  # noqa: E402
-from tests.integration.conftest import REPO, read_openai_stream  # noqa: E402
-from tests.integration.test_serve import reference_of  # noqa: E402
+from omnirail.ops.launcher import read_states
+from tests.integration.conftest import REPO
+from tests.integration.test_serve import check_openai_answer, reference_of
 
 pytestmark = pytest.mark.slow
 
@@ -117,20 +116,7 @@ def test_the_installed_wheel_serves_a_checkpoint_to_the_openai_sdk(
     # The mesh runs the venv's interpreter, so the wheel's code (checked in `venv`).
     launcher = Path(f"/proc/{state['pid']}/cmdline").read_bytes().split(b"\0")
     assert launcher[0].decode() == venv.bin("python"), launcher
-    text, wav = reference_of(tiny, 12, 48)
-    oai = openai.OpenAI(base_url=f"{state['http']}/v1", api_key="-", max_retries=0)
-    stream = oai.chat.completions.create(
-        model="qwen3-omni",
-        messages=[{"role": "user", "content": [{"type": "text", "text": "Hello there."}]}],
-        modalities=["text", "audio"],
-        audio={"voice": "ethan", "format": "pcm16"},
-        stream=True,
-    )
-    said, audio = read_openai_stream(stream)
-    assert said == text
-    got = np.frombuffer(audio, "<i2").astype(np.int32)
-    want = np.rint(np.clip(wav, -1, 1) * 32767).astype(np.int32)
-    assert got.shape == want.shape and np.abs(got - want).max() <= 1
+    check_openai_answer(str(state["http"]), *reference_of(tiny, 12, 48))
 
 
 def test_bench_omni_runs_from_the_wheel(venv: Venv) -> None:

@@ -89,12 +89,11 @@ def reference(tiny_dir: Path) -> tuple[str, np.ndarray]:
     return reference_of(tiny_dir, THINKER_TOKENS, TALKER_TOKENS)
 
 
-def test_the_openai_sdk_gets_what_generate_gives(
-    served: dict[str, Any], reference: tuple[str, np.ndarray]
-) -> None:
+def check_openai_answer(http: str, text: str, wav: np.ndarray) -> None:
+    """The official openai SDK's streamed chat completion of "Hello there." at `http` has
+    `text` and speaks `wav` (generate()'s), to one step of pcm16."""
     openai = pytest.importorskip("openai")
-    text, wav = reference
-    oai = openai.OpenAI(base_url=f"{served['http']}/v1", api_key="-", max_retries=0)
+    oai = openai.OpenAI(base_url=f"{http}/v1", api_key="-", max_retries=0)
     stream = oai.chat.completions.create(
         model="qwen3-omni",
         messages=[{"role": "user", "content": [{"type": "text", "text": "Hello there."}]}],
@@ -104,11 +103,17 @@ def test_the_openai_sdk_gets_what_generate_gives(
     )
     said, audio = read_openai_stream(stream)
     assert said == text
-    got = np.frombuffer(bytes(audio), "<i2").astype(np.int32)
+    got = np.frombuffer(audio, "<i2").astype(np.int32)
     want = np.rint(np.clip(wav, -1, 1) * 32767).astype(np.int32)
     assert got.shape == want.shape and len(got) > 0
     # The mesh's audio is within 1e-5 of generate()'s: at most one step of pcm16 apart.
     assert np.abs(got - want).max() <= 1
+
+
+def test_the_openai_sdk_gets_what_generate_gives(
+    served: dict[str, Any], reference: tuple[str, np.ndarray]
+) -> None:
+    check_openai_answer(str(served["http"]), *reference)
 
 
 def test_the_printed_pipeline_run_with_up_serves_the_same_answers(
