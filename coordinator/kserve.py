@@ -160,10 +160,8 @@ class KServe(pb_grpc.GRPCInferenceServiceServicer):
             outbox.wake.set()
 
         def stream_to(call: _Call, message: pb.ModelStreamInferResponse) -> None:
-            if outbox.full(2):  # the client reads nothing, even now that no request starts
-                self.coordinator.client_too_slow(call.rec, outbox)
-                return
-            outbox.push(message)
+            # Twice the bound: the client reads nothing, even now that no request starts.
+            self.coordinator.push_chunk(outbox, call.rec, message, slack=2)
 
         async def read() -> None:
             while True:

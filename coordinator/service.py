@@ -367,6 +367,16 @@ class Coordinator(client_pb2_grpc.OmnirailServicer, mesh_pb2_grpc.CoordinatorSer
             on_full=lambda: self.metrics.slow_client(call, "paused"),
         )
 
+    def push_chunk(
+        self, outbox: ClientOutbox[Any], rec: RequestRecord, message: Any, slack: int = 1
+    ) -> None:
+        """Queues a stream chunk of `rec` for its client, unless what waits for the call is
+        at `slack` times its bound: then `rec` fails (the client is not reading)."""
+        if outbox.full(slack):
+            self.client_too_slow(rec, outbox)
+        else:
+            outbox.push(message)
+
     def client_too_slow(self, rec: RequestRecord, outbox: ClientOutbox[Any]) -> None:
         self.metrics.slow_client(outbox.call, "failed")
         self._fail(

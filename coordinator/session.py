@@ -40,10 +40,9 @@ async def serve_session(
     )
 
     def emit_chunk(rec: RequestRecord, chunk: client_pb2.Chunk) -> None:
-        if outbox.full(2):  # the client reads nothing, even now that no request starts
-            coordinator.client_too_slow(rec, outbox)
-            return
-        outbox.push(client_pb2.SessionEvent(request_id=rec.request_id, chunk=chunk))
+        # Twice the bound: the client reads nothing, even now that no request starts.
+        event = client_pb2.SessionEvent(request_id=rec.request_id, chunk=chunk)
+        coordinator.push_chunk(outbox, rec, event, slack=2)
 
     # The call's traceparent parents requests that carry none of their own.
     caller_traceparent = traceparent_of(context)
@@ -113,10 +112,7 @@ async def stream_chunks(
     outbox: ClientOutbox[client_pb2.GenerateEvent] = coordinator.client_outbox("generate")
 
     def on_chunk(chunk: client_pb2.Chunk) -> None:
-        if outbox.full():
-            coordinator.client_too_slow(rec, outbox)
-            return
-        outbox.push(client_pb2.GenerateEvent(chunk=chunk))
+        coordinator.push_chunk(outbox, rec, client_pb2.GenerateEvent(chunk=chunk))
 
     rec.on_chunk.append(on_chunk)
     rec.on_done.append(lambda _: outbox.wake.set())
