@@ -35,6 +35,7 @@ from omnirail.models.qwen3_omni import weights
 from omnirail.models.qwen3_omni.processor import load_processor
 from omnirail.models.qwen3_omni.sizes import STAGE_SUBMODULES
 from omnirail.ops.launcher import Mesh
+from omnirail.testing.local_mesh import LocalMesh
 from omnirail.testing.tiny import qwen3_omni as tiny_model
 from omnirail.wire.errors import Code, OmniError
 from tests.integration.conftest import collect_stream, read_openai_stream, shm_names
@@ -114,6 +115,31 @@ def test_equal_to_transformers_generate(mesh: Mesh, reference: Any, kind: str) -
     pcm = np.concatenate([np.asarray(c.data["pcm"]) for c in chunks if c.modality == "audio"])
     assert pcm.shape == wav.shape and code2wav["samples"] == wav.size
     assert float(np.abs(pcm - wav).max()) <= AUDIO_BOUND
+
+
+def test_local_mesh_answers_what_the_process_mesh_does(
+    mesh: Mesh, reference: Any, tmp_path: Path, tiny_dir: Path
+) -> None:
+    """The same pipeline file in one process (LocalMesh): equal token ids and codec
+    codes, and audio within the reference's bound (the processes' torch thread counts
+    differ, so float sums may round differently)."""
+    request = request_for("image")
+    with Client(mesh.address or "", timeout=120, tensors="numpy") as client:
+        processes = collect_stream(client.stream(request))
+    with LocalMesh(pipeline_copy(tmp_path, tiny_dir), timeout=300) as local:
+        with local.client(timeout=120, tensors="numpy") as client:
+            in_process = collect_stream(client.stream(request))
+    tokens, codes, _ = reference("image")
+    for _, result in (processes, in_process):
+        assert result.outputs["decode"]["token_ids"] == tokens
+        assert torch.equal(torch.tensor(result.outputs["code2wav"]["codes"]).T, codes)
+    assert in_process[1].outputs["decode"]["text"] == processes[1].outputs["decode"]["text"]
+    pcm = [
+        np.concatenate([np.asarray(c.data["pcm"]) for c in chunks if c.modality == "audio"])
+        for chunks, _ in (processes, in_process)
+    ]
+    assert pcm[0].shape == pcm[1].shape
+    assert float(np.abs(pcm[0] - pcm[1]).max()) <= AUDIO_BOUND
 
 
 def test_concurrent_requests_each_get_what_they_get_alone(mesh: Mesh, tiny_dir: Path) -> None:
