@@ -15,6 +15,7 @@ import pytest
 
 from omnirail.client.sdk import Chunk, Client, GenerateResult
 from omnirail.ops.launcher import Mesh
+from omnirail.testing.local_mesh import LocalMesh
 from omnirail.wire.errors import Code, OmniError
 
 REPO = Path(__file__).resolve().parents[2]
@@ -96,9 +97,17 @@ def start_mesh(name: str, **kwargs: object) -> Mesh:
     return mesh
 
 
+def start_local(name: str) -> LocalMesh:
+    """Pipeline `name` of tests/integration/pipelines in this process (no process
+    boundary): for tests of a pipeline's behaviour, not of processes."""
+    mesh = LocalMesh(PIPELINES / f"{name}.yaml")
+    mesh.start()
+    return mesh
+
+
 @pytest.fixture(scope="module")
-def linear_mesh() -> Iterator[Mesh]:
-    mesh = start_mesh("linear")
+def linear_mesh() -> Iterator[LocalMesh]:
+    mesh = start_local("linear")
     yield mesh
     mesh.stop()
     assert shm_names(mesh.shm_prefix) == [], "shared memory left after shutdown"

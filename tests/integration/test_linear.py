@@ -1,4 +1,5 @@
-"""Linear pipeline over real processes: results, failures, aborts, deadlines, bad input."""
+"""Linear pipeline in one process (LocalMesh: the same gRPC servers, shm between stage
+hosts): results, failures, aborts, deadlines, bad input."""
 
 from __future__ import annotations
 
@@ -11,7 +12,7 @@ import grpc
 import pytest
 
 from omnirail.client.sdk import Client
-from omnirail.ops.launcher import Mesh
+from omnirail.testing.local_mesh import LocalMesh
 from omnirail.v1 import client_pb2, client_pb2_grpc, common_pb2
 from omnirail.wire.errors import Code, OmniError
 from omnirail.wire.payload import encode_inline
@@ -19,7 +20,7 @@ from tests.integration.conftest import shm_names
 
 
 @pytest.fixture
-def client(linear_mesh: Mesh):
+def client(linear_mesh: LocalMesh):
     with Client(linear_mesh.address or "", timeout=60) as c:
         yield c
 
@@ -71,7 +72,7 @@ def test_submit_wait_and_status(client: Client) -> None:
     assert client.status(rid).state == "completed"
 
 
-def test_abort_mid_flight_frees_everything(client: Client, linear_mesh: Mesh) -> None:
+def test_abort_mid_flight_frees_everything(client: Client, linear_mesh: LocalMesh) -> None:
     # Large payloads hold relay extents and credits (4 per edge) while `double` sleeps.
     n = 1 << 18
     rids = [f"abort-{i}-{time.monotonic_ns()}" for i in range(6)]
@@ -148,7 +149,7 @@ def test_an_abort_that_overtakes_its_start_cancels_the_start(client: Client) -> 
 
 
 @pytest.fixture
-def stub(linear_mesh: Mesh):
+def stub(linear_mesh: LocalMesh):
     with grpc.insecure_channel(linear_mesh.address or "") as channel:
         yield client_pb2_grpc.OmnirailStub(channel)
 
@@ -199,7 +200,7 @@ def test_oversized_input_is_resource_exhausted(client: Client) -> None:
 
 
 def test_bodies_that_are_not_protobuf_are_invalid_argument(
-    linear_mesh: Mesh, client: Client
+    linear_mesh: LocalMesh, client: Client
 ) -> None:
     garbage = b"\xff\xff\xff"
     with grpc.insecure_channel(linear_mesh.address or "") as channel:
@@ -238,7 +239,7 @@ def test_a_request_over_the_message_limit_fails_alone(client: Client) -> None:
     assert client.generate({"n": 5}).output["n"] == 5  # the same session serves on
 
 
-def test_the_async_client_sends_a_request_over_the_limit_alone(linear_mesh: Mesh) -> None:
+def test_the_async_client_sends_a_request_over_the_limit_alone(linear_mesh: LocalMesh) -> None:
     import asyncio
 
     import numpy as np
@@ -268,7 +269,7 @@ def test_client_rejects_non_mapping_and_unsupported_values(client: Client) -> No
     assert info.value.code == Code.INVALID_ARGUMENT
 
 
-def test_health_and_reflection(linear_mesh: Mesh) -> None:
+def test_health_and_reflection(linear_mesh: LocalMesh) -> None:
     from grpc_health.v1 import health_pb2, health_pb2_grpc
     from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 
@@ -302,7 +303,7 @@ def test_generate_rpc_error_carries_stage_in_trailers(stub) -> None:
     assert ("omnirail-stage", "double") in tuple(err.trailing_metadata() or ())
 
 
-def test_session_requires_request_ids(linear_mesh: Mesh) -> None:
+def test_session_requires_request_ids(linear_mesh: LocalMesh) -> None:
     with grpc.insecure_channel(linear_mesh.address or "") as channel:
         stub = client_pb2_grpc.OmnirailStub(channel)
         request = client_pb2.SessionRequest(
@@ -315,7 +316,7 @@ def test_session_requires_request_ids(linear_mesh: Mesh) -> None:
         call.cancel()
 
 
-def test_async_client_concurrent_and_cancel(linear_mesh: Mesh) -> None:
+def test_async_client_concurrent_and_cancel(linear_mesh: LocalMesh) -> None:
     import asyncio
 
     from omnirail.client.sdk import AsyncClient

@@ -75,9 +75,14 @@ def expect(problems: list[str], label: str, got: float, want: float) -> None:
 
 
 @pytest.fixture(scope="module")
-def client(linear_mesh: Mesh) -> Iterator[Client]:
-    with Client(linear_mesh.address or "", timeout=60) as c:
-        yield c
+def client() -> Iterator[Client]:
+    # Processes: each serves its own endpoint (LocalMesh starts no metrics server).
+    mesh = start_mesh("linear")
+    try:
+        with Client(mesh.address or "", timeout=60) as c:
+            yield c
+    finally:
+        mesh.stop()
 
 
 def test_every_process_publishes_its_endpoint(client: Client) -> None:

@@ -1,4 +1,5 @@
-"""Streaming through real processes: order, windows, AR batching, cancel, flow control."""
+"""Streaming through the same servers in one process (LocalMesh): order, windows, AR
+batching, cancel, flow control."""
 
 from __future__ import annotations
 
@@ -13,19 +14,19 @@ import pytest
 import torch
 
 from omnirail.client.sdk import AsyncClient, Chunk, Client
-from omnirail.ops.launcher import Mesh
+from omnirail.testing.local_mesh import LocalMesh
 from omnirail.wire.errors import Code, OmniError
 from tests.integration.conftest import (
     collect_stream,
     shm_names,
-    start_mesh,
+    start_local,
     wait_nothing_in_flight,
 )
 
 
 @pytest.fixture(scope="module")
-def streaming_mesh() -> Iterator[Mesh]:
-    mesh = start_mesh("streaming")
+def streaming_mesh() -> Iterator[LocalMesh]:
+    mesh = start_local("streaming")
     yield mesh
     mesh.stop()
     assert shm_names(mesh.shm_prefix) == [], "shared memory left after shutdown"
@@ -45,7 +46,7 @@ def _windows(n: int, window: int, hop: int) -> list[tuple[list[float], bool]]:
     return out
 
 
-def test_chunks_reach_the_client_in_order_through_three_stages(streaming_mesh: Mesh) -> None:
+def test_chunks_reach_the_client_in_order_through_three_stages(streaming_mesh: LocalMesh) -> None:
     with Client(streaming_mesh.address or "", timeout=60) as client:
         chunks, result = collect_stream(client.stream({"n": 9}))
     expected = _windows(9, 4, 2)
@@ -60,13 +61,13 @@ def test_chunks_reach_the_client_in_order_through_three_stages(streaming_mesh: M
 
 
 @pytest.mark.parametrize("n", [1, 4, 5])
-def test_window_edges(streaming_mesh: Mesh, n: int) -> None:
+def test_window_edges(streaming_mesh: LocalMesh, n: int) -> None:
     with Client(streaming_mesh.address or "", timeout=60) as client:
         chunks, _ = collect_stream(client.stream({"n": n}))
     assert [(c.data["ids"], c.data["final"]) for c in chunks] == _windows(n, 4, 2)
 
 
-def test_relayed_chunks(streaming_mesh: Mesh) -> None:
+def test_relayed_chunks(streaming_mesh: LocalMesh) -> None:
     """Chunks above the inline bound travel through shared memory on every edge."""
     with Client(streaming_mesh.address or "", timeout=60) as client:
         chunks, result = collect_stream(client.stream({"n": 12, "chunk_bytes": 256 << 10}))
@@ -74,7 +75,7 @@ def test_relayed_chunks(streaming_mesh: Mesh) -> None:
     assert result.outputs["vocoder"]["chunks"] == 12
 
 
-def test_32_concurrent_streams_are_complete_and_ordered(streaming_mesh: Mesh) -> None:
+def test_32_concurrent_streams_are_complete_and_ordered(streaming_mesh: LocalMesh) -> None:
     async def one(client: AsyncClient, i: int) -> None:
         n = 6 + i % 7
         chunks: list[Chunk] = []
@@ -95,7 +96,7 @@ def test_32_concurrent_streams_are_complete_and_ordered(streaming_mesh: Mesh) ->
     asyncio.run(main())
 
 
-def test_ar_requests_join_and_leave_the_running_batch(streaming_mesh: Mesh) -> None:
+def test_ar_requests_join_and_leave_the_running_batch(streaming_mesh: LocalMesh) -> None:
     with Client(streaming_mesh.address or "", timeout=60) as client:
         long_events = client.stream({"n": 60, "step_ms": 10}, request_id="ar-long")
         first = next(long_events)  # the long request is running
@@ -109,7 +110,7 @@ def test_ar_requests_join_and_leave_the_running_batch(streaming_mesh: Mesh) -> N
     assert lo["max_batch"] == 2 and sh["max_batch"] == 2
 
 
-def test_scheduler_error_mid_stream_fails_only_that_request(streaming_mesh: Mesh) -> None:
+def test_scheduler_error_mid_stream_fails_only_that_request(streaming_mesh: LocalMesh) -> None:
     results: dict[str, Any] = {}
 
     def run(rid: str, inputs: dict[str, Any]) -> None:
@@ -136,7 +137,7 @@ def test_scheduler_error_mid_stream_fails_only_that_request(streaming_mesh: Mesh
     assert [(c.data["ids"], c.data["final"]) for c in chunks] == _windows(40, 4, 2)
 
 
-def test_abort_mid_stream_ends_the_stream_with_cancelled(streaming_mesh: Mesh) -> None:
+def test_abort_mid_stream_ends_the_stream_with_cancelled(streaming_mesh: LocalMesh) -> None:
     with Client(streaming_mesh.address or "", timeout=60) as client:
         events = client.stream({"n": 500, "step_ms": 10}, request_id="to-abort")
         assert isinstance(next(events), Chunk)
@@ -165,7 +166,7 @@ def test_abort_mid_stream_ends_the_stream_with_cancelled(streaming_mesh: Mesh) -
         assert len(chunks) == len(_windows(9, 4, 2))
 
 
-def test_client_closing_its_stream_aborts_the_request_everywhere(streaming_mesh: Mesh) -> None:
+def test_client_closing_its_stream_aborts_the_request_everywhere(streaming_mesh: LocalMesh) -> None:
     with Client(streaming_mesh.address or "", timeout=60) as client:
         events = client.stream({"n": 500, "step_ms": 10}, request_id="walk-away")
         assert isinstance(next(events), Chunk)
@@ -209,7 +210,7 @@ def _deliver(address: str, items: list[Any]) -> None:
     ids=["gap", "duplicate", "short-done", "not-in-stream_to"],
 )
 def test_bad_stream_items_fail_that_request_only(
-    streaming_mesh: Mesh, source: str, signal: dict[str, Any], message: str
+    streaming_mesh: LocalMesh, source: str, signal: dict[str, Any], message: str
 ) -> None:
     from omnirail.v1 import mesh_pb2
     from omnirail.wire.payload import encode_inline
@@ -238,7 +239,9 @@ def test_bad_stream_items_fail_that_request_only(
         assert len(chunks) == len(_windows(150, 4, 2))
 
 
-def test_generate_rpc_streams_chunks_then_result_and_cancel_aborts(streaming_mesh: Mesh) -> None:
+def test_generate_rpc_streams_chunks_then_result_and_cancel_aborts(
+    streaming_mesh: LocalMesh,
+) -> None:
     """The plain server-streaming RPC (what grpcurl uses), without the SDK's Session."""
     import grpc
 
@@ -275,7 +278,7 @@ def test_generate_rpc_streams_chunks_then_result_and_cancel_aborts(streaming_mes
             time.sleep(0.02)
 
 
-def test_closing_the_async_client_ends_the_streams_being_read(streaming_mesh: Mesh) -> None:
+def test_closing_the_async_client_ends_the_streams_being_read(streaming_mesh: LocalMesh) -> None:
     """`AsyncClient.close()` while streams are read: each ends at once with CANCELLED (it
     used to wait for its timeout, then say DEADLINE_EXCEEDED)."""
 
@@ -313,7 +316,7 @@ def test_closing_the_async_client_ends_the_streams_being_read(streaming_mesh: Me
     assert len(chunks) == len(_windows(9, 4, 2))
 
 
-def test_closing_the_blocking_client_ends_the_streams_being_read(streaming_mesh: Mesh) -> None:
+def test_closing_the_blocking_client_ends_the_streams_being_read(streaming_mesh: LocalMesh) -> None:
     """`Client.close()` from one thread while 4 others read streams: all 4 end at once
     with CANCELLED, and the mesh aborts their requests."""
     client = Client(streaming_mesh.address or "", timeout=120)

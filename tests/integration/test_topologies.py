@@ -12,11 +12,13 @@ import pytest
 
 from omnirail.client.sdk import Client
 from omnirail.wire.errors import Code, OmniError
-from tests.integration.conftest import shm_names, start_mesh
+from tests.integration.conftest import shm_names, start_local, start_mesh
 
 
-def _client(name: str) -> Iterator[Client]:
-    mesh = start_mesh(name)
+def _client(name: str, processes: bool = False) -> Iterator[Client]:
+    """A client of pipeline `name`: in one process (LocalMesh) unless the test tells
+    processes apart."""
+    mesh = start_mesh(name) if processes else start_local(name)
     try:
         with Client(mesh.address or "", timeout=60) as client:
             yield client
@@ -101,7 +103,7 @@ def test_terminal_stages_fn_bad_answer_fails_request(terminals: Client) -> None:
 
 @pytest.fixture(scope="module")
 def replicas() -> Iterator[Client]:
-    yield from _client("replicas")
+    yield from _client("replicas", processes=True)
 
 
 def test_replicas_share_the_load_and_fan_in_stays_consistent(replicas: Client) -> None:
@@ -121,7 +123,7 @@ def test_the_entry_replica_with_fewest_live_requests_gets_the_next() -> None:
     every request id hashes to the same replica (request_id balancing would send all 16
     to one)."""
     ids = [f"lo-{i}" for i in range(200) if zlib.crc32(f"lo-{i}".encode()) % 2 == 0][:16]
-    clients = _client("entry_replicas")
+    clients = _client("entry_replicas", processes=True)
     client = next(clients)
     try:
         with concurrent.futures.ThreadPoolExecutor(16) as pool:
