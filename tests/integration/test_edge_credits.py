@@ -1,4 +1,4 @@
-"""Per-edge credits over real processes: one sender, one shm relay, three edges with their
+"""Per-edge credits in one process (LocalMesh): one sender, one shm relay, three edges with their
 own `credits`; a slow receiver on each shows how many transfers its edge lets out."""
 
 from __future__ import annotations
@@ -9,21 +9,21 @@ from collections.abc import Iterator
 import pytest
 
 from omnirail.client.sdk import Client
-from omnirail.ops.launcher import Mesh
-from tests.integration.conftest import shm_names, start_mesh
+from omnirail.testing.local_mesh import LocalMesh
+from tests.integration.conftest import shm_names, start_local
 
 REQUESTS = 12  # per edge, all at once
 
 
 @pytest.fixture(scope="module")
-def mesh() -> Iterator[Mesh]:
-    mesh = start_mesh("edge_credits")
+def mesh() -> Iterator[LocalMesh]:
+    mesh = start_local("edge_credits")
     yield mesh
     mesh.stop()
     assert shm_names(mesh.shm_prefix) == [], "shared memory left after shutdown"
 
 
-def waiting_on(mesh: Mesh, target: str) -> list[int]:
+def waiting_on(mesh: LocalMesh, target: str) -> list[int]:
     """Sends REQUESTS requests to `target` at once; how many inputs waited behind each."""
 
     def one(i: int) -> int:
@@ -36,7 +36,7 @@ def waiting_on(mesh: Mesh, target: str) -> list[int]:
         return list(pool.map(one, range(REQUESTS)))
 
 
-def test_each_edge_is_bounded_by_its_own_credits(mesh: Mesh) -> None:
+def test_each_edge_is_bounded_by_its_own_credits(mesh: LocalMesh) -> None:
     # relay_to credits 1: never a second transfer out on the edge, so nothing waits.
     assert max(waiting_on(mesh, "one")) == 0
     # relay_to credits 4: one computing and at most three waiting; more than one of them

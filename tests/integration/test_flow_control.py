@@ -10,8 +10,8 @@ from typing import Any
 import pytest
 
 from omnirail.client.sdk import Chunk, Client
-from omnirail.ops.launcher import Mesh
-from tests.integration.conftest import shm_names, start_mesh
+from omnirail.testing.local_mesh import LocalMesh
+from tests.integration.conftest import shm_names, start_local
 
 CREDITS = 8  # stream.credits of the thinker's edges in slow_consumer.yaml
 REQUEST_CREDITS = 4  # stream.request_credits there
@@ -19,8 +19,8 @@ CHUNK_MS = 4  # the vocoder's time per chunk
 
 
 @pytest.fixture(scope="module")
-def slow_mesh() -> Iterator[Mesh]:
-    mesh = start_mesh("slow_consumer")
+def slow_mesh() -> Iterator[LocalMesh]:
+    mesh = start_local("slow_consumer")
     yield mesh
     mesh.stop()
     assert shm_names(mesh.shm_prefix) == [], "shared memory left after shutdown"
@@ -38,7 +38,7 @@ def _run(client: Client, inputs: dict[str, Any], rid: str) -> tuple[int, Any, fl
 
 @pytest.mark.parametrize("chunk_bytes", [0, 128 << 10], ids=["inline", "relayed"])
 def test_slow_consumer_slows_the_producer_with_bounded_queues(
-    slow_mesh: Mesh, chunk_bytes: int
+    slow_mesh: LocalMesh, chunk_bytes: int
 ) -> None:
     n = 300
     with Client(slow_mesh.address or "", timeout=120) as client:
@@ -55,7 +55,7 @@ def test_slow_consumer_slows_the_producer_with_bounded_queues(
     assert thinker["elapsed_s"] >= (n - CREDITS - 16 - 32) * CHUNK_MS / 1000.0
 
 
-def test_a_long_stream_does_not_starve_a_short_one(slow_mesh: Mesh) -> None:
+def test_a_long_stream_does_not_starve_a_short_one(slow_mesh: LocalMesh) -> None:
     ends: dict[str, float] = {}
 
     def long() -> None:
