@@ -17,13 +17,17 @@ same mix, without kills, comes first. Then:
 - resident memory of the coordinator and of every stage process that lived through the
   run, against after the warm-up.
 
-The example's own directory is linked into a temporary one beside the changed pipeline
-file, so its `.module:factory` paths resolve as they do for the original.
+The omni shape is the installed omni demo (`omnirail.models.omni_demo`); quickstart and
+streaming are the repository's examples (`examples.quickstart`, `examples.streaming`), which
+are not installed: they are found where `examples` is importable (a checkout's working
+directory). The pipeline's own directory is linked into a temporary one beside the changed
+pipeline file, so its `.module:factory` paths resolve as they do for the original.
 """
 
 from __future__ import annotations
 
 import asyncio
+import importlib.util
 import json
 import os
 import random
@@ -43,12 +47,15 @@ import yaml
 
 from omnirail.bench import rss_kib
 
-EXAMPLES = Path(__file__).resolve().parents[2] / "examples"
 SHAPES: dict[str, tuple[str, dict[str, Any], bool]] = {
-    # name: (example directory, inputs, stream)
-    "quickstart": ("quickstart", {"text": "hello omnirail", "image_size": 64}, False),
-    "streaming": ("streaming", {"text": "hello omnirail", "voice": 0.6}, True),
-    "omni": ("omni_demo", {"text": "Tell me about a river.", "max_new_tokens": 8, "seed": 1}, True),
+    # name: (the package holding its pipeline.yaml, inputs, stream)
+    "quickstart": ("examples.quickstart", {"text": "hello omnirail", "image_size": 64}, False),
+    "streaming": ("examples.streaming", {"text": "hello omnirail", "voice": 0.6}, True),
+    "omni": (
+        "omnirail.models.omni_demo",
+        {"text": "Tell me about a river.", "max_new_tokens": 8, "seed": 1},
+        True,
+    ),
 }
 # A request with no terminal status this long after its deadline is counted as hung.
 HUNG_AFTER_S = 5.0
@@ -72,13 +79,28 @@ class Outcome:
     message: str = ""
 
 
+def shape_dir(shape: str) -> Path:
+    """The directory of the shape's pipeline.yaml (module docstring)."""
+    if shape not in SHAPES:
+        raise ValueError(f"--shape must be one of {sorted(SHAPES)}, not {shape!r}")
+    package = SHAPES[shape][0]
+    try:
+        spec = importlib.util.find_spec(package)
+    except ModuleNotFoundError:
+        spec = None
+    if spec is None or not spec.submodule_search_locations:
+        raise ValueError(
+            f"--shape {shape}: {package} is not importable here; it is an example of the "
+            "repository, not installed: run from a checkout's root, or use --shape omni"
+        )
+    return Path(next(iter(spec.submodule_search_locations)))
+
+
 @contextmanager
 def chaos_pipeline(shape: str, replicas: int) -> Iterator[Path]:
     """The shape's example pipeline with every stage replicated and a generous restart
     budget, in a temporary directory that links the example's files."""
-    if shape not in SHAPES:
-        raise ValueError(f"--shape must be one of {sorted(SHAPES)}, not {shape!r}")
-    source = EXAMPLES / SHAPES[shape][0]
+    source = shape_dir(shape)
     cfg = yaml.safe_load((source / "pipeline.yaml").read_text())
     for stage in cfg["stages"]:
         stage["replicas"] = replicas

@@ -1,11 +1,12 @@
 """`omnirail bench demo`: time to first audio and real-time factor of a speech pipeline.
 
 Streams the same request `runs` times (after one warm-up) through a pipeline whose
-terminal stages stream "text" and "audio" chunks (`examples/omni_demo` by default), either
-on a mesh it starts itself or on a running one (`--address`, e.g. a compose deployment),
-and reports per run: time to the first text and first audio chunk, total time, seconds of
-audio, and the real-time factor (total time / audio seconds; below 1 is faster than real
-time). With `concurrency > 1` that many streams run at once, each run timed on its own.
+terminal stages stream "text" and "audio" chunks (the installed omni demo,
+`omnirail.models.omni_demo`, by default), either on a mesh it starts itself or on a running
+one (`--address`, e.g. a compose deployment), and reports per run: time to the first text
+and first audio chunk, total time, seconds of audio, and the real-time factor (total time
+/ audio seconds; below 1 is faster than real time). With `concurrency > 1` that many
+streams run at once, each run timed on its own.
 
 `via="http"` measures the OpenAI gateway against the native gRPC SDK in one run: the mesh
 starts with `--http`, and each run streams the same request both ways (a chat completion
@@ -24,10 +25,12 @@ import threading
 import time
 import urllib.parse
 from collections.abc import Callable, Iterator
-from pathlib import Path
 from typing import Any
 
-DEMO = Path(__file__).resolve().parents[2] / "examples" / "omni_demo" / "pipeline.yaml"
+from omnirail.models.omni_demo import pipeline_file
+
+# The installed omni demo's pipeline file (package data: runs from a wheel).
+DEMO = pipeline_file()
 DEFAULT_INPUT: dict[str, Any] = {
     "text": "Tell me a story about a river and a mountain.",
     "max_new_tokens": 24,

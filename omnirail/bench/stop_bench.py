@@ -27,7 +27,10 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-DEMO = Path(__file__).resolve().parents[2] / "examples" / "omni_demo" / "pipeline.yaml"
+from omnirail.models.omni_demo import pipeline_file
+
+# The installed omni demo's pipeline file (package data: runs from a wheel).
+DEMO = pipeline_file()
 # The launcher's last line (omnirail.cli.commands.cmd_up): "stopped in 0.35s; all 9 ...".
 _STOPPED = re.compile(r"\[omnirail\] stopped in ([0-9.]+)s; (.*)")
 _EXIT_WAIT_S = 60.0

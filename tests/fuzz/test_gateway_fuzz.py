@@ -21,8 +21,9 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from omnirail.client.sdk import Client
+from omnirail.models.omni_demo import pipeline_file
 from omnirail.ops.launcher import Mesh
-from tests.integration.conftest import REPO, wait_nothing_in_flight
+from tests.integration.conftest import wait_nothing_in_flight
 
 pytestmark = pytest.mark.timeout(1500)
 ALLOWED = {200, 400, 404, 405, 413, 429}
@@ -36,7 +37,7 @@ PNG = (
 
 @pytest.fixture(scope="module")
 def mesh() -> Iterator[Mesh]:
-    with Mesh(REPO / "examples" / "omni_demo" / "pipeline.yaml", http="127.0.0.1:0") as running:
+    with Mesh(pipeline_file(), http="127.0.0.1:0") as running:
         yield running
 
 

@@ -15,11 +15,12 @@ from typing import Any
 import yaml
 
 from omnirail.client.sdk import Client
+from omnirail.models.omni_demo import pipeline_file
 from omnirail.ops.launcher import Mesh, pid_alive, read_states, state_dir
 from omnirail.wire.errors import Code, OmniError
 from tests.integration.conftest import PIPELINES, explain, omnirail, shm_names
 
-OMNI_DEMO = Path(__file__).resolve().parents[2] / "examples/omni_demo/pipeline.yaml"
+OMNI_DEMO = pipeline_file()
 
 
 def _mesh(tmp_path: Path, drain_s: float) -> Mesh:

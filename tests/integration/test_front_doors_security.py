@@ -15,8 +15,8 @@ import numpy as np
 import pytest
 
 from omnirail.config.security import ENV_TOKENS_FILE
+from omnirail.models.omni_demo import pipeline_file
 from omnirail.ops.launcher import Mesh
-from tests.integration.conftest import REPO
 
 tritonclient = pytest.importorskip("tritonclient.grpc")
 InferenceServerException = pytest.importorskip("tritonclient.utils").InferenceServerException
@@ -24,7 +24,7 @@ openai = pytest.importorskip("openai")
 httpx = pytest.importorskip("httpx2")
 
 pytestmark = pytest.mark.timeout(300)
-DEMO = REPO / "examples" / "omni_demo" / "pipeline.yaml"
+DEMO = pipeline_file()
 
 
 class Secured:

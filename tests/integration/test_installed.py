@@ -131,3 +131,19 @@ def test_bench_omni_runs_from_the_wheel(venv: Venv) -> None:
     assert report["pipeline"] == "omnirail.models.qwen3_omni (installed)"
     (level,) = report["levels"]
     assert level["concurrency"] == 1 and level["mesh"]["cpu_s_per_request_total"] > 0
+
+
+def test_the_omni_demo_pipelines_are_installed_and_resolve(venv: Venv) -> None:
+    """The omni demo's pipeline files ship as package data, and every factory and hook
+    they name imports from the wheel (what `bench demo`, `bench stop` and `bench chaos
+    --shape omni` run)."""
+    where = _ok(
+        venv.run(
+            venv.bin("python"), "-c",
+            "from omnirail.models.omni_demo import pipeline_file as f; "
+            "print(f()); print(f('pipeline_hf.yaml'))",
+        )
+    ).split()  # fmt: skip
+    for path in where:
+        assert Path(path).is_file() and "site-packages" in path, where
+        assert "pipeline: omni-demo" in _ok(venv.run(venv.bin("omnirail"), "validate", path))

@@ -11,6 +11,7 @@ from __future__ import annotations
 import queue
 import time
 from collections.abc import Iterator
+from pathlib import Path
 from typing import Any
 
 import grpc
@@ -20,6 +21,7 @@ import pytest
 from omnirail.client.sdk import Client
 from omnirail.kserve import grpc_predict_v2_pb2 as pb
 from omnirail.kserve import grpc_predict_v2_pb2_grpc as pb_grpc
+from omnirail.models.omni_demo import pipeline_file
 from omnirail.ops.launcher import Mesh
 from omnirail.telemetry.export import read_span_files
 from tests.integration.conftest import REPO, omni_demo_answer
@@ -32,19 +34,19 @@ InferenceServerException = pytest.importorskip("tritonclient.utils").InferenceSe
 pytestmark = pytest.mark.timeout(300)
 
 
-def _tcp(path: str) -> Iterator[Mesh]:
-    with Mesh(REPO / "examples" / path / "pipeline.yaml", transport="tcp") as mesh:
+def _tcp(path: Path) -> Iterator[Mesh]:
+    with Mesh(path, transport="tcp") as mesh:
         yield mesh
 
 
 @pytest.fixture(scope="module")
 def quickstart() -> Iterator[Mesh]:
-    yield from _tcp("quickstart")
+    yield from _tcp(REPO / "examples" / "quickstart" / "pipeline.yaml")
 
 
 @pytest.fixture(scope="module")
 def demo() -> Iterator[Mesh]:
-    yield from _tcp("omni_demo")
+    yield from _tcp(pipeline_file())
 
 
 def _triton(mesh: Mesh) -> Any:

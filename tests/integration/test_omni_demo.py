@@ -1,14 +1,15 @@
 """The omni demo pipeline on a real mesh: eight stage processes, streams, tracing.
 
-The module's mesh runs examples/omni_demo/pipeline.yaml with one change: the thinker takes
-at least 5 ms a step (as a bigger model would), so an abort lands while it generates.
+The module's mesh runs the installed omni demo's pipeline.yaml (omnirail.models.omni_demo)
+with one change: the thinker takes at least 5 ms a step (as a bigger model would), so an
+abort lands while it generates. The command-line and SDK tests run examples/omni_demo, as
+the README does.
 """
 
 from __future__ import annotations
 
 import json
 import os
-import shutil
 import subprocess
 import sys
 import threading
@@ -23,6 +24,7 @@ import pytest
 import yaml
 
 from omnirail import Chunk, Client, OmniError
+from omnirail.models.omni_demo import pipeline_file
 from omnirail.ops.launcher import Mesh
 from omnirail.wire.errors import Code
 from tests.integration.conftest import shm_names
@@ -34,10 +36,9 @@ ENCODERS = {"stage image_encoder", "stage audio_encoder"}
 
 
 def _pipeline_copy(tmp: Path, source: str = "pipeline.yaml", **thinker_args: Any) -> Path:
-    """A copy of the demo's directory in `tmp` (its pipelines name their modules relative to
-    the pipeline file), with `source` changed to pass `thinker_args` to the thinker."""
-    shutil.copytree(DEMO, tmp, dirs_exist_ok=True, ignore=shutil.ignore_patterns("__pycache__"))
-    cfg = yaml.safe_load((DEMO / source).read_text())
+    """The installed demo's pipeline file `source`, written into `tmp` with `thinker_args`
+    passed to the thinker (its stages name the installed modules: nothing else is copied)."""
+    cfg = yaml.safe_load(pipeline_file(source).read_text())
     for stage in cfg["stages"]:
         if stage["name"] == "thinker":
             stage.setdefault("factory_args", {}).update(thinker_args)

@@ -5,7 +5,6 @@ UNAVAILABLE within a second, and the launcher restarts the group, which serves a
 from __future__ import annotations
 
 import os
-import shutil
 import signal
 import threading
 import time
@@ -19,11 +18,10 @@ import torch
 import yaml
 
 from omnirail.client.sdk import Client
+from omnirail.models.omni_demo import pipeline_file
 from omnirail.ops.launcher import Mesh
 from omnirail.wire.errors import Code, OmniError
 from tests.integration.conftest import PIPELINES, start_mesh
-
-DEMO = Path(__file__).resolve().parents[2] / "examples" / "omni_demo"
 
 pytestmark = pytest.mark.slow  # ~20-40 s: two meshes, a group restart
 
@@ -124,9 +122,9 @@ def test_two_ranks_on_two_gpus_give_what_one_gives(
 
 
 def _demo_copy(where: Path, tp_size: int) -> Path:
-    """examples/omni_demo in `where` with its thinker on `tp_size` ranks."""
-    shutil.copytree(DEMO, where, ignore=shutil.ignore_patterns("__pycache__"))
-    cfg = yaml.safe_load((DEMO / "pipeline.yaml").read_text())
+    """The installed omni demo's pipeline in `where` with its thinker on `tp_size` ranks."""
+    where.mkdir(parents=True, exist_ok=True)
+    cfg = yaml.safe_load(pipeline_file().read_text())
     for stage in cfg["stages"]:
         if stage["name"] == "thinker":
             stage["tp_size"] = tp_size

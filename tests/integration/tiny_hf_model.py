@@ -15,7 +15,7 @@ def make_tiny_model(path: Path, seed: int = 0) -> Path:
     from tokenizers import Tokenizer, models, pre_tokenizers
     from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
 
-    from examples.omni_demo.text import VOCAB
+    from omnirail.models.omni_demo.text import VOCAB
 
     specials = ["<unk>", "<s>", "</s>", "<pad>"]
     words = [w for w in VOCAB if not w.startswith("<")]

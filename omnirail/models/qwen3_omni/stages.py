@@ -2,7 +2,7 @@
 
 - `audio_encoder` / `image_encoder`: the thinker's audio tower / vision encoder, one request
   at a time (`encoders.py`).
-- `thinker`: fan-in of preprocessing and the encoders (`wait_for`, `merge_for_thinker`),
+- `thinker`: fan-in of preprocessing and the encoders (`omnirail.models.fanin`),
   then `ThinkerRunner` (`thinker.py`) under `ARScheduler`: prefill as a request joins, one
   greedy token per step. It streams each token id to `decode` and, for requests that speak,
   what the talker needs to `talker`: first the prompt's parts (`TalkerPrompt`), then the
@@ -25,7 +25,6 @@ from omnirail.stage import InputError as RequestInputError
 
 from .code2wav import Code2WavStreamer, chunk_due
 from .encoders import AudioEncoder, AudioEncoding, ImageEncoder, ImageEncoding, InputError
-from .preprocessing import needed_encoders
 from .sizes import STAGE_SUBMODULES
 from .talker import TalkerRunner
 from .thinker import TalkerPrompt, ThinkerRunner
@@ -83,21 +82,6 @@ def create_image_encoder(model_path: str, device: str = "cpu") -> Any:
 
 
 # ---- thinker ----------------------------------------------------------------------------
-
-
-def wait_for(request_id: str, from_stage: str, payload: Any) -> list[str] | None:
-    """The encoders to wait for, known once preprocessing's payload is in."""
-    if from_stage != "preprocessing":
-        return None
-    return ["preprocessing", *needed_encoders(payload)]
-
-
-def merge_for_thinker(arrived: dict[str, Any]) -> dict[str, Any]:
-    merged = dict(arrived["preprocessing"])
-    for part in ("image_encoder", "audio_encoder"):
-        if part in arrived:
-            merged.update(arrived[part])
-    return merged
 
 
 def talker_prompt_chunk(prefill: Any, data: dict[str, Any]) -> dict[str, Any]:

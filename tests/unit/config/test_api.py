@@ -13,7 +13,12 @@ from omnirail.wire.errors import Code, OmniError
 from tests.unit.config.helpers import config_error, pipe, st
 
 ROOT = Path(__file__).resolve().parents[3]
-EXAMPLES = ["examples/quickstart", "examples/omni_demo", "omnirail/models/qwen3_omni"]
+EXAMPLES = [
+    "examples/quickstart",
+    "examples/omni_demo",
+    "omnirail/models/omni_demo",
+    "omnirail/models/qwen3_omni",
+]
 
 
 def _pipe(api: dict[str, Any], **kw: Any) -> dict[str, Any]:
@@ -53,7 +58,7 @@ def test_example_pipelines_load_their_api(example: str) -> None:
 
 
 def test_omni_demo_api_is_typed() -> None:
-    api = load_pipeline(ROOT / "examples/omni_demo/pipeline.yaml").api
+    api = load_pipeline(ROOT / "omnirail/models/omni_demo/pipeline.yaml").api
     assert api.openai is not None and api.openai.text_input == "text"
     image = api.input("image")
     assert image is not None and image.datatype == "UINT8" and image.shape == [-1, -1, 3]

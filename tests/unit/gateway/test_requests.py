@@ -18,9 +18,10 @@ from omnirail.config import load_pipeline
 from omnirail.config.api import ApiConfig
 from omnirail.gateway.errors import ApiError
 from omnirail.gateway.requests import RequestMapper
+from omnirail.models.omni_demo import pipeline_file
 
 ROOT = Path(__file__).resolve().parents[3]
-DEMO = load_pipeline(ROOT / "examples/omni_demo/pipeline.yaml").api
+DEMO = load_pipeline(pipeline_file()).api
 QWEN = load_pipeline(ROOT / "omnirail/models/qwen3_omni/pipeline.yaml", resolve=False).api
 
 

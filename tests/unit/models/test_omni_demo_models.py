@@ -8,9 +8,10 @@ import numpy as np
 import pytest
 import torch
 
-from examples.omni_demo import encoders, preprocessing, speech, thinker
-from examples.omni_demo.text import EOS, VOCAB, detokenize_piece, tokenize
 from omnirail import InputError
+from omnirail.models import fanin
+from omnirail.models.omni_demo import encoders, preprocessing, speech, thinker
+from omnirail.models.omni_demo.text import EOS, VOCAB, detokenize_piece, tokenize
 from omnirail.stage.ar import ARRequest
 from omnirail.stage.streaming import StreamState
 
@@ -114,14 +115,14 @@ def test_preprocessing_routes_only_to_the_encoders_a_request_needs() -> None:
     pre = preprocessing.create_preprocessing(image_size=32)
     text_only = pre({"text": "hello"})
     assert preprocessing.route("r", text_only) == ["mm_aggregate"]
-    assert encoders.wait_for("r", "preprocessing", text_only) == ["preprocessing"]
+    assert fanin.wait_for("r", "preprocessing", text_only) == ["preprocessing"]
     img = (np.arange(40 * 30 * 3) % 255).astype(np.uint8).reshape(40, 30, 3)
     both = pre({"text": "hello", "image": img, "audio": np.zeros(8000, dtype=np.int16)})
     assert preprocessing.route("r", both) == ["mm_aggregate", "image_encoder", "audio_encoder"]
-    assert encoders.wait_for("r", "image_encoder", {}) is None  # not decided by an encoder
+    assert fanin.wait_for("r", "image_encoder", {}) is None  # not decided by an encoder
     assert both["patches"].shape == (16, 192)  # 32x32 resized image, 8x8 patches
     assert both["frames"].shape[1] == 64 and both["frames"].shape[0] == 51  # 0.5 s, 10 ms hop
-    merged = encoders.merge_for_thinker(
+    merged = fanin.merge_for_thinker(
         {
             "preprocessing": preprocessing.to_mm_aggregate(both),
             "image_encoder": encoders.create_image_encoder()(both),
@@ -214,3 +215,21 @@ def test_a_request_sitting_out_steps_keeps_its_cache() -> None:
         sched.stop()
     assert final.type == "result", final.data
     assert final.data["tokens"] == alone["slow"][0]
+
+
+def test_the_example_pipeline_is_the_installed_one() -> None:
+    """examples/omni_demo/pipeline.yaml (the file users edit and deploy, and the committed
+    compose and k8s files' source) says what the installed pipeline says; both name the
+    installed modules and the shared fan-in hooks."""
+    from pathlib import Path
+
+    import yaml
+
+    from omnirail.models.omni_demo import pipeline_file
+
+    example = Path(__file__).resolve().parents[3] / "examples" / "omni_demo" / "pipeline.yaml"
+    installed = yaml.safe_load(pipeline_file().read_text())
+    assert yaml.safe_load(example.read_text()) == installed
+    (fan_in,) = [s for s in installed["stages"] if s["name"] == "mm_aggregate"]
+    assert fan_in["wait_for_fn"] == "omnirail.models.fanin:wait_for"
+    assert fan_in["merge_fn"] == "omnirail.models.fanin:merge_for_thinker"

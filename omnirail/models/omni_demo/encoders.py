@@ -1,8 +1,9 @@
 """`image_encoder`, `audio_encoder` and `mm_aggregate` (toy models, seeded weights).
 
 Each encoder turns its modality into a short sequence of embeddings in the thinker's
-width; `mm_aggregate` waits for exactly the encoders a request used (`wait_for_fn`) and
-lays out the thinker's prompt: `<image>` embeddings, `<audio>` embeddings, then text.
+width; `mm_aggregate` waits for exactly the encoders a request used (the fan-in hooks of
+`omnirail.models.fanin`) and lays out the thinker's prompt: `<image>` embeddings, `<audio>`
+embeddings, then text.
 """
 
 from __future__ import annotations
@@ -13,7 +14,6 @@ from typing import Any
 import torch
 from torch import nn
 
-from .preprocessing import needed_encoders
 from .thinker import DIM
 from .weights import seeded
 
@@ -60,21 +60,6 @@ def create_audio_encoder(stride: int = 4, seed: int = 12) -> Callable[[Any], Any
 
 
 # ---- mm_aggregate -------------------------------------------------------------------
-
-
-def wait_for(request_id: str, from_stage: str, payload: Any) -> list[str] | None:
-    """The encoders to wait for, known once preprocessing's payload is in."""
-    if from_stage != "preprocessing":
-        return None
-    return ["preprocessing", *needed_encoders(payload)]
-
-
-def merge_for_thinker(arrived: dict[str, Any]) -> dict[str, Any]:
-    merged = dict(arrived["preprocessing"])
-    for part in ("image_encoder", "audio_encoder"):
-        if part in arrived:
-            merged.update(arrived[part])
-    return merged
 
 
 def create_mm_aggregate(seed: int = 13) -> Callable[[Any], Any]:

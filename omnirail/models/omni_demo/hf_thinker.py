@@ -4,10 +4,10 @@ Use it by pointing the thinker's factory here and the decode stage at the same t
 (`pipeline_hf.yaml` does both, reading the directory from `OMNI_DEMO_HF_MODEL`):
 
     - name: thinker
-      factory: .hf_thinker:create_hf_thinker
+      factory: omnirail.models.omni_demo.hf_thinker:create_hf_thinker
       factory_args: {model_path: /models/my-lm}
     - name: decode
-      factory: .speech:create_decode
+      factory: omnirail.models.omni_demo.speech:create_decode
       factory_args: {tokenizer: /models/my-lm}
 
 The prompt is the request's text through the model's own tokenizer, after the image and

@@ -18,7 +18,8 @@ from typing import Any
 import numpy as np
 import torch
 
-from omnirail import InputError
+from omnirail.models.fanin import needed_encoders
+from omnirail.stage import InputError
 
 from .text import tokenize
 
@@ -168,15 +169,6 @@ def _frames(pcm: torch.Tensor) -> torch.Tensor:
 
 
 # ---- routing hooks (named by pipeline.yaml) -----------------------------------------
-
-
-def needed_encoders(payload: dict[str, Any]) -> list[str]:
-    """The encoders a request's preprocessed payload needs."""
-    return [
-        e
-        for e, has in (("image_encoder", "has_image"), ("audio_encoder", "has_audio"))
-        if payload[has]
-    ]
 
 
 def route(request_id: str, output: dict[str, Any]) -> list[str]:
