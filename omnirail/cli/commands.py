@@ -13,6 +13,7 @@ from typing import Any
 
 from omnirail.cli.args import port_number, progress, read_inputs, seconds, wake_us
 from omnirail.cli.lifecycle import cmd_down, cmd_up, exit_now
+from omnirail.cli.model_dir import add_set_flag
 from omnirail.cli.security import (
     add_client_flags,
     add_mesh_flags,
@@ -305,13 +306,7 @@ def build_parser() -> argparse.ArgumentParser:
     sv.add_argument("model_dir", metavar="MODEL_DIR", help="a local checkpoint directory")
     mesh_flags(sv, file=False)
     up_flags(sv)
-    sv.add_argument(
-        "--set",
-        action="append",
-        default=[],
-        metavar="PATH=VALUE",
-        help="change a setting, e.g. stages.thinker.gpu=0 or stages.talker.replicas=2 (repeatable)",
-    )
+    add_set_flag(sv)
     sv.add_argument(
         "--print-pipeline",
         action="store_true",

@@ -1,4 +1,11 @@
-"""`omnirail compose`: its arguments and the command (see omnirail.ops.compose)."""
+"""`omnirail compose`: its arguments and the command (see omnirail.ops.compose).
+
+FILE is a pipeline file, or a checkpoint directory as `omnirail serve` takes one
+(`omnirail.cli.model_dir`): the installed pipeline of its architecture, pointed at it with
+the `--set`s applied, is written to `<model>/pipeline.yaml` beside the compose file (its
+directory is what the services mount at /pipeline; the model code is in the image) and the
+checkpoint is bind-mounted read-only at /model into the stages that read it.
+"""
 
 from __future__ import annotations
 
@@ -7,24 +14,36 @@ import sys
 from pathlib import Path
 from typing import Any
 
+from omnirail.cli.model_dir import add_set_flag, pipeline_source, source_args
 from omnirail.ops import compose as _compose
 
 
 def cmd_compose(args: argparse.Namespace) -> int:
-    from omnirail.ops.compose import (
-        ComposeOptions,
-        EdgeRelay,
-        ModelDir,
-        default_build_context,
-        generate,
-        write_bundle,
-    )
+    from omnirail.ops.compose import default_build_context, generate, write_bundle
 
     if args.build_context is None:
         context = default_build_context()
     else:
         context = None if args.build_context == "none" else Path(args.build_context).resolve()
-    options = ComposeOptions(
+    output = Path(args.output) if args.output else None
+    # Relative paths in the compose file (and its command) start at its directory.
+    base = Path.cwd() if output is None else output.resolve().parent
+    source = pipeline_source(args.file, args.set, base, imports=not args.no_resolve)
+    with source as (pipeline, resolved):
+        named = source_args(args.file, args.set, base) if resolved is not None else ()
+        options = _options(args, context, named)
+        bundle = generate(pipeline, output, options)
+        for path in write_bundle(bundle):
+            print(f"[omnirail] wrote {path}", file=sys.stderr)
+    if bundle.output is None:
+        sys.stdout.write(bundle.text)
+    return 0
+
+
+def _options(args: argparse.Namespace, context: Path | None, named: tuple[str, ...]) -> Any:
+    from omnirail.ops.compose import ComposeOptions, EdgeRelay, ModelDir
+
+    return ComposeOptions(
         image=args.image,
         jaeger_image=args.jaeger_image,
         prometheus_image=args.prometheus_image,
@@ -38,20 +57,21 @@ def cmd_compose(args: argparse.Namespace) -> int:
         check_model_dirs=not args.no_check_model_dir,
         tls_dir=Path(args.tls) if args.tls else None,
         tokens_file=Path(args.tokens_file) if args.tokens_file else None,
+        source_args=named,
     )
-    bundle = generate(args.file, Path(args.output) if args.output else None, options)
-    for path in write_bundle(bundle):
-        print(f"[omnirail] wrote {path}", file=sys.stderr)
-    if bundle.output is None:
-        sys.stdout.write(bundle.text)
-    return 0
 
 
 def add_compose_parser(sub: Any) -> None:
     """Adds `compose` to the CLI's subcommands (`sub`, from add_subparsers)."""
     k = sub.add_parser("compose", help="write a docker compose deployment of a pipeline")
-    k.add_argument("file", help="pipeline YAML (or .py)")
+    k.add_argument(
+        "file",
+        metavar="FILE|MODEL_DIR",
+        help="pipeline YAML (or .py), or a checkpoint directory (as `omnirail serve` takes): "
+        "its installed pipeline is written to MODEL/pipeline.yaml beside the compose file",
+    )
     k.add_argument("-o", "--output", default=None, help="compose file (default: stdout)")
+    add_set_flag(k, "; with a checkpoint directory")
     k.add_argument(
         "--edge-relay",
         action="append",

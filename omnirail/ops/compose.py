@@ -78,6 +78,9 @@ class ComposeOptions:
     # `--tls DIR` and `--tokens-file FILE` (compose_tls.py).
     tls_dir: Path | None = None
     tokens_file: Path | None = None
+    # What names the pipeline in the header's command when it is not the pipeline file: a
+    # checkpoint directory and its --set flags (`omnirail compose MODEL_DIR`).
+    source_args: tuple[str, ...] = ()
 
 
 @dataclass
@@ -382,7 +385,8 @@ def _prometheus_config(services: list[StageService], tls: bool) -> str:
 def _header(source: Path, output: Path | None, options: ComposeOptions, base: Path) -> str:
     """The comment opening the file: what made it and the command that remakes it, with
     paths relative to the compose file's directory (where it must be run)."""
-    argv = ["omnirail", "compose", os.path.relpath(source.resolve(), base)]
+    named = options.source_args or (os.path.relpath(source.resolve(), base),)
+    argv = ["omnirail", "compose", *named]
     if output is not None:
         argv += ["-o", output.name]
     argv += [a for e in sorted(options.edge_relays) for a in ("--edge-relay", str(e))]

@@ -546,7 +546,8 @@ def _header(source: Path, options: K8sOptions, output: Path | None) -> str:
     """The comment opening the file: the command that remakes it, paths relative to the
     directory it was made in (run it there)."""
     out = os.path.relpath(output.resolve(), Path.cwd()) if output is not None else "DIR"
-    argv = ["omnirail", "k8s", os.path.relpath(source, Path.cwd()), "-o", out]
+    named = options.source_args or (os.path.relpath(source, Path.cwd()),)
+    argv = ["omnirail", "k8s", *named, "-o", out]
     if options.image != IMAGE:
         argv += ["--image", options.image]
     if options.namespace:

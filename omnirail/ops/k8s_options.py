@@ -37,6 +37,9 @@ class K8sOptions:
     resolve: bool = True
     edge_relays: tuple[EdgeRelay, ...] = ()
     memory_request: str = "1Gi"
+    # What names the pipeline in the header's command when it is not the pipeline file: a
+    # checkpoint directory and its --set flags (`omnirail k8s MODEL_DIR`).
+    source_args: tuple[str, ...] = ()
 
     def check(self) -> None:
         """Raises ComposeError naming the first option Kubernetes or the services would

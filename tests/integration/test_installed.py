@@ -98,9 +98,14 @@ def venv(tmp_path_factory: pytest.TempPathFactory) -> Venv:
 
 
 @pytest.fixture(scope="module")
-def served(venv: Venv) -> Iterator[tuple[Path, dict[str, Any]]]:
-    tiny = venv.work / "tiny"
-    _ok(venv.run(venv.bin("python"), "-m", "omnirail.testing.tiny", "qwen3-omni", str(tiny)))
+def tiny(venv: Venv) -> Path:
+    folder = venv.work / "tiny"
+    _ok(venv.run(venv.bin("python"), "-m", "omnirail.testing.tiny", "qwen3-omni", str(folder)))
+    return folder
+
+
+@pytest.fixture(scope="module")
+def served(venv: Venv, tiny: Path) -> Iterator[tuple[Path, dict[str, Any]]]:
     argv = ["serve", str(tiny), "--detach", "--name", NAME, "--http", "127.0.0.1:0", *TOKENS]
     _ok(venv.run(venv.bin("omnirail"), *argv))
     try:
@@ -147,3 +152,21 @@ def test_the_omni_demo_pipelines_are_installed_and_resolve(venv: Venv) -> None:
     for path in where:
         assert Path(path).is_file() and "site-packages" in path, where
         assert "pipeline: omni-demo" in _ok(venv.run(venv.bin("omnirail"), "validate", path))
+
+
+def test_compose_and_k8s_of_a_checkpoint_from_the_wheel(venv: Venv, tiny: Path) -> None:
+    """`omnirail compose DIR` and `omnirail k8s DIR` from the wheel: the installed pipeline,
+    pointed at the checkpoint mounted at /model (no build context: there is no checkout)."""
+    import yaml
+
+    _ok(venv.run(venv.bin("omnirail"), "compose", str(tiny), "-o", "dc.yml",
+                 "--no-check-model-dir"))  # fmt: skip
+    services = yaml.safe_load((venv.work / "dc.yml").read_text())["services"]
+    assert "build" not in services["coordinator"]
+    assert {"source": str(tiny), "target": "/model"}.items() <= (
+        next(v for v in services["thinker"]["volumes"] if v["target"] == "/model").items()
+    )
+    derived = yaml.safe_load((venv.work / "qwen3-omni" / "pipeline.compose.yaml").read_text())
+    assert derived["model_path"] == "/model"
+    _ok(venv.run(venv.bin("omnirail"), "k8s", str(tiny), "-o", "k8s", "--model-claim", "ckpt"))
+    assert "claimName: ckpt" in (venv.work / "k8s" / "omnirail.yaml").read_text()
