@@ -273,7 +273,7 @@ def _orphan_segments(prefix: str, pids: set[int]) -> list[str]:
 
 def run_chaos_bench(
     *,
-    shape: str = "quickstart",
+    shape: str = "omni",
     requests: int = 10_000,
     concurrency: int = 32,
     abort_fraction: float = 0.3,

@@ -361,9 +361,10 @@ def add_bench_parser(sub: Any) -> None:
     chaos = b.add_argument_group("chaos")
     chaos.add_argument(
         "--shape",
-        choices=["quickstart", "streaming", "omni"],
-        default="quickstart",
-        help="chaos: which example pipeline (every stage with --replicas, at least 2)",
+        choices=["omni", "quickstart", "streaming"],
+        default="omni",
+        help="chaos: which pipeline (every stage with --replicas, at least 2): the installed "
+        "omni demo, or an example of a checkout (run from its root)",
     )
     chaos.add_argument("--abort-fraction", type=float, default=0.3, help="chaos: aborted")
     chaos.add_argument(

@@ -94,10 +94,18 @@ class ComposeBundle:
     tls_hosts: tuple[str, ...] = ()
 
 
-def default_build_context() -> Path | None:
-    """This checkout's root when it holds the Dockerfile (not so for an installed wheel)."""
-    root = Path(__file__).resolve().parents[2]
-    return root if (root / "Dockerfile").is_file() else None
+def default_build_context(where: Path | None = None) -> Path | None:
+    """`where` (default: the working directory) when it is an omnirail checkout's root,
+    whose Dockerfile builds the image; else None: the compose file then names an image
+    and builds nothing."""
+    root = where if where is not None else Path.cwd()
+    try:
+        project = (root / "pyproject.toml").read_text(errors="replace")
+    except OSError:
+        return None
+    if (root / "Dockerfile").is_file() and 'name = "omnirail"' in project:
+        return root.resolve()
+    return None
 
 
 def generate(
@@ -390,7 +398,8 @@ def _header(source: Path, output: Path | None, options: ComposeOptions, base: Pa
     if output is not None:
         argv += ["-o", output.name]
     argv += [a for e in sorted(options.edge_relays) for a in ("--edge-relay", str(e))]
-    defaults = ComposeOptions(build_context=default_build_context())
+    # What the command gives when run where the header says to (`base`).
+    defaults = ComposeOptions(build_context=default_build_context(base))
     for flag, attr in [
         ("--image", "image"),
         ("--jaeger-image", "jaeger_image"),

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import shlex
 import shutil
 import subprocess
 import sys
@@ -133,7 +134,7 @@ def test_streaming_example_stream_edges_share_ipc() -> None:
 def test_output_is_deterministic_and_says_how_to_regenerate(tmp_path: Path) -> None:
     path = split_pipeline(tmp_path)
     out = tmp_path / "docker-compose.yml"
-    ctx = default_build_context()  # the default adds no flag to the command
+    ctx = default_build_context(out.parent)  # the default adds no flag to the command
     one = gen(path, out, "b->c_x=ucx", "c_x->e=nixl", coordinator_port=6000, build_context=ctx)
     two = gen(path, out, "c_x->e=nixl", "b->c_x=ucx", coordinator_port=6000, build_context=ctx)
     assert one.text == two.text
@@ -376,10 +377,14 @@ def test_cli_writes_the_files_and_reports_errors_in_one_line(tmp_path: Path) -> 
     assert compose["services"]["c-x"]["volumes"][0]["source"] == ".."
     assert (tmp_path / "pipeline.compose.yaml").is_file()
     assert "omnirail compose ../pipeline.yaml -o docker-compose.yml" in out.read_text()
-    # The command in the header, run where it says, makes the same file.
-    again = omnirail("compose", "../pipeline.yaml", "--edge-relay", "b->c_x=ucx", cwd=out.parent)
+    # The command in the header, run where it says, makes the same file (it names the
+    # checkout it was made in as the build context: the default only in that checkout).
+    made = out.read_text()
+    command = shlex.split(made.splitlines()[2].removeprefix("#   "))
+    assert "--build-context" in command
+    again = omnirail(*command[1:], cwd=out.parent)
     assert again.returncode == 0, again.stderr
-    assert yaml.safe_load(again.stdout) == compose
+    assert out.read_text() == made
 
     for args, message in [
         (["--edge-relay", "b-c_x"], "expected SRC->DST=BACKEND"),
