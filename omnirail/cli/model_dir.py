@@ -72,7 +72,7 @@ def resolve(
     PipelineConfig.from_dict(data, source_dir=str(model.pipeline_file.parent), resolve=imports)
     header = (
         f"# {model.name}: the installed pipeline {model.package} for {folder}\n"
-        f"# (omnirail serve {folder}{''.join(f' --set {s}' for s in sets)})\n"
+        f"# (what `omnirail serve {folder}{''.join(f' --set {s}' for s in sets)}` runs)\n"
     )
     text = header + yaml.safe_dump(data, sort_keys=False)
     return ResolvedPipeline(model.name, folder, data, text)

@@ -1,5 +1,5 @@
-"""omnirail/models/qwen3_omni in containers: `omnirail compose` on the pipeline with a model
-directory (a tiny random checkpoint made here; nothing is downloaded), brought up with podman
+"""omnirail/models/qwen3_omni in containers: `omnirail compose MODEL_DIR` (a tiny random
+checkpoint made here; nothing is downloaded), brought up with podman
 and docker-compose from the real image. Each model stage reads the checkpoint from its
 read-only /model bind; the mesh answers a text request with the reference generate()'s
 tokens, streaming text and audio."""
@@ -21,7 +21,6 @@ import pytest
 import yaml
 
 from omnirail import Chunk, Client
-from omnirail.bench.omni_bench import write_pipeline
 from tests.e2e import compose_env
 from tests.e2e.compose_env import Project, http_json, wait_for
 
@@ -50,15 +49,18 @@ def project(model: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[P
         pytest.skip(reason)
     env = compose_env.prepare()
     where = tmp_path_factory.mktemp("qwen3_omni_compose")
-    pipeline = write_pipeline(where / "qwen3_omni", str(model), MAX_NEW_TOKENS, TALKER_TOKENS)
     out = where / "docker-compose.yml"
     # Secured: TLS on every hop (mutual inside), a mesh secret, a client token.
     tokens = where / "tokens"
     tokens.write_text(TOKEN + "\n")
     os.chown(tokens, -1, 10001)  # the image's group may read it, nobody else
     tokens.chmod(0o640)
+    # From the checkpoint directory, as a user deploys it: the installed pipeline, its
+    # token limits set on the command line.
     command = [
-        str(Path(sys.executable).parent / "omnirail"), "compose", str(pipeline), "-o", str(out),
+        str(Path(sys.executable).parent / "omnirail"), "compose", str(model), "-o", str(out),
+        "--set", f"stages.preprocessing.factory_args.max_new_tokens={MAX_NEW_TOKENS}",
+        "--set", f"stages.talker.factory_args.max_new_tokens={TALKER_TOKENS}",
         "--coordinator-port", str(PORT), "--http-port", str(HTTP_PORT), "--build-context", "none",
         "--tls", str(where / "tls"), "--tokens-file", str(tokens),
     ]  # fmt: skip
