@@ -47,50 +47,94 @@ class InlineOptions(RelayOptions):
 class CopyOptions(RelayOptions):
     """The copy-in of payloads into relay memory (`omnirail.relay.copy.Copier`)."""
 
-    # Copies at least this large run in a worker thread, off the event loop.
-    copy_thread_bytes: int = Field(DEFAULT_COPY_THREAD_BYTES, ge=0)
-    # Such a copy is split across up to this many threads (parts of at least 4 MiB).
-    copy_threads: int = Field(DEFAULT_COPY_THREADS, ge=1)
+    copy_thread_bytes: int = Field(
+        DEFAULT_COPY_THREAD_BYTES,
+        ge=0,
+        description="Copies into relay memory at least this large run in worker threads, "
+        "off the event loop.",
+    )
+    copy_threads: int = Field(
+        DEFAULT_COPY_THREADS,
+        ge=1,
+        description="Such a copy is split across up to this many threads (parts of at least "
+        "4 MiB).",
+    )
 
 
 class ShmOptions(CopyOptions):
-    # Hand a received view on to the next stage without a copy (see omnirail.relay.shm).
-    forward_views: bool = True
+    """Options of `shm`."""
+
+    forward_views: bool = Field(
+        True,
+        description="A stage whose result to one next stage is bytes it received over shm, "
+        "laid out as received, hands that view on without a copy; false where a later stage "
+        "cannot see an earlier stage's /dev/shm.",
+    )
 
 
 class PulledOptions(CopyOptions):
     """Options every receiver-pulled backend (nixl, ucx, torchdist) takes."""
 
-    # How long a receiver waits for a sender's relay info to arrive through the coordinator.
-    peer_wait_s: float = Field(DEFAULT_PEER_WAIT_S, ge=0)
-    # Bound of one fetch (torchdist: of every transfer wait).
-    fetch_timeout_s: float = Field(DEFAULT_FETCH_TIMEOUT_S, gt=0)
-    # Start-up: how long a stage process waits for the backend to connect.
-    connect_timeout_s: float = Field(DEFAULT_CONNECT_TIMEOUT_S, gt=0)
-    # The address peers reach this process at; None: the stage's own gRPC host.
-    host: str | None = None
+    peer_wait_s: float = Field(
+        DEFAULT_PEER_WAIT_S,
+        ge=0,
+        description="How long a receiver waits for a sender's relay info to arrive through "
+        "the coordinator, seconds.",
+    )
+    fetch_timeout_s: float = Field(
+        DEFAULT_FETCH_TIMEOUT_S,
+        gt=0,
+        description="Bound of one fetch (torchdist: of every transfer wait), seconds.",
+    )
+    connect_timeout_s: float = Field(
+        DEFAULT_CONNECT_TIMEOUT_S,
+        gt=0,
+        description="Start-up: how long a stage process waits for the backend to connect, seconds.",
+    )
+    host: str | None = Field(
+        None,
+        description="The address peers reach this process at; unset: the stage's own gRPC host.",
+    )
 
 
 class NixlOptions(PulledOptions):
-    # "none": fast on one host; "peer": a dead peer fails transfers instead of hanging them.
-    ucx_error_handling_mode: Literal["none", "peer"] = "none"
-    progress_thread: bool = False
-    num_threads: int = Field(0, ge=0)
-    # One READ per this many bytes (at least 64 KiB are read at a time).
-    chunk_bytes: int = Field(8 << 20, ge=1)
-    # Busy polling before yielding to the loop, in µs.
-    spin_us: float = Field(30.0, ge=0)
-    # Prepared transfer handles kept per peer.
-    handle_cache: int = Field(128, ge=0)
+    """Options of `nixl`."""
+
+    ucx_error_handling_mode: Literal["none", "peer"] = Field(
+        "none",
+        description='"none": fast on one host; "peer": a dead peer fails transfers instead '
+        "of hanging them (across hosts).",
+    )
+    progress_thread: bool = Field(
+        False,
+        description="A NIXL progress thread; off: the event loop polls (turn it on with "
+        "spare cores across hosts).",
+    )
+    num_threads: int = Field(0, ge=0, description="NIXL's own worker threads.")
+    chunk_bytes: int = Field(
+        8 << 20,
+        ge=1,
+        description="One READ per this many bytes, so a big fetch does not hold the loop (at "
+        "least 64 KiB are read at a time).",
+    )
+    spin_us: float = Field(30.0, ge=0, description="Busy polling before yielding to the loop, µs.")
+    handle_cache: int = Field(128, ge=0, description="Prepared transfer handles kept per peer.")
 
 
 class UcxOptions(PulledOptions):
-    # "blocking": progress when the worker's fd fires; "polling": spin while transfers run.
-    progress: Literal["blocking", "polling"] = "blocking"
-    # Listener port (0: any free one).
-    port: int = Field(0, ge=0, le=65535)
-    # UCX settings of this relay's context without the UCX_ prefix, e.g. {"TLS": "tcp"}.
-    ucx_config: dict[str, str] = {}
+    """Options of `ucx`."""
+
+    progress: Literal["blocking", "polling"] = Field(
+        "blocking",
+        description='"blocking": progress when the worker\'s fd fires; "polling": spin while '
+        "transfers run (faster only with idle cores).",
+    )
+    port: int = Field(0, ge=0, le=65535, description="Listener port (0: any free one).")
+    ucx_config: dict[str, str] = Field(
+        {},
+        description="UCX settings of this relay's context without the UCX_ prefix, e.g. "
+        '{"TLS": "tcp"} across network namespaces or containers on one machine.',
+    )
 
     @field_validator("ucx_config", mode="before")
     @classmethod
@@ -105,12 +149,18 @@ class UcxOptions(PulledOptions):
 
 
 class TorchdistOptions(PulledOptions):
-    # "tcp://HOST:PORT" of rank 0's store (port 0: rank 0 picks one; single-process tests).
-    init_method: str | None = None
-    # Rendezvous bound, seconds.
-    timeout_s: float = Field(120.0, gt=0)
-    # The address gloo binds (default: `host`, else loopback for a loopback group).
-    gloo_host: str | None = None
+    """Options of `torchdist`."""
+
+    init_method: str | None = Field(
+        None,
+        description='"tcp://HOST:PORT" of rank 0\'s store, reachable by every rank (port 0: '
+        "rank 0 picks one; single-process tests).",
+    )
+    timeout_s: float = Field(120.0, gt=0, description="Rendezvous bound, seconds.")
+    gloo_host: str | None = Field(
+        None,
+        description="The address gloo binds; unset: `host`, else loopback for a loopback group.",
+    )
 
     @field_validator("init_method")
     @classmethod

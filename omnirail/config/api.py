@@ -60,15 +60,26 @@ class _Model(BaseModel):
 
 
 class TensorSpec(_Model):
-    name: str = Field(min_length=1, max_length=63)
+    """A named tensor of the KServe v2 protocol, as a request field or a result."""
+
+    name: str = Field(
+        min_length=1, max_length=63, description="The tensor's name (a request or result field)."
+    )
     datatype: Literal[
         "BOOL", "UINT8", "UINT16", "UINT32", "UINT64", "INT8", "INT16", "INT32", "INT64",
         "FP16", "FP32", "FP64", "BYTES",
-    ]  # fmt: skip
-    # -1: any size along that axis; [1] is a scalar on the pipeline's side.
-    shape: list[int] = Field(min_length=1, max_length=MAX_DIMS)
-    # BYTES only: how the bytes read ("text": UTF-8, "json": a JSON document, "bytes").
-    format: Literal["text", "json", "bytes"] = "text"
+    ] = Field(description="KServe v2 datatype; BYTES holds text, raw bytes or JSON.")  # fmt: skip
+    shape: list[int] = Field(
+        min_length=1,
+        max_length=MAX_DIMS,
+        description="Dimensions; -1: any size along that axis; [1] is a plain value (str, "
+        "int, ...) on the pipeline's side.",
+    )
+    format: Literal["text", "json", "bytes"] = Field(
+        "text",
+        description='BYTES only: how the bytes read ("text": UTF-8, "json": a JSON document, '
+        '"bytes": raw).',
+    )
 
     @field_validator("name")
     @classmethod
@@ -98,13 +109,21 @@ class TensorSpec(_Model):
 
 
 class InputSpec(TensorSpec):
-    optional: bool = False
+    """`api.inputs[]`: a request field as a named tensor."""
+
+    optional: bool = Field(False, description="A request may leave the field out.")
 
 
 class OutputSpec(TensorSpec):
-    stage: str
-    result: str | None = None
-    chunks: str | None = None
+    """`api.outputs[]`: what comes back, from a terminal stage's result and/or chunks."""
+
+    stage: str = Field(description="The terminal stage the output comes from.")
+    result: str | None = Field(
+        None, description='The field of the stage\'s result ("." the whole result).'
+    )
+    chunks: str | None = Field(
+        None, description='The field of each of the stage\'s stream chunks ("." the whole chunk).'
+    )
 
     @model_validator(mode="after")
     def _has_source(self) -> OutputSpec:
@@ -127,29 +146,60 @@ class OutputSpec(TensorSpec):
 
 
 class OpenAIConfig(_Model):
-    # Where the chat goes: the whole conversation (`messages_input`: a list of
-    # {role, content: [{type: text|image|audio, ...}]}) or its text joined by newlines.
-    messages_input: str | None = None
-    text_input: str | None = None
-    # The first image (HxWx3 uint8) and audio (float32 PCM at `sample_rate`) of the chat,
-    # for `text_input` pipelines.
-    image_input: str | None = None
-    audio_input: str | None = None
-    max_tokens_input: str | None = None
-    seed_input: str | None = None
-    temperature_input: str | None = None
-    # Set to false when a request does not ask for audio (so no talker runs for it).
-    speak_input: str | None = None
-    text_output: str | None = None
-    audio_output: str | None = None
-    # Output audio's rate when its chunks do not say (a `sample_rate` field beside the PCM).
-    sample_rate: int = Field(16000, gt=0, le=384000)
-    # The rate input audio must have (WAV in `input_audio` parts).
-    input_sample_rate: int = Field(16000, gt=0, le=384000)
-    # Voice name -> extra inputs it sets; the first is the default.
-    voices: dict[str, dict[str, Any]] = {"default": {}}
-    # `/v1/audio/speech`: the text to speak becomes `speech_template` with {input} filled.
-    speech_template: str = "{input}"
+    """`api.openai`: how OpenAI requests map onto the pipeline's `api` inputs and outputs
+    (exactly one of `messages_input` and `text_input`)."""
+
+    messages_input: str | None = Field(
+        None,
+        description="The input that gets the whole conversation (a list of {role, content: "
+        "[{type: text|image|audio, ...}]}).",
+    )
+    text_input: str | None = Field(
+        None, description="The input that gets the chat's text, joined by newlines."
+    )
+    image_input: str | None = Field(
+        None,
+        description="The input that gets the chat's first image (HxWx3 uint8), for "
+        "`text_input` pipelines.",
+    )
+    audio_input: str | None = Field(
+        None,
+        description="The input that gets the chat's first audio (float32 PCM at "
+        "`input_sample_rate`), for `text_input` pipelines.",
+    )
+    max_tokens_input: str | None = Field(
+        None, description="The input that gets `max_tokens` / `max_completion_tokens`."
+    )
+    seed_input: str | None = Field(None, description="The input that gets `seed`.")
+    temperature_input: str | None = Field(None, description="The input that gets `temperature`.")
+    speak_input: str | None = Field(
+        None,
+        description="The input set to false when a request does not ask for audio (so no "
+        "talker runs for it).",
+    )
+    text_output: str | None = Field(None, description="The output that carries the text.")
+    audio_output: str | None = Field(None, description="The output that carries the audio.")
+    sample_rate: int = Field(
+        16000,
+        gt=0,
+        le=384000,
+        description="Output audio's rate when its chunks do not say (a `sample_rate` field "
+        "beside the PCM).",
+    )
+    input_sample_rate: int = Field(
+        16000,
+        gt=0,
+        le=384000,
+        description="The rate input audio must have (WAV in `input_audio` parts).",
+    )
+    voices: dict[str, dict[str, Any]] = Field(
+        {"default": {}},
+        description="Voice name -> extra inputs it sets; the first is the default.",
+    )
+    speech_template: str = Field(
+        "{input}",
+        description="`/v1/audio/speech`: the text to speak becomes this with {input} filled.",
+    )
 
     @model_validator(mode="after")
     def _one_chat_input(self) -> OpenAIConfig:
@@ -163,10 +213,25 @@ class OpenAIConfig(_Model):
 
 
 class ApiConfig(_Model):
-    model: str | None = Field(None, min_length=1, max_length=63)
-    inputs: list[InputSpec] = Field(default_factory=list, max_length=256)
-    outputs: list[OutputSpec] = Field(default_factory=list, max_length=256)
-    openai: OpenAIConfig | None = None
+    """`api:`: what the KServe v2 gRPC and OpenAI HTTP front doors show."""
+
+    model: str | None = Field(
+        None,
+        min_length=1,
+        max_length=63,
+        description="The model name clients ask for; unset: the pipeline's name.",
+    )
+    inputs: list[InputSpec] = Field(
+        default_factory=list, max_length=256, description="Request fields as named tensors."
+    )
+    outputs: list[OutputSpec] = Field(
+        default_factory=list,
+        max_length=256,
+        description="What comes back, from the terminal stages.",
+    )
+    openai: OpenAIConfig | None = Field(
+        None, description="The OpenAI-compatible HTTP mapping; unset: no HTTP gateway."
+    )
 
     @field_validator("model")
     @classmethod

@@ -63,17 +63,62 @@ class RelayConfig(_Model):
     and a level that changes the backend without setting options starts from none.
     """
 
-    backend: str = Field("shm", min_length=1)
-    # Payloads whose packed tensor buffer is at most this many bytes travel in the message.
+    backend: str = Field(
+        "shm",
+        min_length=1,
+        description="Relay backend of the edge: `inline`, `shm`, `nixl`, `ucx` or `torchdist` "
+        "(per edge).",
+    )
     # Inline payloads travel inside a gRPC message, so at most what one may carry.
-    inline_bytes: int = Field(65536, ge=0, le=MAX_MESSAGE_MB << 20)
-    pool_mb: int = Field(256, gt=0, le=MAX_MB)
-    credits: int = Field(64, gt=0, le=MAX_COUNT)
-    credit_mb: int = Field(1024, gt=0, le=MAX_MB)
-    device: str = "cpu"
-    rank: int | None = Field(None, ge=0, lt=MAX_COUNT)
-    world_size: int | None = Field(None, gt=0, le=MAX_COUNT)
-    options: dict[str, Any] = {}
+    inline_bytes: int = Field(
+        65536,
+        ge=0,
+        le=MAX_MESSAGE_MB << 20,
+        description="Payloads whose packed tensor buffer is at most this many bytes travel "
+        "inside the control message instead of the relay (per edge).",
+    )
+    pool_mb: int = Field(
+        256,
+        gt=0,
+        le=MAX_MB,
+        description="Size of the first pool segment in MiB; pools grow when a payload does "
+        "not fit (per process).",
+    )
+    credits: int = Field(
+        64,
+        gt=0,
+        le=MAX_COUNT,
+        description="Transfers in flight on the edge before its sender blocks (per edge).",
+    )
+    credit_mb: int = Field(
+        1024,
+        gt=0,
+        le=MAX_MB,
+        description="MiB in flight on the edge before its sender blocks (per edge).",
+    )
+    device: str = Field(
+        "cpu",
+        description="Where the relay pool lives; only `cpu` is built (per process).",
+    )
+    rank: int | None = Field(
+        None,
+        ge=0,
+        lt=MAX_COUNT,
+        description="This process's rank for rank-addressed backends (`torchdist`); it must "
+        "be below `world_size` (per process).",
+    )
+    world_size: int | None = Field(
+        None,
+        gt=0,
+        le=MAX_COUNT,
+        description="Ranks of the `torchdist` group (per process).",
+    )
+    options: dict[str, Any] = Field(
+        {},
+        description="The backend's own options, checked against its options model (see "
+        "the relay options below); a level that changes `backend` without setting "
+        "`options` starts from none (per process).",
+    )
 
     @model_validator(mode="after")
     def _check_rank(self) -> RelayConfig:
@@ -117,26 +162,46 @@ class RelayConfig(_Model):
 
 
 class EndpointsConfig(_Model):
-    transport: Literal["unix", "tcp"] = "unix"
-    # Directory for unix sockets; the launcher picks a run directory when None.
-    base_path: str | None = None
-    host: str = "127.0.0.1"
-    # Explicit coordinator address (compose); the launcher allocates one when None.
-    coordinator: str | None = None
+    """Where the mesh's services listen and how big one gRPC message may be."""
+
+    transport: Literal["unix", "tcp"] = Field(
+        "unix", description="Unix sockets (one host) or TCP between the mesh's services."
+    )
+    base_path: str | None = Field(
+        None,
+        description="Directory for Unix sockets; the launcher picks a run directory when unset.",
+    )
+    host: str = Field("127.0.0.1", description="Host the services bind with `tcp`.")
+    coordinator: str | None = Field(
+        None,
+        description="Explicit coordinator address (compose); the launcher allocates one when "
+        "unset.",
+    )
     # gRPC's message size options are C ints and protobuf refuses 2 GiB messages; see
     # omnirail.config.limits.MAX_MESSAGE_MB.
-    max_message_mb: int = Field(64, gt=0, le=MAX_MESSAGE_MB)
+    max_message_mb: int = Field(
+        64,
+        gt=0,
+        le=MAX_MESSAGE_MB,
+        description="Largest gRPC message a service sends or receives, in MiB.",
+    )
 
 
 class MetricsConfig(_Model):
     """Prometheus `/metrics` endpoints, one per process (DescribePipeline lists them)."""
 
-    enabled: bool = True
-    host: str = Field("127.0.0.1", min_length=1)
-    # 0 picks a free port. Every stage process uses `stage_port`, so a fixed one only
-    # suits one stage process per host (or set `omnirail stage --metrics-port` each).
-    port: int = Field(0, ge=0, le=65535)
-    stage_port: int = Field(0, ge=0, le=65535)
+    enabled: bool = Field(True, description="Serve `/metrics` from every process.")
+    host: str = Field("127.0.0.1", min_length=1, description="Host the endpoints bind.")
+    port: int = Field(
+        0, ge=0, le=65535, description="The coordinator's metrics port (0: a free one)."
+    )
+    stage_port: int = Field(
+        0,
+        ge=0,
+        le=65535,
+        description="Every stage process's metrics port (0: a free one each); a fixed one "
+        "suits one stage process per host (or set `omnirail stage --metrics-port` each).",
+    )
 
 
 class RestartConfig(_Model):
@@ -144,24 +209,55 @@ class RestartConfig(_Model):
     at most `max` restarts within `window_s` (0: never), the first after `backoff_s`,
     each next one twice as late, up to `backoff_max_s`."""
 
-    max: int = Field(5, ge=0, le=MAX_COUNT)
-    window_s: float = Field(60.0, gt=0, le=MAX_SECONDS)
-    backoff_s: float = Field(0.5, ge=0, le=MAX_SECONDS)
-    backoff_max_s: float = Field(10.0, ge=0, le=MAX_SECONDS)
+    max: int = Field(
+        5, ge=0, le=MAX_COUNT, description="Restarts allowed within `window_s` (0: never)."
+    )
+    window_s: float = Field(
+        60.0, gt=0, le=MAX_SECONDS, description="The window `max` counts restarts in, seconds."
+    )
+    backoff_s: float = Field(
+        0.5, ge=0, le=MAX_SECONDS, description="Wait before the first restart, seconds."
+    )
+    backoff_max_s: float = Field(
+        10.0,
+        ge=0,
+        le=MAX_SECONDS,
+        description="Longest wait between restarts (each doubles the last), seconds.",
+    )
 
 
 class StreamConfig(_Model):
     """Flow control of the stream edges out of a stage, and how it takes early chunks."""
 
-    # Chunks in flight per edge (sent, not yet taken by the receiving scheduler).
-    credits: int = Field(64, gt=0, le=MAX_COUNT)
-    credit_mb: int = Field(64, gt=0, le=MAX_MB)
-    # In-flight chunks one request may hold on an edge, so one stream cannot starve others.
-    request_credits: int = Field(16, gt=0, le=MAX_COUNT)
-    # Chunks the stage's scheduler may have emitted but not yet sent before it blocks.
-    outbox_chunks: int = Field(256, gt=0, le=MAX_COUNT)
-    # Hold chunks that arrive before the request's payload (instead of failing the request).
-    hold_early_chunks: bool = False
+    credits: int = Field(
+        64,
+        gt=0,
+        le=MAX_COUNT,
+        description="Chunks in flight per stream edge (sent, not yet taken by the receiving "
+        "scheduler).",
+    )
+    credit_mb: int = Field(
+        64, gt=0, le=MAX_MB, description="MiB of chunks in flight per stream edge."
+    )
+    request_credits: int = Field(
+        16,
+        gt=0,
+        le=MAX_COUNT,
+        description="In-flight chunks one request may hold on an edge, so one stream cannot "
+        "starve others.",
+    )
+    outbox_chunks: int = Field(
+        256,
+        gt=0,
+        le=MAX_COUNT,
+        description="Chunks the stage's scheduler may have emitted but not yet sent before "
+        "it blocks in `outbox.put`.",
+    )
+    hold_early_chunks: bool = Field(
+        False,
+        description="Hold stream chunks that arrive before the request's payload instead of "
+        "failing the request.",
+    )
 
 
 def _cpu_list(v: Any) -> list[int] | None:
@@ -218,44 +314,124 @@ CpuList = Annotated[list[int] | None, BeforeValidator(_cpu_list)]
 
 
 class StageConfig(_Model):
-    name: str
-    factory: str
-    factory_args: dict[str, Any] = {}
-    next: list[str] | None = None
-    terminal: bool = False
-    route_fn: str | None = None
-    wait_for: list[str] | None = None
-    wait_for_fn: str | None = None
-    merge_fn: str | None = None
-    stream_to: list[str] = []
-    stream_done_to_fn: str | None = None
-    stream: StreamConfig = StreamConfig()
-    project_payload: dict[str, str] = {}
-    # None: the stage runs in its own process named after the stage.
-    process: str | None = None
-    gpu: int | list[int] | None = None
-    tp_size: int = Field(1, ge=1, le=MAX_RANKS)
-    relay: RelayConfig | None = None
-    # Per outgoing edge (target stage -> fields that differ from `relay`), e.g. nixl to a
-    # stage on another host while the rest stays on shm.
-    relay_to: dict[str, RelayConfig] = {}
-    replicas: int = Field(1, ge=1, le=MAX_RANKS)
-    torch_threads: int = Field(1, ge=1, le=MAX_RANKS)
-    # Restarts of the stage's process when it exits (stages sharing a process: the first
-    # stage's applies).
-    restart: RestartConfig = RestartConfig()
-    # Running a request here again gives the same result and harms nothing (no side
-    # effects): a request whose replica was lost before any of it reached the client is
-    # re-dispatched when every stage it may pass says so (coordinator/failover.py).
-    retry_safe: bool = False
-    # A new request that finds this many messages waiting in the stage's inbox (requests
-    # not yet taken, and stream chunks, which stream credits bound) is refused at once
-    # with RESOURCE_EXHAUSTED and a retry hint instead of queueing to miss its deadline.
-    max_queue: int = Field(1024, gt=0, le=MAX_COUNT)
-    # CPUs the stage's process is pinned to (every thread), as a list or "0-3,6". Stages
-    # sharing a process: the union of theirs. None: wherever the OS schedules it.
-    cpus: CpuList = None
-    env: dict[str, str] = {}
+    """One stage of a pipeline (`stages[]`): what it runs, where its results go, and where
+    and how its process runs."""
+
+    name: str = Field(
+        description="The stage's name: a letter, then letters, digits, `_` or `-` (at most 63)."
+    )
+    factory: str = Field(
+        description="Dotted path (`module:function`; a leading dot names a module next to "
+        "the pipeline file) of a function that returns `fn(payload) -> output` or a "
+        "scheduler."
+    )
+    factory_args: dict[str, Any] = Field(
+        {},
+        description="Keyword arguments of the factory (updated by `runtime_overrides[stage]`).",
+    )
+    next: list[str] | None = Field(
+        None,
+        description="Stages this stage's result goes to (a name or a list); exactly one of "
+        "`next` and `terminal`.",
+    )
+    terminal: bool = Field(
+        False, description="The stage's result is (part of) the request's result."
+    )
+    route_fn: str | None = Field(
+        None,
+        description="Dotted path of `route_fn(request_id, output) -> names`: per request, "
+        "the subset of `next` the result goes to.",
+    )
+    wait_for: list[str] | None = Field(
+        None,
+        description="Fan-in: the upstream stages whose results this stage waits for before "
+        "it runs.",
+    )
+    wait_for_fn: str | None = Field(
+        None,
+        description="Dotted path of `wait_for_fn(request_id, from_stage, payload) -> names "
+        "| None`: per request, the subset of `wait_for` to wait for (None: not known yet).",
+    )
+    merge_fn: str | None = Field(
+        None,
+        description="Dotted path of `merge_fn({stage: payload}) -> payload`, joining a "
+        "fan-in's payloads.",
+    )
+    stream_to: list[str] = Field(
+        [], description="Stages this stage streams chunks to while it computes."
+    )
+    stream_done_to_fn: str | None = Field(
+        None,
+        description="Dotted path of `stream_done_to_fn(request_id, output) -> names`: which "
+        "`stream_to` targets get the end-of-stream signal.",
+    )
+    stream: StreamConfig = Field(
+        StreamConfig(), description="Flow control of the stage's stream edges."
+    )
+    project_payload: dict[str, str] = Field(
+        {},
+        description="Next stage -> dotted path of `fn(output) -> payload`: what of the "
+        "result each next stage gets.",
+    )
+    process: str | None = Field(
+        None,
+        description="Stages with the same value share one process; unset: the stage runs in "
+        "its own process named after it.",
+    )
+    gpu: int | list[int] | None = Field(
+        None,
+        description="GPU id among those the launcher sees (a list: one per tensor-parallel "
+        "rank); unset: the CPU.",
+    )
+    tp_size: int = Field(
+        1,
+        ge=1,
+        le=MAX_RANKS,
+        description="Tensor-parallel ranks: the stage runs as this many processes in one "
+        "`torch.distributed` group.",
+    )
+    relay: RelayConfig | None = Field(
+        None,
+        description="Relay fields this stage's edges override on the pipeline's `relay`.",
+    )
+    relay_to: dict[str, RelayConfig] = Field(
+        {},
+        description="Per outgoing edge (target stage -> relay fields that differ from the "
+        "stage's `relay`), e.g. nixl to a stage on another host while the rest stays on "
+        "shm.",
+    )
+    replicas: int = Field(
+        1, ge=1, le=MAX_RANKS, description="Processes (replicas) serving this stage."
+    )
+    torch_threads: int = Field(
+        1, ge=1, le=MAX_RANKS, description="torch's intra-op threads in the stage's process."
+    )
+    restart: RestartConfig = Field(
+        RestartConfig(),
+        description="Restarts of the stage's process when it exits (stages sharing a "
+        "process: the first stage's applies).",
+    )
+    retry_safe: bool = Field(
+        False,
+        description="Running a request here again gives the same result and has no side "
+        "effects: a request whose replica was lost before any of it reached the client is "
+        "re-dispatched when every stage it may pass says so.",
+    )
+    max_queue: int = Field(
+        1024,
+        gt=0,
+        le=MAX_COUNT,
+        description="A new request that finds this many messages waiting in the stage's "
+        "inbox (requests not yet taken, and stream chunks) is refused at once with "
+        "RESOURCE_EXHAUSTED and a retry hint.",
+    )
+    cpus: CpuList = Field(
+        None,
+        description="CPUs the stage's process is pinned to (every thread), as a list or "
+        '"0-3,6"; stages sharing a process get the union; unset: wherever the OS schedules '
+        "it.",
+    )
+    env: dict[str, str] = Field({}, description="Environment variables of the stage's process.")
 
     @field_validator("name", "process")
     @classmethod
@@ -297,58 +473,149 @@ class StageConfig(_Model):
 
 
 class PipelineConfig(_Model):
-    # Always a string after validation: defaults to model_path, then "pipeline".
-    name: str | None = None
-    model_path: str | None = None
-    stages: list[StageConfig] = Field(min_length=1)
-    entry_stage: str | None = None
-    relay: RelayConfig = Field(default_factory=RelayConfig)
-    fused_stages: list[list[str]] = []
-    runtime_overrides: dict[str, dict[str, Any]] = {}
-    env_defaults: dict[str, str] = {}
-    endpoints: EndpointsConfig = Field(default_factory=EndpointsConfig)
-    metrics: MetricsConfig = Field(default_factory=MetricsConfig)
-    # TLS, client tokens, mesh membership (omnirail/config/security.py).
-    security: SecurityConfig = Field(default_factory=SecurityConfig)
-    # What the KServe v2 and OpenAI front doors show (omnirail.config.api).
-    api: ApiConfig = Field(default_factory=ApiConfig)
-    terminal_stages_fn: str | None = None
-    default_timeout_s: float = Field(60.0, gt=0, le=MAX_SECONDS)
-    # Inputs arrive in one gRPC message: the same bound as endpoints.max_message_mb.
-    max_input_mb: int = Field(32, gt=0, le=MAX_MESSAGE_MB)
-    # Requests the coordinator runs at once; past it a new one is refused at once with
-    # RESOURCE_EXHAUSTED and a retry hint, instead of queueing work that would miss its
-    # deadline (memory stays flat under overload).
-    max_live_requests: int = Field(1024, gt=0, le=MAX_COUNT)
-    # On shutdown (SIGTERM, `omnirail down`) the coordinator refuses new requests and gives
-    # the running ones this long to end before it fails them.
-    drain_s: float = Field(10.0, ge=0, le=MAX_SECONDS)
-    # How the coordinator picks the entry stage's replica for a new request (see
-    # coordinator/registry.py): least_outstanding, round_robin or request_id.
-    balance: Literal["least_outstanding", "round_robin", "request_id"] = "least_outstanding"
-    # How long an Abort call waits for the stage replicas' acknowledgements; those that
-    # have not answered by then are named in its reply as not acknowledged.
-    abort_ack_timeout_s: float = Field(0.5, gt=0, le=MAX_SECONDS)
-    # A replica not heard from for this long (stages report every second) is taken for
-    # hung: treated like a dead one (coordinator/failover.py).
-    liveness_s: float = Field(5.0, ge=2.0, le=MAX_SECONDS)
-    # How many times a request may be dispatched again after losing a replica (0: never).
-    redispatch_attempts: int = Field(2, ge=0, le=10)
-    # What the coordinator holds for one client call that does not read (a Session, a
-    # KServe stream, a streaming Generate), in messages and in MiB: a full call stops
-    # reading new requests; a stream chunk that finds it past twice the bound (a streaming
-    # Generate: past the bound) fails its request with RESOURCE_EXHAUSTED
-    # (coordinator/outbox.py).
-    client_stream_buffer: int = Field(4096, gt=0, le=MAX_COUNT)
-    client_buffer_mb: int = Field(16, gt=0, le=MAX_MESSAGE_MB)
-    # CPUs the coordinator process is pinned to (see StageConfig.cpus).
-    coordinator_cpus: CpuList = None
-    # Idle CPUs must wake within this many µs while the mesh's processes run (a PM QoS
-    # request, see omnirail/cpu_latency.py); None leaves the host's power management alone.
-    cpu_wake_latency_us: int | None = Field(None, ge=0, le=MAX_US, strict=True)
-    # A stage with `gpu:` on a host whose process sees no CUDA device fails start-up unless
-    # this allows it to run on the CPU instead (with a warning in its log).
-    cpu_fallback: bool = False
+    """A pipeline file's top level: its stages and what holds for the whole mesh."""
+
+    name: str | None = Field(
+        None,
+        description="The pipeline's name (the mesh's default name); unset: `model_path`, "
+        'else "pipeline".',
+    )
+    model_path: str | None = Field(
+        None,
+        description="A checkpoint directory, passed to every factory that takes a "
+        "`model_path` argument its `factory_args` do not set.",
+    )
+    stages: list[StageConfig] = Field(min_length=1, description="The stages (at least one).")
+    entry_stage: str | None = Field(
+        None, description="The stage requests enter at; unset: the first stage."
+    )
+    relay: RelayConfig = Field(
+        default_factory=RelayConfig,
+        description="The relay of every edge, unless a stage's `relay` or `relay_to` "
+        "overrides fields of it.",
+    )
+    fused_stages: list[list[str]] = Field(
+        [],
+        description="Groups of stages (each a linear run of `next` edges) that run in one process.",
+    )
+    runtime_overrides: dict[str, dict[str, Any]] = Field(
+        {},
+        description="Stage -> factory arguments that update its `factory_args` (shallowly).",
+    )
+    env_defaults: dict[str, str] = Field(
+        {},
+        description="Environment variables of every stage process, unless its `env` sets them.",
+    )
+    endpoints: EndpointsConfig = Field(
+        default_factory=EndpointsConfig,
+        description="Where the services listen, and the gRPC message bound.",
+    )
+    metrics: MetricsConfig = Field(
+        default_factory=MetricsConfig,
+        description="The Prometheus `/metrics` endpoints of every process.",
+    )
+    security: SecurityConfig = Field(
+        default_factory=SecurityConfig,
+        description="TLS, client tokens and mesh membership.",
+    )
+    api: ApiConfig = Field(
+        default_factory=ApiConfig,
+        description="What the KServe v2 gRPC and OpenAI HTTP front doors show.",
+    )
+    terminal_stages_fn: str | None = Field(
+        None,
+        description="Dotted path of `terminal_stages_fn(request_id, inputs) -> names | "
+        "None`: per request, the subset of terminal stages whose results it waits for (runs "
+        "on the coordinator; tensors arrive as numpy arrays).",
+    )
+    default_timeout_s: float = Field(
+        60.0,
+        gt=0,
+        le=MAX_SECONDS,
+        description="A request's deadline when the client gives none, seconds.",
+    )
+    max_input_mb: int = Field(
+        32,
+        gt=0,
+        le=MAX_MESSAGE_MB,
+        description="Largest request inputs in MiB (they arrive in one gRPC message: the "
+        "same bound as `endpoints.max_message_mb`); past it RESOURCE_EXHAUSTED.",
+    )
+    max_live_requests: int = Field(
+        1024,
+        gt=0,
+        le=MAX_COUNT,
+        description="Requests the coordinator runs at once; past it a new one is refused "
+        "at once with RESOURCE_EXHAUSTED and a retry hint, instead of queueing work that "
+        "would miss its deadline.",
+    )
+    drain_s: float = Field(
+        10.0,
+        ge=0,
+        le=MAX_SECONDS,
+        description="On shutdown (SIGTERM, `omnirail down`) the coordinator refuses new "
+        "requests and gives the running ones this long to end before it fails them, "
+        "seconds.",
+    )
+    balance: Literal["least_outstanding", "round_robin", "request_id"] = Field(
+        "least_outstanding",
+        description="How the coordinator picks the entry stage's replica for a new request: "
+        "the fewest live requests, in turn, or a hash of the request id.",
+    )
+    abort_ack_timeout_s: float = Field(
+        0.5,
+        gt=0,
+        le=MAX_SECONDS,
+        description="How long an Abort call waits for the stage replicas' acknowledgements; "
+        "those that have not answered by then are named in its reply, seconds.",
+    )
+    liveness_s: float = Field(
+        5.0,
+        ge=2.0,
+        le=MAX_SECONDS,
+        description="A replica not heard from for this long (stages report every second) is "
+        "taken for hung and treated like a dead one, seconds.",
+    )
+    redispatch_attempts: int = Field(
+        2,
+        ge=0,
+        le=10,
+        description="How many times a request may be dispatched again after losing a "
+        "replica (0: never).",
+    )
+    client_stream_buffer: int = Field(
+        4096,
+        gt=0,
+        le=MAX_COUNT,
+        description="Messages the coordinator holds for one client call that does not read "
+        "(a Session, a KServe stream, a streaming Generate) before it stops reading that "
+        "call's new requests.",
+    )
+    client_buffer_mb: int = Field(
+        16,
+        gt=0,
+        le=MAX_MESSAGE_MB,
+        description="The same bound as `client_stream_buffer`, in MiB; whichever comes "
+        "first applies.",
+    )
+    coordinator_cpus: CpuList = Field(
+        None,
+        description="CPUs the coordinator process is pinned to (as a stage's `cpus`).",
+    )
+    cpu_wake_latency_us: int | None = Field(
+        None,
+        ge=0,
+        le=MAX_US,
+        strict=True,
+        description="Idle CPUs must wake within this many µs while the mesh's processes run "
+        "(a PM QoS request on `/dev/cpu_dma_latency`; 0: polling); unset: the host's power "
+        "management is left alone.",
+    )
+    cpu_fallback: bool = Field(
+        False,
+        description="A stage with `gpu:` in a process that sees no CUDA device runs on the "
+        "CPU (with a warning in its log) instead of failing start-up.",
+    )
 
     _source_dir: str | None = PrivateAttr(default=None)
 

@@ -46,8 +46,10 @@ SECURITY_ENV = (
 )
 
 
-def _path(default: str | None = None) -> str | None:
-    return Field(default, min_length=1, max_length=4096)  # type: ignore[no-any-return]
+def _path(description: str, default: str | None = None) -> str | None:
+    return Field(  # type: ignore[no-any-return]
+        default, min_length=1, max_length=4096, description=description
+    )
 
 
 def _flag(name: str, value: str) -> bool:
@@ -66,17 +68,38 @@ class _Model(BaseModel):
 
 
 class TLSConfig(_Model):
-    cert: str = Field(min_length=1, max_length=4096)
-    key: str = Field(min_length=1, max_length=4096)
-    # Without it peers are verified against the system's roots (a public CA's certificates).
-    ca: str | None = _path()
-    # Mesh-internal servers (the stages') require a client certificate signed by `ca`. The
-    # coordinator's port also serves clients, who have no certificate: there membership is
-    # the mesh secret (see `SecurityConfig.mesh_secret_file`).
-    mutual: bool = False
-    # The name the servers' certificate is checked against when it is not the dialled host
-    # (a certificate for "omnirail.internal" served on 10.0.0.5).
-    server_name: str | None = Field(None, min_length=1, max_length=253)
+    """`security.tls`: the certificate every service presents and what peers are checked
+    against. Paths are relative to the pipeline file."""
+
+    cert: str = Field(
+        min_length=1,
+        max_length=4096,
+        description="PEM certificate chain every service presents (env `OMNIRAIL_TLS_CERT`).",
+    )
+    key: str = Field(
+        min_length=1,
+        max_length=4096,
+        description="PEM private key of `cert` (env `OMNIRAIL_TLS_KEY`).",
+    )
+    ca: str | None = _path(
+        "PEM CA bundle peers are verified against; unset: the system's roots (a public "
+        "CA's certificates) (env `OMNIRAIL_TLS_CA`)."
+    )
+    # The coordinator's port also serves clients, who have no certificate: there membership
+    # is the mesh secret (see `SecurityConfig.mesh_secret_file`).
+    mutual: bool = Field(
+        False,
+        description="The stages' servers (and the metrics endpoints) require a client "
+        "certificate signed by `ca` (env `OMNIRAIL_TLS_MUTUAL`).",
+    )
+    server_name: str | None = Field(
+        None,
+        min_length=1,
+        max_length=253,
+        description="The name the servers' certificate is checked against when it is not "
+        'the dialled host (a certificate for "omnirail.internal" served on 10.0.0.5) (env '
+        "`OMNIRAIL_TLS_SERVER_NAME`).",
+    )
 
     @model_validator(mode="after")
     def _mutual_needs_ca(self) -> TLSConfig:
@@ -86,13 +109,23 @@ class TLSConfig(_Model):
 
 
 class SecurityConfig(_Model):
-    tls: TLSConfig | None = None
-    # Bearer tokens the client API accepts: a file with one per line (# comments), and/or
-    # the name of an environment variable holding one.
-    tokens_file: str | None = _path()
-    tokens_env: str | None = Field(None, pattern=r"^[A-Za-z_][A-Za-z0-9_]{0,127}$")
-    # The mesh's membership secret: stages present it when they Attach and Deliver.
-    mesh_secret_file: str | None = _path()
+    """`security:`: TLS, client tokens and mesh membership (off when empty)."""
+
+    tls: TLSConfig | None = Field(None, description="TLS on every hop; unset: plaintext.")
+    tokens_file: str | None = _path(
+        "A file of bearer tokens the client API accepts, one per line (# comments) (env "
+        "`OMNIRAIL_TOKENS_FILE`)."
+    )
+    tokens_env: str | None = Field(
+        None,
+        pattern=r"^[A-Za-z_][A-Za-z0-9_]{0,127}$",
+        description="The name of an environment variable holding one more accepted token "
+        "(env `OMNIRAIL_TOKENS_ENV`).",
+    )
+    mesh_secret_file: str | None = _path(
+        "A file holding the mesh's membership secret, which stages present when they Attach "
+        "and Deliver (env `OMNIRAIL_MESH_SECRET_FILE`)."
+    )
 
     @property
     def enabled(self) -> bool:
