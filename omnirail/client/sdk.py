@@ -83,6 +83,9 @@ def closed_error() -> OmniError:
 
 @dataclass(frozen=True)
 class RequestStatus:
+    """A request's state (pending, running, completed, failed, aborted), how long it has
+    run, and its result or error once it ended (`Client.wait`, `Client.status`)."""
+
     request_id: str
     state: str  # pending, running, completed, failed, aborted
     elapsed_s: float
@@ -261,6 +264,8 @@ class Client:
             raise closed_error()
 
     def close(self) -> None:
+        """Ends the client: streams still being read end with CANCELLED, and any later call
+        raises OmniError(FAILED_PRECONDITION)."""
         self._closed = True
         if self._sess is not None:
             self._sess.close()
@@ -354,6 +359,8 @@ class Client:
         request_id: str | None = None,
         timeout: float | None = None,
     ) -> str:
+        """Starts a request and returns its id at once; `wait` or `status` fetch its result
+        (the coordinator keeps the results of submitted requests)."""
         self._check_open()
         request = build_request(inputs, request_id, timeout or self.timeout, None)
         try:
@@ -362,6 +369,8 @@ class Client:
             raise OmniError.from_rpc_error(err) from None
 
     def wait(self, request_id: str, timeout: float | None = None) -> RequestStatus:
+        """Waits (up to `timeout` seconds) for a submitted request to end and returns its
+        status: state, result or error."""
         self._check_open()
         try:
             status = self._stub.Wait(
@@ -372,6 +381,8 @@ class Client:
         return parse_status(status, self._numpy)
 
     def status(self, request_id: str) -> RequestStatus:
+        """A request's status now (pending, running, completed, failed, aborted), without
+        waiting."""
         self._check_open()
         try:
             status = self._stub.GetRequest(
@@ -394,6 +405,8 @@ class Client:
         return _abort_result(reply)
 
     def describe(self) -> client_pb2.PipelineInfo:
+        """The pipeline the coordinator serves: its stages, their live replicas and the
+        metrics endpoints (`metrics_address`)."""
         self._check_open()
         try:
             return self._stub.DescribePipeline(
@@ -473,6 +486,8 @@ class AsyncClient:
             raise closed_error()
 
     async def close(self) -> None:
+        """Ends the client: streams still being read end with CANCELLED, and any later call
+        raises OmniError(FAILED_PRECONDITION)."""
         self._closed = True
         if self._sess is not None:
             await self._sess.close()
@@ -562,6 +577,8 @@ class AsyncClient:
         request_id: str | None = None,
         timeout: float | None = None,
     ) -> str:
+        """Starts a request and returns its id at once; `wait` or `status` fetch its result
+        (the coordinator keeps the results of submitted requests)."""
         self._check_open()
         request = build_request(inputs, request_id, timeout or self.timeout, None)
         try:
@@ -570,6 +587,8 @@ class AsyncClient:
             raise OmniError.from_rpc_error(err) from None
 
     async def wait(self, request_id: str, timeout: float | None = None) -> RequestStatus:
+        """Waits (up to `timeout` seconds) for a submitted request to end and returns its
+        status: state, result or error."""
         self._check_open()
         try:
             status = await self._stub.Wait(
@@ -580,6 +599,8 @@ class AsyncClient:
         return parse_status(status, self._numpy)
 
     async def status(self, request_id: str) -> RequestStatus:
+        """A request's status now (pending, running, completed, failed, aborted), without
+        waiting."""
         self._check_open()
         try:
             status = await self._stub.GetRequest(
@@ -590,6 +611,7 @@ class AsyncClient:
             raise OmniError.from_rpc_error(err) from None
 
     async def abort(self, request_id: str, reason: str = "") -> AbortResult:
+        """`Client.abort`, awaited."""
         self._check_open()
         try:
             reply = await self._stub.Abort(
@@ -600,6 +622,8 @@ class AsyncClient:
         return _abort_result(reply)
 
     async def describe(self) -> client_pb2.PipelineInfo:
+        """The pipeline the coordinator serves: its stages, their live replicas and the
+        metrics endpoints (`metrics_address`)."""
         self._check_open()
         try:
             return await self._stub.DescribePipeline(

@@ -7,7 +7,7 @@ the entry stage): mappings of names to tensors, numpy arrays and plain values, r
 Raise `InputError` (naming the field) for a request's bad input: the client gets
 INVALID_ARGUMENT and the stage keeps serving.
 
-- `SimpleScheduler`: one function per request, or a batch function (`max_batch`,
+- `SimpleScheduler`: one function per request, or a batch function (`max_batch_size`,
   `max_wait_ms`).
 - `StreamingScheduler` with `StreamState`: per-request state fed by stream chunks
   (`new_request`, `stream_chunk`, `stream_done`), computing every N chunks.
