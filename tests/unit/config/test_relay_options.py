@@ -11,10 +11,10 @@ from tests.unit.config.helpers import config_error, pipe, st
 
 TD = {"world_size": 2, "options": {"init_method": "tcp://10.0.0.1:29500"}}
 
-# Every option README's "Choosing a relay backend" lists, with a valid value, per backend.
+# Every option the relays guide (docs/guides/relays.md) lists, with a valid value, per backend.
 COPY = {"copy_thread_bytes": 1 << 20, "copy_threads": 1}
 PULLED = {**COPY, "peer_wait_s": 2, "fetch_timeout_s": 10.5, "connect_timeout_s": 30, "host": "h"}
-README_OPTIONS: dict[str, dict[str, Any]] = {
+GUIDE_OPTIONS: dict[str, dict[str, Any]] = {
     "shm": {**COPY, "forward_views": False},
     "nixl": {
         **PULLED,
@@ -45,10 +45,10 @@ def edge(backend: str, **kw: Any) -> dict[str, Any]:
     return pipe(st("a", next="b", relay_to=relay_to, **a_relay), b)
 
 
-@pytest.mark.parametrize("backend", sorted(README_OPTIONS))
+@pytest.mark.parametrize("backend", sorted(GUIDE_OPTIONS))
 def test_every_documented_option_is_accepted(backend: str) -> None:
-    cfg = PipelineConfig.from_dict(edge(backend, options=README_OPTIONS[backend]))
-    assert cfg.relay_for("a", "b").options == README_OPTIONS[backend]
+    cfg = PipelineConfig.from_dict(edge(backend, options=GUIDE_OPTIONS[backend]))
+    assert cfg.relay_for("a", "b").options == GUIDE_OPTIONS[backend]
 
 
 @pytest.mark.parametrize(
@@ -161,14 +161,14 @@ def test_an_unknown_backend_is_reported_once_not_its_options() -> None:
     ]
 
 
-def _readme_options() -> dict[str, set[str]]:
-    """Backtick-quoted names in README's option bullets ("Choosing a relay backend"), by
-    the backends each bullet is about."""
+def _guide_options() -> dict[str, set[str]]:
+    """Backtick-quoted names in the relays guide's option bullets (docs/guides/relays.md,
+    "Backend options"), by the backends each bullet is about."""
     import re
     from pathlib import Path
 
-    text = (Path(__file__).parents[3] / "README.md").read_text(encoding="utf-8")
-    section = text.split("## Choosing a relay backend", 1)[1].split("\n## ", 1)[0]
+    text = (Path(__file__).parents[3] / "docs/guides/relays.md").read_text(encoding="utf-8")
+    section = text.split("## Backend options", 1)[1].split("\n## ", 1)[0]
     bullets = section.split("The options of each backend:", 1)[1].split("\n\n", 2)[1]
     heads = {
         "- `shm` and all pulled backends": ("shm", "nixl", "ucx", "torchdist"),
@@ -178,7 +178,7 @@ def _readme_options() -> dict[str, set[str]]:
         "- `ucx`:": ("ucx",),
         "- `torchdist`:": ("torchdist",),
     }
-    found: dict[str, set[str]] = {b: set() for b in README_OPTIONS}
+    found: dict[str, set[str]] = {b: set() for b in GUIDE_OPTIONS}
     not_options = {"none", "peer", "blocking", "polling", "relay", "rank", "world_size"}
     for bullet in re.split(r"\n(?=- )", bullets.strip()):
         (backends,) = [b for head, b in heads.items() if bullet.startswith(head)]
@@ -189,11 +189,11 @@ def _readme_options() -> dict[str, set[str]]:
     return found
 
 
-def test_readme_lists_exactly_the_options_of_each_backend() -> None:
+def test_the_relays_guide_lists_exactly_the_options_of_each_backend() -> None:
     from omnirail.relay import registry
 
-    for backend, names in _readme_options().items():
+    for backend, names in _guide_options().items():
         model = registry.options_model(backend)
         assert model is not None
         assert names == set(model.model_fields), backend
-        assert names == set(README_OPTIONS[backend]), backend  # all tried above
+        assert names == set(GUIDE_OPTIONS[backend]), backend  # all tried above
