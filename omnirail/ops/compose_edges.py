@@ -22,7 +22,7 @@ from omnirail.ops.compose_models import ModelMount, point_at_mounts
 
 # Options an edge moved across containers gets unless the pipeline already sets its own:
 # UCX sees one machine and would pick shared-memory transports whose signalling does not
-# cross network namespaces (README); nixl must notice a dead peer instead of hanging.
+# cross network namespaces (docs/guides/relays.md); nixl must notice a dead peer instead of hanging.
 CONTAINER_EDGE_OPTIONS: dict[str, dict[str, Any]] = {
     "ucx": {"ucx_config": {"TLS": "tcp"}},
     "nixl": {"ucx_error_handling_mode": "peer"},

@@ -180,7 +180,7 @@ class Mesh:
         if http is not None and self.pipeline.api.openai is None:
             raise ValueError(
                 f"--http: pipeline {self.pipeline.name!r} has no api.openai section "
-                '(see README, "Front doors")'
+                "(see docs/guides/front-doors.md)"
             )
         self.http = http
         self.http_address: str | None = None

@@ -72,7 +72,7 @@ def _pipeline(path: Path, hosts: list[Host], error_mode: str) -> None:
                 "factory": "tests.e2e.multihost_stages:make_middle",
                 "next": "sink",
                 # UCX sees one machine and would pick shared-memory transports, whose
-                # signalling does not cross network namespaces (README): use TCP, as
+                # signalling does not cross network namespaces (docs/guides/relays.md): use TCP, as
                 # between real hosts. (ucx has no ucx_error_handling_mode: its endpoints
                 # always use peer error handling.)
                 "relay_to": {"sink": {"backend": "ucx", "options": {"ucx_config": {"TLS": "tcp"}}}},

@@ -3,7 +3,7 @@
 The module's mesh runs the installed omni demo's pipeline.yaml (omnirail.models.omni_demo)
 with one change: the thinker takes at least 5 ms a step (as a bigger model would), so an
 abort lands while it generates. The command-line and SDK tests run examples/omni_demo, as
-the README does.
+docs/models/omni-demo.md does.
 """
 
 from __future__ import annotations

@@ -2,7 +2,7 @@
 
 The models are deterministic, seeded, randomly initialised toys that run on a CPU in
 seconds: what they say is word salad and what they sing is a chord of tones. The stages,
-tensors, streams and scheduling are the real thing (see the README, "The omni demo").
+tensors, streams and scheduling are the real thing (see docs/models/omni-demo.md).
 
 Its pipeline files ship with it: `pipeline.yaml` (the toy models) and `pipeline_hf.yaml`
 (a local Hugging Face causal LM as the thinker), found with `pipeline_file()`. It serves
