@@ -317,31 +317,33 @@ def _argument_row(parser: argparse.ArgumentParser, action: argparse.Action) -> s
         return None
     if action.help == argparse.SUPPRESS:
         return None
+    formatter = argparse.HelpFormatter(parser.prog)
     if action.option_strings:
         names = ", ".join(action.option_strings)
-        takes_value = action.nargs != 0
-        if takes_value:
-            names += " " + (action.metavar or action.dest.upper())
+        if action.nargs != 0:
+            metavar = formatter._get_default_metavar_for_optional(action)
+            names += " " + formatter._format_args(action, metavar)
     else:
-        names = str(action.metavar or action.dest)
-    formatter = argparse.HelpFormatter(parser.prog)
+        names = formatter._format_args(
+            action, formatter._get_default_metavar_for_positional(action)
+        )
     help_text = formatter._expand_help(action) if action.help else ""
     if action.choices and not isinstance(action.choices, dict):
-        help_text = (
-            (help_text + " " if help_text else "")
-            + "one of: "
-            + ", ".join(str(c) for c in action.choices)
-        )
+        choices = "one of: " + ", ".join(str(c) for c in action.choices)
+        help_text = f"{help_text}; {choices}" if help_text else choices
     default = action.default
+    hidden = default is None or default is False or default is argparse.SUPPRESS
     shown = (
         ""
-        if default in (None, False, argparse.SUPPRESS, [])
+        if hidden
+        or default == []
         or action.required
         or isinstance(action, argparse._StoreTrueAction)
         else code(default)
     )
-    required = "yes" if action.required or not action.option_strings else ""
-    return f"| {code(names)} | {required} | {cell(shown)} | {cell(help_text)} |"
+    optional_positional = action.nargs in ("?", "*")
+    required = action.required or (not action.option_strings and not optional_positional)
+    return f"| {code(names)} | {'yes' if required else ''} | {cell(shown)} | {cell(help_text)} |"
 
 
 def parser_section(parser: argparse.ArgumentParser, help_text: str = "", level: int = 2) -> str:
