@@ -91,7 +91,6 @@ class Coordinator(client_pb2_grpc.OmnirailServicer, mesh_pb2_grpc.CoordinatorSer
             if pipeline.terminal_stages_fn
             else None
         )
-        self._possible: dict[tuple[str, ...], frozenset[str]] = {}
         self._max_input = pipeline.max_input_mb << 20
         self._max_live = pipeline.max_live_requests
         self.client_buffer = pipeline.client_stream_buffer
@@ -232,7 +231,7 @@ class Coordinator(client_pb2_grpc.OmnirailServicer, mesh_pb2_grpc.CoordinatorSer
         inputs = parse_inputs(request, self._max_input)
         timeout = timeout_of(request, self.pipeline.default_timeout_s, time_remaining)
         terminals = resolve_terminals(self._terminals_fn, self._terminals, rid, inputs)
-        possible = self._possible_for(terminals)
+        possible = self.pipeline.possible_stages(terminals)
         for stage in sorted(possible):
             if not self.registry.live(stage):
                 raise unavailable(f"stage {stage!r} has no live replica", stage)
@@ -326,14 +325,6 @@ class Coordinator(client_pb2_grpc.OmnirailServicer, mesh_pb2_grpc.CoordinatorSer
             self._fail(rec, unavailable(message, error.stage or missing[0]))
             return
         self._dispatch(rec, rec.retry_item)
-
-    def _possible_for(self, terminals: tuple[str, ...]) -> frozenset[str]:
-        found = self._possible.get(terminals)
-        if found is None:
-            found = self._possible[terminals] = frozenset(
-                self.pipeline.possible_stages_for(list(terminals))
-            )
-        return found
 
     def _channel(self, address: str) -> DeliverChannel:
         channel = self._channels.get(address)

@@ -14,7 +14,6 @@ import asyncio
 import logging
 import os
 import uuid
-import zlib
 from collections import OrderedDict
 from collections.abc import AsyncIterator
 from typing import Any
@@ -38,6 +37,7 @@ from omnirail.transport.grpc_server import SERVING, bind, create_server, write_u
 from omnirail.transport.security import MeshSecurity, mesh_security
 from omnirail.v1 import mesh_pb2, mesh_pb2_grpc
 from omnirail.wire.errors import OmniError, invalid, unavailable
+from omnirail.wire.routing import replica_for
 
 log = logging.getLogger(__name__)
 
@@ -142,7 +142,6 @@ class StageHost(mesh_pb2_grpc.StageServicer):
         self._replica_at: dict[str, str] = {}
         self._topology: dict[str, list[str]] = {}
         self._address_stage: dict[str, str] = {}
-        self._possible: dict[tuple[str, ...], frozenset[str]] = {}
         self._tasks: list[asyncio.Task[None]] = []
         # Local deliveries in flight (kept so they are not collected before they run).
         self._local_tasks: set[asyncio.Task[None]] = set()
@@ -335,17 +334,17 @@ class StageHost(mesh_pb2_grpc.StageServicer):
         channel.send(item, handle)
 
     def _route(self, item: mesh_pb2.DeliverItem, endpoints: list[str]) -> str:
-        """The replica of `item.to_stage` for this item: `crc32(request id) % n`, what
+        """The replica of `item.to_stage` for this item: `replica_for` its request id, what
         every producer computes (a fan-in's producers agree without asking). A stream
         stays where its first chunk went while that replica is in the topology: when a
         replica joins, n changes, and a stream moved mid-way would reach a replica that
         never saw its start."""
         if not item.HasField("stream"):
-            return endpoints[zlib.crc32(item.request_id.encode()) % len(endpoints)]
+            return replica_for(item.request_id, endpoints)
         key = (item.request_id, item.to_stage)
         address = self._streams_to.get(key)
         if address is None or address not in endpoints:
-            address = endpoints[zlib.crc32(item.request_id.encode()) % len(endpoints)]
+            address = replica_for(item.request_id, endpoints)
         signal = item.stream
         if signal.done or signal.HasField("error"):  # the stream's last item
             self._streams_to.pop(key, None)
@@ -379,12 +378,7 @@ class StageHost(mesh_pb2_grpc.StageServicer):
         task.add_done_callback(self._local_tasks.discard)
 
     def possible_stages(self, terminals: tuple[str, ...]) -> frozenset[str]:
-        found = self._possible.get(terminals)
-        if found is None:
-            found = self._possible[terminals] = frozenset(
-                self.pipeline.possible_stages_for(list(terminals))
-            )
-        return found
+        return self.pipeline.possible_stages(terminals)
 
     def _report_lost(self, request_ids: list[str], why: str, stage: str) -> None:
         reporter = next(iter(self._attach.values()))

@@ -351,6 +351,8 @@ class PipelineConfig(_Model):
     cpu_fallback: bool = False
 
     _source_dir: str | None = PrivateAttr(default=None)
+    # possible_stages' answers, by terminal set (a serving config does not change).
+    _possible: dict[tuple[str, ...], frozenset[str]] = PrivateAttr(default_factory=dict)
 
     @model_validator(mode="before")
     @classmethod
@@ -571,6 +573,14 @@ class PipelineConfig(_Model):
             for d in dsts:
                 reverse.setdefault(d, set()).add(src)
         return forward & walk_graph(targets, reverse)
+
+    def possible_stages(self, terminals: tuple[str, ...]) -> frozenset[str]:
+        """`possible_stages_for(terminals)`, computed once per terminal set: what the
+        coordinator and every stage host ask for each request."""
+        found = self._possible.get(terminals)
+        if found is None:
+            found = self._possible[terminals] = frozenset(self.possible_stages_for(terminals))
+        return found
 
     def _edges(self) -> dict[str, set[str]]:
         return {s.name: set(s.next_stages) | set(s.stream_to) for s in self.stages}
