@@ -19,7 +19,6 @@ from omnirail.config import PipelineConfig
 from omnirail.relay.base import Relay, RelayError
 from omnirail.relay.io import ReceivedPayload, inline_payload, receive_payload
 from omnirail.stage.scheduler import (
-    CLIENT,
     STOP_WAIT_S,
     AbortSet,
     IncomingMessage,
@@ -44,7 +43,7 @@ from omnirail.telemetry.logs import ids
 from omnirail.telemetry.metrics import ABORTED, COMPLETED, FAILED, StageMetrics
 from omnirail.telemetry.tracer import Tracer
 from omnirail.v1 import common_pb2, mesh_pb2
-from omnirail.wire.errors import Code, OmniError, internal, invalid
+from omnirail.wire.errors import Code, OmniError, invalid
 from omnirail.wire.payload import Packed, PayloadError, encode_inline, pack
 
 log = logging.getLogger(__name__)
@@ -150,45 +149,77 @@ class Stage:
     async def on_item(
         self, item: mesh_pb2.DeliverItem, ack: AckFn, local: LocalValue | None = None
     ) -> None:
-        """One delivered item. `local`: the value of an item from a stage in this process
-        (handed over by reference: nothing to read, nothing that can be malformed)."""
+        """One delivered item, a payload or a stream item, through one path: dropped when
+        its request was aborted, read (relay or message), then taken as a payload (fan-in,
+        scheduler) or as a stream chunk. `local`: the value of an item from a stage in
+        this process (handed over by reference: nothing to read, nothing malformed).
+
+        What the sender gets back (`ack`): every stream item is acked (a chunk once the
+        scheduler has taken it: that returns the producer's credit); a payload item only
+        when relayed, with its error, or once released where the backend returns credit
+        through acks (shm learns of releases through its marks)."""
         rid = item.request_id
-        source = item.from_stage or "coordinator"
         if not rid:
             ack(invalid("delivery without request_id", self.name))  # harmless if not awaited
             return
-        # Errors are acked for every relayed item; successes only where the backend
-        # returns credit through acks (shm learns of releases through its marks).
+        stream = item.HasField("stream")
         relayed = item.payload.HasField("relay")
-        error_ack = ack if relayed else None
-        if item.HasField("stream"):
-            await self._on_stream_item(item, ack, local)
+        acks = stream or relayed  # whether this item is acked at all
+        if rid in self._aborted or (stream and rid in self._ended):
+            if stream:
+                await drain(item, self._relays)
+            if acks:
+                ack(None)
             return
-        if rid in self._aborted:
-            if error_ack:
-                error_ack(None)
-            return
+        req: RequestState | None = None
+        if stream:
+            req = self._request_for(item)
+            if not await self._stream_signal(item, req, ack):
+                return  # an end, an error or a bad stream item: nothing to read
+        source = item.from_stage or "coordinator"
         get_ns = time.time_ns()
         try:
-            received = await self._receive(item, local, copy=False)
+            # Relayed chunk bytes are copied out and the slot released on arrival, so a
+            # window the scheduler keeps never pins relay credit.
+            received = await self._receive(item, local, copy=stream and relayed)
         except (PayloadError, RelayError) as exc:
-            err = invalid(f"bad payload from {source}: {exc}", self.name)
-            if error_ack:
-                error_ack(err)
+            what = "stream chunk" if stream else "payload"
+            err = invalid(f"bad {what} from {source}: {exc}", self.name)
+            if acks:
+                ack(err)
             self._fail(rid, err)
             return
         # The read ends here: the request's span (opened below for its first item) is not
         # part of it.
         got_ns = self._observe.relay_get(item.payload.relay, source, get_ns) if relayed else 0
-        ack_fn = ack if relayed and self._relays[item.payload.relay.backend].acks_in_band else None
+        held_ack = ack if stream or (relayed and self._acks_in_band(item)) else None
         if rid in self._aborted:  # aborted while the relay read was in flight
             received.release()
-            if ack_fn:
-                ack_fn(None)
+            if held_ack:
+                held_ack(None)
             return
+        if req is not None:
+            self._take_chunk(item, req, received, ack)
+        else:
+            self._take_payload(item, received, held_ack, get_ns, got_ns)
+
+    def _acks_in_band(self, item: mesh_pb2.DeliverItem) -> bool:
+        return self._relays[item.payload.relay.backend].acks_in_band
+
+    def _take_payload(
+        self,
+        item: mesh_pb2.DeliverItem,
+        received: ReceivedPayload,
+        ack: AckFn | None,
+        get_ns: int,
+        got_ns: int,
+    ) -> None:
+        """A payload read: held by its request (released, and acked, as it ends), then
+        through fan-in to the scheduler once every active upstream's is in."""
+        rid = item.request_id
         req = self._request_for(item, get_ns)
-        self._observe.received(req, item, source, get_ns, got_ns)
-        req.holds.append((received, ack_fn))
+        self._observe.received(req, item, item.from_stage or "coordinator", get_ns, got_ns)
+        req.holds.append((received, ack))
         if item.meta.deadline and time.time() > item.meta.deadline:
             self._fail(rid, OmniError(Code.DEADLINE_EXCEEDED, "deadline passed", self.name))
             return
@@ -249,63 +280,45 @@ class Stage:
         req.streams.early.clear()
 
     # ---- stream input ----------------------------------------------------------
-    #
-    # Every stream item is acked: chunks once the scheduler has taken them (that returns
-    # the producer's credit), everything else at once. Relayed chunk bytes are copied out
-    # and the relay slot released on arrival, so a window the scheduler keeps never pins
-    # relay credit.
 
-    async def _on_stream_item(
-        self, item: mesh_pb2.DeliverItem, ack: AckFn, local: LocalValue | None
-    ) -> None:
+    async def _stream_signal(
+        self, item: mesh_pb2.DeliverItem, req: RequestState, ack: AckFn
+    ) -> bool:
+        """Checks a stream item and takes what carries no data (its producer's error, the
+        end of its stream); True when it is a chunk to read."""
         rid, source, signal = item.request_id, item.from_stage, item.stream
-        if rid in self._aborted or rid in self._ended:
-            await drain(item, self._relays)
-            ack(None)
-            return
+        problem = None
         if source not in self._stream_sources:
-            err = invalid(
+            problem = (
                 f"stream from {source or 'coordinator'!r}, which does not list "
-                f"{self.name!r} in stream_to",
-                self.name,
+                f"{self.name!r} in stream_to"
             )
-            await drain(item, self._relays)
-            ack(err)
-            self._fail(rid, err)
-            return
-        req = self._request_for(item)
-        if signal.HasField("error"):
+        elif signal.HasField("error"):
             # The producer already reported the failure; just stop work on it here.
             ack(None)
             self.abort(rid)
-            return
-        problem = req.streams.problem(source, signal)
+            return False
+        else:
+            problem = req.streams.problem(source, signal)
         if problem is not None:
-            await drain(item, self._relays)
             err = invalid(problem, self.name)
+            await drain(item, self._relays)
             ack(err)
             self._fail(rid, err)
-            return
+            return False
         if signal.done:
             ack(None)
             req.streams.accept(source, signal)
             self._maybe_stream_done(rid, req)
-            return
-        relayed = item.payload.HasField("relay")
-        get_ns = time.time_ns()
-        try:
-            received = await self._receive(item, local, copy=relayed)
-        except (PayloadError, RelayError) as exc:
-            err = invalid(f"bad stream chunk from {source}: {exc}", self.name)
-            ack(err)
-            self._fail(rid, err)
-            return
-        if relayed:
-            self._observe.relay_get(item.payload.relay, source, get_ns)
-        if rid in self._aborted:  # aborted while the relay read was in flight
-            received.release()
-            ack(None)
-            return
+            return False
+        return True
+
+    def _take_chunk(
+        self, item: mesh_pb2.DeliverItem, req: RequestState, received: ReceivedPayload, ack: AckFn
+    ) -> None:
+        """A stream chunk read: to the scheduler (acked once it takes it), held until the
+        request's payload comes when the stage holds early chunks, else refused."""
+        rid, source, signal = item.request_id, item.from_stage, item.stream
         req.streams.accept(source, signal)
         self._observe.chunk_in(req, source)
         msg = IncomingMessage(
@@ -433,18 +446,7 @@ class Stage:
             outbox.sent(rid)
             return
         try:
-            to_client = msg.target == CLIENT or (
-                msg.target is None and not self._stream_to and self.cfg.terminal
-            )
-            if to_client and not self.cfg.terminal:
-                raise internal("only terminal stages stream to the client", self.name)
-            if msg.target is None and not self._stream_to and not to_client:
-                raise internal(
-                    "the scheduler emitted a stream chunk, but the stage has no stream_to "
-                    "and is not terminal",
-                    self.name,
-                )
-            targets = [] if to_client else self._routes.stream_targets(msg.target, req.meta)
+            to_client, targets = self._routes.chunk_destinations(msg.target, req.meta)
             modality = str((msg.metadata or {}).get("modality", ""))
             # Packed once for the client and every edge out of the process; local edges
             # take the value itself.
