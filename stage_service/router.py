@@ -14,8 +14,8 @@ from collections import OrderedDict
 from collections.abc import Callable, Mapping
 from typing import Any
 
-from omnirail.relay.base import Relay
-from omnirail.stage_service.edge_sender import LocalValue, Releasable
+from omnirail.relay.base import Relay, Releasable
+from omnirail.stage_service.edge_sender import LocalValue
 from omnirail.transport.deliver import DeliverChannel
 from omnirail.transport.security import MeshSecurity
 from omnirail.v1 import mesh_pb2

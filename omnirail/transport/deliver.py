@@ -14,10 +14,11 @@ import logging
 from collections import deque
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
-from typing import Any, Protocol
+from typing import Any
 
 import grpc
 
+from omnirail.relay.base import Releasable
 from omnirail.transport.security import MeshSecurity, mesh_channel
 from omnirail.v1 import common_pb2, mesh_pb2, mesh_pb2_grpc
 
@@ -26,12 +27,6 @@ log = logging.getLogger(__name__)
 # Bound on one write so a burst of large inline payloads stays under the message limit.
 _MAX_BATCH_ITEMS = 256
 _MAX_BATCH_BYTES = 8 << 20
-
-
-class Releasable(Protocol):
-    acked_in_band: bool
-
-    def release(self) -> None: ...
 
 
 @dataclass(slots=True)
