@@ -13,7 +13,7 @@ import asyncio
 import logging
 import time
 from collections.abc import Mapping
-from typing import Any, Protocol
+from typing import Any
 
 from omnirail.config import PipelineConfig
 from omnirail.relay.base import Relay, RelayError
@@ -26,39 +26,33 @@ from omnirail.stage.scheduler import (
     Scheduler,
 )
 from omnirail.stage_service.edge_sender import (
-    EdgeSender,
     EdgeSenders,
     LocalValue,
-    Outgoing,
     SentToken,
 )
 from omnirail.stage_service.edges import EdgeRelays
 from omnirail.stage_service.fanin import FanIn
 from omnirail.stage_service.observe import StageObserver
-from omnirail.stage_service.request_state import PENDING, AckFn, RequestState, as_error
+from omnirail.stage_service.request_state import (
+    PENDING,
+    AckFn,
+    Reporter,
+    RequestState,
+    as_error,
+    queue_full,
+)
+from omnirail.stage_service.result_out import ResultSender
 from omnirail.stage_service.routing import Router, Routes
 from omnirail.stage_service.stream_in import drain
 from omnirail.stage_service.stream_out import StreamSender
 from omnirail.telemetry.logs import ids
 from omnirail.telemetry.metrics import ABORTED, COMPLETED, FAILED, StageMetrics
 from omnirail.telemetry.tracer import Tracer
-from omnirail.v1 import common_pb2, mesh_pb2
+from omnirail.v1 import mesh_pb2
 from omnirail.wire.errors import Code, OmniError, invalid
 from omnirail.wire.payload import Packed, PayloadError, encode_inline, pack
 
 log = logging.getLogger(__name__)
-
-
-class Reporter(Protocol):
-    """Upward events to the coordinator (the stage's Attach stream)."""
-
-    def complete(self, request_id: str, output: common_pb2.Payload, traceparent: str) -> None: ...
-
-    def chunk(
-        self, request_id: str, chunk_id: int, modality: str, data: common_pb2.Payload
-    ) -> None: ...
-
-    def fail(self, request_id: str, error: OmniError) -> None: ...
 
 
 class Stage:
@@ -88,7 +82,6 @@ class Stage:
         base = pipeline.source_dir
         self._fan_in = FanIn(name, self.cfg, base)
         self._routes = Routes(name, self.cfg, base, router)
-        self._project = self._routes.project
         self._stream_to = self._routes.stream_to
         self._observe = StageObserver(
             name,
@@ -115,11 +108,12 @@ class Stage:
             edges,
             router.deliver,
             aborted=self._aborted,
-            on_failed=self._send_failed,
+            on_failed=lambda rid, exc: self._fail(rid, as_error(exc, self.name)),
             on_put=self._observe.relay_put,
             stream=self.cfg.stream,
         )
         self._streams = StreamSender(self._senders)
+        self._results = ResultSender(self._senders, self._routes.project)
         scheduler.outbox.set_stream_limit(self.cfg.stream.outbox_chunks)
 
     # ---- lifecycle -----------------------------------------------------------
@@ -192,7 +186,8 @@ class Stage:
         # The read ends here: the request's span (opened below for its first item) is not
         # part of it.
         got_ns = self._observe.relay_get(item.payload.relay, source, get_ns) if relayed else 0
-        held_ack = ack if stream or (relayed and self._acks_in_band(item)) else None
+        in_band = relayed and self._relays[item.payload.relay.backend].acks_in_band
+        held_ack = ack if stream or in_band else None
         if rid in self._aborted:  # aborted while the relay read was in flight
             received.release()
             if held_ack:
@@ -202,9 +197,6 @@ class Stage:
             self._take_chunk(item, req, received, ack)
         else:
             self._take_payload(item, received, held_ack, get_ns, got_ns)
-
-    def _acks_in_band(self, item: mesh_pb2.DeliverItem) -> bool:
-        return self._relays[item.payload.relay.backend].acks_in_band
 
     def _take_payload(
         self,
@@ -259,15 +251,7 @@ class Stage:
         there: queueing it would only make it miss its deadline."""
         depth = self.scheduler.queue_depth
         if depth >= self._max_queue:
-            self._fail(
-                rid,
-                OmniError(
-                    Code.RESOURCE_EXHAUSTED,
-                    f"stage {self.name!r} is overloaded: {depth} requests wait in its queue "
-                    f"(stages[{self.name}].max_queue is {self._max_queue}); retry later",
-                    self.name,
-                ),
-            )
+            self._fail(rid, queue_full(self.name, depth, self._max_queue))
             return
         req.submitted = True
         inbox = self.scheduler.inbox
@@ -369,11 +353,8 @@ class Stage:
     # ---- output path ---------------------------------------------------------
     #
     # Results are handled right in the loop callback that the outbox schedules, with no
-    # extra task hop, when nothing they send has to wait (inline, or a relay put with free
-    # credit). A part that must wait for relay credit goes on in a task of its edge's
-    # sender; the request ends here once every part has left. Nothing else waits for it:
-    # a result is the last thing its request sends on an edge, so order per (request,
-    # edge) holds, and other edges and requests go on.
+    # extra task hop (stage_service/result_out.py); the request ends here once every part
+    # of its result has left.
 
     def _on_outbox(self) -> None:
         for msg in self.scheduler.outbox.drain():
@@ -401,34 +382,21 @@ class Stage:
                 self._finish(rid)
                 return
             targets = self._routes.targets(rid, msg.data, req.meta)
-            # One target: nothing reads the payload after it is sent (the request ends
-            # here once it is), so received bytes may be forwarded rather than copied.
-            forward = len(targets) == 1
-            parts: list[tuple[EdgeSender, Outgoing]] = []
-            for target in targets:
-                project = self._project.get(target)
-                sender = self._senders[target]
-                packed = sender.prepare(project(msg.data) if project is not None else msg.data)
-                out = Outgoing(rid, packed, None, req.meta, req.traceparent, None, req, forward)
-                parts.append((sender, out))
-            # Send in order what needs no waiting; the rest waits for relay credit.
-            later: list[tuple[EdgeSender, Outgoing]] | None = None
-            for sender, out in parts:
-                if not sender.send_now(out):
-                    if later is None:
-                        later = []
-                    later.append((sender, out))
+            sent = self._results.send(
+                rid,
+                msg.data,
+                targets,
+                req.meta,
+                req.traceparent,
+                req,
+                lambda: self._sent_later(rid, req, send_ns),
+            )
         except Exception as exc:
             self._fail(rid, as_error(exc, self.name))
             return
-        if later is None:
+        if sent:
             self._observe.sent(req, send_ns)
             self._finish(rid)
-            return
-        token = SentToken(rid, len(later), lambda _: self._sent_later(rid, req, send_ns))
-        for sender, out in later:
-            out.token = token
-            sender.put_later(out)
 
     def _sent_later(self, rid: str, req: RequestState, send_ns: int) -> None:
         """The last part of a result that waited for relay credit has left."""
@@ -489,9 +457,6 @@ class Stage:
         for target in self._routes.stream_done_targets(rid, output, req.meta):
             self._streams.done(rid, target, req.meta, req.traceparent)
         self._streams.close_request(rid)  # targets left out get no done
-
-    def _send_failed(self, rid: str, exc: BaseException) -> None:
-        self._fail(rid, as_error(exc, self.name))
 
     # ---- endings -------------------------------------------------------------
 
