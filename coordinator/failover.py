@@ -4,8 +4,8 @@ off). Decides which live requests it touched, and watches for the silent ones.
 
 Which requests a lost replica touched: at the entry stage, the one the coordinator sent
 the request to (it records it); at a later stage, the replica the stages route to,
-`crc32(wire id) % n` over that stage's replicas sorted by id (what every sender computes,
-see stage_service/host.py), under the topology from before the loss. A request that
+`replica_for(wire id, ...)` over that stage's replicas sorted by id (what every sender
+computes: omnirail/wire/routing.py), under the topology from before the loss. A request that
 already went through that replica counts as touched, although it may have moved on: it
 is re-run or failed like the others, never left waiting. A stage hosted next to its
 sender takes local items whatever the hash says; its process hosts the sender too, so the
@@ -24,11 +24,11 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-import zlib
 from collections.abc import Callable
 
 from omnirail.coordinator.registry import Replica, StageRegistry
 from omnirail.coordinator.requests import RequestRecord
+from omnirail.wire.routing import replica_for
 
 log = logging.getLogger(__name__)
 
@@ -49,8 +49,7 @@ def touched(replica: Replica, before: list[Replica], rec: RequestRecord, entry: 
         return rec.entry is replica
     if replica not in before:
         return False
-    index = zlib.crc32(rec.wire_id.encode()) % len(before)
-    return before[index] is replica
+    return replica_for(rec.wire_id, before) is replica
 
 
 def can_redispatch(

@@ -4,13 +4,13 @@ from __future__ import annotations
 
 import asyncio
 import time
-import zlib
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
 from omnirail.config import PipelineConfig
 from omnirail.v1 import client_pb2, mesh_pb2
+from omnirail.wire.routing import replica_index
 
 
 @dataclass(eq=False)
@@ -110,7 +110,7 @@ class StageRegistry:
         if self._balance == "round_robin":
             self._turn += 1
             return replicas[self._turn % n]
-        start = zlib.crc32(request_id.encode()) % n
+        start = replica_index(request_id, n)
         if self._balance == "request_id" or n == 1:
             return replicas[start]
         ring = replicas[start:] + replicas[:start]

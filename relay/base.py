@@ -16,7 +16,7 @@ import abc
 import dataclasses
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
-from typing import Any, TypeVar
+from typing import Any, Protocol, TypeVar
 
 from google.protobuf.unknown_fields import UnknownFieldSet
 
@@ -106,6 +106,18 @@ class RelaySettings:
         """JSON-able fields (`RelaySettings(**as_dict())` makes these settings again)."""
         fields = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
         return {**fields, "options": self.options_dict()}
+
+
+class Releasable(Protocol):
+    """What the sender keeps with an item it delivered, released as the item is done
+    with: a relay transfer (`RelayHandle`) or a stream chunk's credit (which holds its
+    transfer). `acked_in_band`: the receiver's ack on the Deliver stream releases it
+    (inline items carry none; pulled relays' acks); False where the backend learns of
+    the receiver's release by itself (shm's release marks)."""
+
+    acked_in_band: bool
+
+    def release(self) -> None: ...
 
 
 class RelayHandle(abc.ABC):

@@ -35,10 +35,8 @@ from typing import Any
 import msgpack
 
 from omnirail.relay.base import (
-    Received,
     Relay,
     RelayError,
-    RelayHandle,
     RelaySettings,
     check_descriptor,
     shown,
@@ -47,6 +45,7 @@ from omnirail.relay.copy import Copier
 from omnirail.relay.credits import Credits, EdgeCredit
 from omnirail.relay.host_pool import HostExtent, HostPool, HostSegment
 from omnirail.relay.options import PulledOptions
+from omnirail.relay.pull_handles import EMPTY_VIEW, PulledHandle, PulledReceived
 from omnirail.v1 import common_pb2
 from omnirail.wire.payload import Packed
 
@@ -58,67 +57,11 @@ MAX_SEGMENTS = 1 << 16
 PEER_ID_RE = re.compile(r"[A-Za-z0-9_.-]{1,200}")
 _POLL_MIN_S = 50e-6
 _POLL_MAX_S = 2e-3
-_EMPTY = memoryview(b"")
 
 
 def make_peer_id(prefix: str) -> str:
     host = re.sub(r"[^A-Za-z0-9_.-]", "_", socket.gethostname())[:60]
     return f"{prefix}-{host}-{os.getpid()}-{uuid.uuid4().hex[:8]}"
-
-
-class PulledHandle(RelayHandle):
-    __slots__ = (
-        "_credit",
-        "_relay",
-        "descriptor",
-        "extent",
-        "nbytes",
-        "released",
-        "request_id",
-        "tid",
-    )
-    acked_in_band = False
-
-    def __init__(
-        self,
-        relay: PullRelay,
-        descriptor: common_pb2.RelayDescriptor,
-        request_id: str,
-        credit: EdgeCredit | None,
-        extent: HostExtent | None,
-        nbytes: int,
-        tid: int,
-    ) -> None:
-        self._relay = relay
-        self.descriptor = descriptor
-        self.request_id = request_id
-        self._credit = credit
-        self.extent = extent
-        self.nbytes = nbytes
-        self.tid = tid
-        self.released = credit is None  # a 0-byte transfer holds nothing
-
-    def release(self) -> None:
-        if not self.released:
-            self.released = True
-            self._relay._release(self)
-
-
-class PulledReceived(Received):
-    __slots__ = ("_extent", "_pool", "buffer")
-
-    def __init__(
-        self, buffer: memoryview, pool: HostPool | None, extent: HostExtent | None
-    ) -> None:
-        self.buffer = buffer
-        self._pool = pool
-        self._extent = extent
-
-    def release(self) -> None:
-        self.buffer = _EMPTY
-        pool, extent, self._pool, self._extent = self._pool, self._extent, None, None
-        if pool is not None and extent is not None:
-            pool.free(extent)
 
 
 class PullRelay(Relay):
@@ -455,7 +398,7 @@ class PullRelay(Relay):
         peer = await self._peer(descriptor.region)
         nbytes = descriptor.nbytes
         if nbytes == 0:
-            return PulledReceived(_EMPTY, None, None)
+            return PulledReceived(EMPTY_VIEW, None, None)
         await self._check_extent(peer, descriptor)
         self._check_open()  # closed while it asked
         pool = self.receive_pool

@@ -38,10 +38,8 @@ from collections.abc import Iterable
 import msgpack
 
 from omnirail.relay.base import (
-    Received,
     Relay,
     RelayError,
-    RelayHandle,
     RelaySettings,
     check_descriptor,
     shown,
@@ -49,6 +47,7 @@ from omnirail.relay.base import (
 from omnirail.relay.copy import Copier
 from omnirail.relay.credits import Credits, EdgeCredit
 from omnirail.relay.options import DEFAULT_PEER_WAIT_S, ShmOptions
+from omnirail.relay.shm_handles import SLOT_BITS, SLOT_MASK, ShmForward, ShmHandle, ShmReceived
 from omnirail.relay.shm_maps import Mapping, SegmentMaps, outside
 from omnirail.relay.shm_pool import (
     ALIGN,
@@ -67,154 +66,9 @@ from omnirail.wire.payload import Packed
 __all__ = ["ShmForward", "ShmHandle", "ShmReceived", "ShmRelay", "sweep_segments"]
 
 BACKEND = "shm"
-_SLOT_BITS = 16
-_SLOT_MASK = (1 << _SLOT_BITS) - 1
-assert MARK_SLOTS == 1 << _SLOT_BITS
 # Credit waiters poll the marks with a backoff between these bounds (seconds).
 _POLL_MIN_S = 50e-6
 _POLL_MAX_S = 2e-3
-
-
-class ShmHandle(RelayHandle):
-    __slots__ = (
-        "_edge",
-        "_extent",
-        "_relay",
-        "descriptor",
-        "nbytes",
-        "released",
-        "request_id",
-        "slot",
-        "transfer_id",
-    )
-    acked_in_band = False
-
-    def __init__(
-        self,
-        relay: ShmRelay,
-        descriptor: common_pb2.RelayDescriptor,
-        request_id: str,
-        edge: EdgeCredit,
-        extent: Extent,
-        nbytes: int,
-        transfer_id: int,
-    ) -> None:
-        self._relay = relay
-        self.descriptor = descriptor
-        self.request_id = request_id
-        self._edge = edge
-        self._extent = extent
-        self.nbytes = nbytes
-        self.released = False
-        self.transfer_id = transfer_id  # a plain int: reading the proto field costs more
-        self.slot = transfer_id & _SLOT_MASK
-
-    def release(self) -> None:
-        """Frees the extent and returns the edge credit; idempotent."""
-        if not self.released:
-            self.released = True
-            self._relay._release(self)
-
-
-class ShmReceived(Received):
-    __slots__ = (
-        "_held",
-        "_marks",
-        "_slot",
-        "addr",
-        "buffer",
-        "forward",
-        "offset",
-        "region",
-        "transfer_id",
-    )
-
-    def __init__(
-        self,
-        buffer: memoryview,
-        marks: memoryview | None,
-        transfer_id: int,
-        held: set[ShmReceived] | None = None,
-        region: str = "",
-        offset: int = 0,
-        addr: int = 0,
-    ) -> None:
-        self.buffer = buffer
-        self._marks = marks
-        self._slot = transfer_id & _SLOT_MASK
-        self.transfer_id = transfer_id
-        # Where the view lies (segment, offset, address in this process), so a stage that
-        # passes the bytes on can forward them; `held` is the relay's set of live views.
-        self._held = held
-        self.region = region
-        self.offset = offset
-        self.addr = addr
-        self.forward: ShmForward | None = None  # set once the view has been handed on
-        if held is not None:
-            held.add(self)
-
-    def release(self) -> None:
-        """Marks the transfer done for the sender (unless it was forwarded: the final
-        receiver marks it then); idempotent."""
-        # Drops our reference only: the mapping stays cached for the next transfer, and
-        # views the caller still holds keep it mapped even if the relay closes.
-        self.buffer = _EMPTY
-        if self._held is not None:
-            self._held.discard(self)
-            self._held = None
-        if self.forward is not None:
-            self.forward.handed_on()
-            self._marks = None
-            return
-        self.mark()
-
-    def mark(self) -> None:
-        """Writes the release mark (once): the sender may reuse the bytes."""
-        marks, self._marks = self._marks, None
-        if marks is not None:
-            marks[self._slot] = self.transfer_id
-
-
-class ShmForward(RelayHandle):
-    """A received view handed on to the next stage (see the module docstring).
-
-    Until the forwarding stage releases its own view, `release()` (an abort, or a delivery
-    that failed) marks the original transfer done; after that the receiver owns the mark.
-    """
-
-    __slots__ = ("_forwards", "_received", "descriptor", "nbytes", "request_id")
-    acked_in_band = False
-
-    def __init__(
-        self,
-        descriptor: common_pb2.RelayDescriptor,
-        request_id: str,
-        received: ShmReceived,
-        forwards: set[ShmForward],
-    ) -> None:
-        self.descriptor = descriptor
-        self.request_id = request_id
-        self.nbytes = descriptor.nbytes
-        self._received: ShmReceived | None = received
-        self._forwards: set[ShmForward] | None = forwards
-        forwards.add(self)
-
-    def release(self) -> None:
-        """Returns the bytes to their sender if this stage still answers for them."""
-        received = self._received
-        self.handed_on()
-        if received is not None:
-            received.mark()
-
-    def handed_on(self) -> None:
-        """The forwarding stage is done with the view: the receiver answers for it now."""
-        self._received = None
-        if self._forwards is not None:
-            self._forwards.discard(self)
-            self._forwards = None
-
-
-_EMPTY = memoryview(b"")
 
 
 class _Unannounced(RelayError):
@@ -396,7 +250,7 @@ class ShmRelay(Relay):
             self._abandon(pool, extent, credits, nbytes)
             raise RelayError(f"more than {MARK_SLOTS - 1} transfers outstanding")
         slot = self._free_slots.popleft()
-        tid = (next(self._ids) << _SLOT_BITS) | slot
+        tid = (next(self._ids) << SLOT_BITS) | slot
         assert self._marks is not None
         self._marks[slot] = 0
         desc = common_pb2.RelayDescriptor(
@@ -463,7 +317,7 @@ class ShmRelay(Relay):
         end = offset + descriptor.nbytes  # uint64 fields: never negative, may exceed 2**64
         tid = descriptor.transfer_id
         # Checked before anything is looked up or mapped: a refused descriptor costs nothing.
-        if not tid & _SLOT_MASK:
+        if not tid & SLOT_MASK:
             raise RelayError(f"descriptor has no release slot (transfer_id {tid})")
         mapping = self._maps.mapped.get(name)
         # A cached data segment was validated when mapped; anything else takes the checks

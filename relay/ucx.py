@@ -14,7 +14,7 @@ and only then does the sender release it (`served`): as with shm's release marks
 credit bounds what receivers hold, not only what is in flight.
 
 ucxx's asyncio layer waits for a request by spinning the loop unless a notifier thread runs;
-this module drives its worker from the owning loop instead. Option `progress`:
+this module drives its worker from the owning loop instead (relay/ucx_engine.py). Option `progress`:
 "blocking" (default) progresses when the worker's epoll fd fires, then re-arms it;
 "polling" spins the loop unarmed while transfers are in flight (faster on idle cores only).
 A cma read runs inside progress, on the loop thread. Endpoints use peer error handling, so
@@ -27,15 +27,12 @@ Options are `omnirail.relay.options.UcxOptions` (defaults there).
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import functools
 import itertools
 import logging
 import os
 import secrets
 import struct
-import time
-from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -51,6 +48,7 @@ from omnirail.relay.base import Received, RelayError, RelaySettings
 from omnirail.relay.host_pool import HostExtent
 from omnirail.relay.options import UcxOptions
 from omnirail.relay.pull import PulledHandle, PullRelay
+from omnirail.relay.ucx_engine import CLOSE_S, Engine
 from omnirail.v1 import common_pb2
 from omnirail.wire.payload import Packed
 
@@ -65,143 +63,11 @@ _REQ = struct.Struct("<B7x5Q")
 _GET, _DONE, _HELLO = 1, 2, 3
 _NOT_LIVE = struct.pack("<Q", 1)  # the only status: a live transfer gets its bytes instead
 _CTL = 1 << 63  # set in request tags, clear in reply tags
-_WATCHDOG_S = 0.05  # progress anyway this often while transfers are in flight
-_CLOSE_S = 0.1  # bound of a synchronous close
 # cma rendezvous (one copy) under peer error handling: UCX allows it only where the memory
 # domain claims invalidation (the sender keeps the extent until its send completes anyway);
 # without the mm error handling even endpoints on one host would use tcp. Each applies only
 # where its UCX_* variable is unset.
 _UCX_DEFAULTS = dict(CMA_MEMORY_INVALIDATE="y", POSIX_ERROR_HANDLING="y", SYSV_ERROR_HANDLING="y")
-
-Callback = Callable[[BaseException | None], None]
-
-
-class _Engine:
-    """One UCX worker progressed from an asyncio loop; completions run callbacks."""
-
-    def __init__(self, config: dict[str, str], polling: bool) -> None:
-        feats = (ucx_api.Feature.TAG, ucx_api.Feature.AM, ucx_api.Feature.WAKEUP)
-        self.context: Any = ucx_api.UCXContext(config, feature_flags=feats)
-        self.worker: Any = ucx_api.UCXWorker(self.context)
-        self.worker.init_blocking_progress_mode()
-        self.fd = self.worker.epoll_file_descriptor
-        self.polling = polling
-        self.loop: asyncio.AbstractEventLoop | None = None
-        # request -> (callback, what its buffer lives in, counts as in flight)
-        self.pending: dict[Any, tuple[Callback | None, Any, bool]] = {}
-        self.active = 0
-        self.poll: Callable[[], bool] | None = None  # more work after each progress
-        self._scheduled = False
-        self._timer: asyncio.TimerHandle | None = None
-
-    def attach(self) -> None:
-        try:
-            loop = asyncio.get_running_loop()
-        except RuntimeError:
-            return  # not on a loop: attached by the first call from one
-        if loop is not self.loop and self.worker is not None:  # (None: closed)
-            if self.loop is not None and not self.loop.is_closed():
-                self.loop.remove_reader(self.fd)
-            self.loop = loop
-            loop.add_reader(self.fd, self.progress)
-            self.kick()
-
-    def track(self, req: Any, cb: Callback | None, keep: Any, active: bool = True) -> None:
-        self.pending[req] = (cb, keep, active)
-        self.active += active
-        self.kick()
-
-    def forget(self, req: Any) -> None:
-        """Stops tracking `req`; when its last reference goes, ucxx cancels it."""
-        entry = self.pending.pop(req, None)
-        self.active -= bool(entry and entry[2])
-
-    def first(self, *reqs: tuple[Any, Any]) -> asyncio.Future[int]:
-        """Index of the first of (request, buffer) `reqs` to complete, or its error."""
-        assert self.loop is not None
-        fut = self.loop.create_future()
-
-        def done(i: int, err: BaseException | None) -> None:
-            if fut.done():
-                pass
-            elif err is not None:
-                fut.set_exception(err)
-            else:
-                fut.set_result(i)
-
-        for i, (req, keep) in enumerate(reqs):
-            self.track(req, functools.partial(done, i), keep)
-        return fut
-
-    def send(self, ep: Any, data: bytes, tag: int | None = None) -> None:
-        req = ep.am_send(Array(data)) if tag is None else ep.tag_send(Array(data), Tag(tag))
-        self.track(req, None, data)
-
-    def kick(self) -> None:
-        # Posting may leave work for progress, and the worker must be re-armed after it.
-        if not self._scheduled and self.loop is not None:
-            self._scheduled = True
-            self.loop.call_soon(self.progress)
-
-    def progress(self) -> None:
-        self._scheduled = False
-        worker = self.worker
-        if worker is None:
-            return  # closed after this was scheduled
-        while True:
-            worker.progress()
-            polled = self.poll is not None and self.poll()
-            if self._complete() or polled:
-                continue  # callbacks may have posted more
-            if self.polling and self.active:
-                self.kick()  # unarmed meanwhile: peers need not wake us
-                return
-            if worker.arm():
-                break
-        if self.active and self._timer is None and self.loop is not None:
-            self._timer = self.loop.call_later(_WATCHDOG_S, self._watchdog)
-
-    def _complete(self) -> int:
-        done = [req for req in self.pending if req.completed]
-        for req in done:
-            cb, _, active = self.pending.pop(req)
-            self.active -= active
-            if cb is None:
-                continue
-            try:
-                req.check_error()
-                err = None
-            except Exception as e:
-                err = e
-            try:
-                cb(err)
-            except Exception:
-                log.exception("ucx relay: completion callback failed")
-        return len(done)
-
-    def _watchdog(self) -> None:
-        self._timer = None
-        self.progress()
-
-    def drain(self) -> None:
-        """Progresses while anything is in flight, for a while: a send still waiting for
-        its receiver when the endpoint closes would keep the worker (and fds) for good."""
-        deadline = time.monotonic() + _CLOSE_S
-        while self.active and self.worker is not None and time.monotonic() < deadline:
-            self.worker.progress()
-            self._complete()
-
-    def close(self, why: str) -> None:
-        if self.loop is not None and not self.loop.is_closed():
-            self.loop.remove_reader(self.fd)
-        if self._timer is not None:
-            self._timer.cancel()
-        pending, self.pending, self.active, self.loop = self.pending, {}, 0, None
-        for cb, _, _ in pending.values():
-            if cb is not None:
-                with contextlib.suppress(Exception):  # e.g. a waiter whose loop is gone
-                    cb(RelayError(why))
-        self.worker = self.context = None
 
 
 @dataclass(eq=False, slots=True)
@@ -259,7 +125,7 @@ class UcxRelay(PullRelay):
         self._conns: set[_Conn] = set()
         self._greeting: set[_Conn] = set()  # accepted, HELLO not read yet
         try:
-            self._eng = _Engine(config, polling=mode == "polling")
+            self._eng = Engine(config, polling=mode == "polling")
             # Needs no loop: connection requests wait until the worker progresses.
             self._listener: Any = ucx_api.UCXListener.create(
                 self._eng.worker, opts.port, self._accept, deliver_endpoint=True
@@ -328,7 +194,7 @@ class UcxRelay(PullRelay):
         # on use). With error handling the close is forced, so it returns at once; it also
         # ends every request on the endpoint, so none writes into a freed extent later.
         ep.remove_close_callback()
-        ep.close_blocking(period=int(_CLOSE_S * 1e9), max_attempts=1)
+        ep.close_blocking(period=int(CLOSE_S * 1e9), max_attempts=1)
 
     # ---------------------------------------------------------------- sender side
 

@@ -13,6 +13,7 @@ from collections.abc import Callable
 
 import grpc
 
+from omnirail.transport.batching import wait_until
 from omnirail.transport.deliver import channel_options
 from omnirail.transport.security import MeshSecurity, mesh_channel
 from omnirail.v1 import common_pb2, mesh_pb2, mesh_pb2_grpc
@@ -156,9 +157,9 @@ class AttachClient:
     async def _write(self, call: grpc.aio.StreamStreamCall, reader: asyncio.Task[None]) -> None:
         reader.add_done_callback(lambda _: self._wake.set())
         while True:
-            while not self._has_events() and not self._stopping and not reader.done():
-                self._wake.clear()
-                await self._wake.wait()
+            await wait_until(
+                self._wake, lambda: self._has_events() or self._stopping or reader.done()
+            )
             if self._has_events():
                 # Flushed even when the reader ended: abort acks answering a shutdown, say.
                 await call.write(self._swap())

@@ -41,7 +41,7 @@ from dataclasses import dataclass
 from typing import Any, Protocol
 
 from omnirail.config import StreamConfig
-from omnirail.relay.base import RelayHandle
+from omnirail.relay.base import RelayHandle, Releasable
 from omnirail.relay.credits import Credits
 from omnirail.relay.io import inline_if_small, relayed_payload
 from omnirail.stage_service.edges import EdgeRelay, EdgeRelays
@@ -58,14 +58,6 @@ class LocalValue:
 
     def __init__(self, value: Any) -> None:
         self.value = value
-
-
-class Releasable(Protocol):
-    """What rides with a delivered item: released when the receiver acks it."""
-
-    acked_in_band: bool
-
-    def release(self) -> None: ...
 
 
 class DeliverFn(Protocol):

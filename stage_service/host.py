@@ -1,11 +1,9 @@
 """A stage process: hosts one or more stages behind one gRPC server.
 
 Owns what is per process: the relays (one pool per backend), the Deliver server, the
-outgoing Deliver channels (one per receiver address), and the topology the coordinator
-pushes. Each hosted stage has its own Attach stream and its own scheduler.
-
-Items for a stage hosted here are dispatched in the process (`deliver`): no gRPC, no
-relay, values by reference; each stage keeps its own scheduler, spans and metrics.
+router its stages send through (stage_service/router.py: the outgoing Deliver channels
+and the topology the coordinator pushes), and the lifecycle. Each hosted stage has its
+own Attach stream, scheduler, spans and metrics.
 """
 
 from __future__ import annotations
@@ -14,8 +12,6 @@ import asyncio
 import logging
 import os
 import uuid
-import zlib
-from collections import OrderedDict
 from collections.abc import AsyncIterator
 from typing import Any
 
@@ -26,14 +22,13 @@ from omnirail.relay.base import Relay
 from omnirail.stage.scheduler import STOP_WAIT_S, Scheduler, SimpleScheduler
 from omnirail.stage.tp import TensorParallel
 from omnirail.stage_service.attach import AttachClient
-from omnirail.stage_service.edge_sender import LocalValue, Releasable
 from omnirail.stage_service.edges import EdgeRelays
 from omnirail.stage_service.placement import Placement
 from omnirail.stage_service.relays import open_relays, plan_relays, relay_host
+from omnirail.stage_service.router import ProcessRouter
 from omnirail.stage_service.stage import Stage
 from omnirail.telemetry.metrics import StageMetrics, watch_relay
 from omnirail.telemetry.tracer import Tracer
-from omnirail.transport.deliver import DeliverChannel
 from omnirail.transport.grpc_server import SERVING, bind, create_server, write_until_read_ends
 from omnirail.transport.security import MeshSecurity, mesh_security
 from omnirail.v1 import mesh_pb2, mesh_pb2_grpc
@@ -43,8 +38,6 @@ log = logging.getLogger(__name__)
 
 # How long a draining process must be idle before it counts as drained.
 DRAIN_SETTLE_S = 0.3
-# Streams whose replica this process remembers (the oldest are forgotten first).
-MAX_STICKY_STREAMS = 8192
 
 
 def factory_args(
@@ -137,21 +130,20 @@ class StageHost(mesh_pb2_grpc.StageServicer):
         self.stages: dict[str, Stage] = {}
         self._attach: dict[str, AttachClient] = {}
         self._relays: dict[str, Relay] = {}
-        self._channels: dict[str, DeliverChannel] = {}
-        # The replica at each address in the last topology (channels open only after one).
-        self._replica_at: dict[str, str] = {}
-        self._topology: dict[str, list[str]] = {}
-        self._address_stage: dict[str, str] = {}
-        self._possible: dict[tuple[str, ...], frozenset[str]] = {}
+        # Where this process's stages send (stages here by reference, others by channel).
+        self.router = ProcessRouter(
+            pipeline,
+            self.stages,
+            self.replica_id,
+            self._report_lost,
+            max_message_bytes=self._max_message,
+            security=self.security,
+        )
         self._tasks: list[asyncio.Task[None]] = []
-        # Local deliveries in flight (kept so they are not collected before they run).
-        self._local_tasks: set[asyncio.Task[None]] = set()
         self._server: grpc.aio.Server | None = None
         self.shutdown_requested = asyncio.Event()
         # Stages here the coordinator released while they drain (nothing needs them).
         self._released: set[str] = set()
-        # (request, target stage) -> the replica address its stream goes to (`_route`).
-        self._streams_to: OrderedDict[tuple[str, str], str] = OrderedDict()
 
     # ---- lifecycle -----------------------------------------------------------
 
@@ -207,7 +199,7 @@ class StageHost(mesh_pb2_grpc.StageServicer):
                 schedulers[name],
                 EdgeRelays.of(self.pipeline, name, self._relays, local=self.stage_names),
                 self._relays,
-                self,
+                self.router,
                 attach,
                 self._tracer,
                 self._metrics,
@@ -275,8 +267,7 @@ class StageHost(mesh_pb2_grpc.StageServicer):
     def _busy(self) -> bool:
         return (
             any(s.inflight or s.scheduler.queue_depth for s in self.stages.values())
-            or any(c.inflight for c in self._channels.values())
-            or bool(self._local_tasks)
+            or self.router.busy
             or not all(a.idle for a in self._attach.values())
         )
 
@@ -292,99 +283,11 @@ class StageHost(mesh_pb2_grpc.StageServicer):
             await asyncio.to_thread(self.tp.stop_followers)
         for stage in self.stages.values():
             await stage.stop(compute_wait_s)
-        for channel in self._channels.values():
-            await channel.close()
+        await self.router.close()
         if self._server is not None:
             await self._server.stop(grace=0.5)
         for relay in self._relays.values():
             relay.close()
-
-    # ---- Router (used by stages) ---------------------------------------------
-
-    def deliver(
-        self,
-        item: mesh_pb2.DeliverItem,
-        handle: Releasable | None,
-        local: LocalValue | None = None,
-    ) -> None:
-        stage = self.stages.get(item.to_stage)
-        if stage is not None:
-            self._deliver_here(stage, item, handle, local)
-            return
-        endpoints = self._topology.get(item.to_stage)
-        if not endpoints:
-            if handle is not None:
-                handle.release()
-            self._report_lost(
-                [item.request_id], f"no live replica of stage {item.to_stage!r}", item.to_stage
-            )
-            return
-        address = self._route(item, endpoints)
-        channel = self._channels.get(address)
-        if channel is None:
-            channel = DeliverChannel(
-                address,
-                self.replica_id,
-                lambda rids, why, a=address: self._report_lost(
-                    rids, why, self._address_stage.get(a, "")
-                ),
-                max_message_bytes=self._max_message,
-                security=self.security,
-            )
-            self._channels[address] = channel
-        channel.send(item, handle)
-
-    def _route(self, item: mesh_pb2.DeliverItem, endpoints: list[str]) -> str:
-        """The replica of `item.to_stage` for this item: `crc32(request id) % n`, what
-        every producer computes (a fan-in's producers agree without asking). A stream
-        stays where its first chunk went while that replica is in the topology: when a
-        replica joins, n changes, and a stream moved mid-way would reach a replica that
-        never saw its start."""
-        if not item.HasField("stream"):
-            return endpoints[zlib.crc32(item.request_id.encode()) % len(endpoints)]
-        key = (item.request_id, item.to_stage)
-        address = self._streams_to.get(key)
-        if address is None or address not in endpoints:
-            address = endpoints[zlib.crc32(item.request_id.encode()) % len(endpoints)]
-        signal = item.stream
-        if signal.done or signal.HasField("error"):  # the stream's last item
-            self._streams_to.pop(key, None)
-            return address
-        self._streams_to[key] = address
-        self._streams_to.move_to_end(key)
-        if len(self._streams_to) > MAX_STICKY_STREAMS:
-            self._streams_to.popitem(last=False)
-        return address
-
-    def _deliver_here(
-        self,
-        stage: Stage,
-        item: mesh_pb2.DeliverItem,
-        handle: Releasable | None,
-        local: LocalValue | None,
-    ) -> None:
-        """Hands `item` to a stage of this process. A task per item, started in order: a
-        local item never waits inside `on_item` (nothing to read), so each runs to its end
-        in turn and order per (request, edge) holds; and the sender's own call (often
-        inside its outbox callback) is never re-entered by the receiver's work."""
-
-        def ack(error: OmniError | None) -> None:
-            # An error was already reported by the receiver (it fails the request); the
-            # ack only returns the sender's stream credit.
-            if handle is not None:
-                handle.release()
-
-        task = asyncio.get_running_loop().create_task(stage.on_item(item, ack, local))
-        self._local_tasks.add(task)
-        task.add_done_callback(self._local_tasks.discard)
-
-    def possible_stages(self, terminals: tuple[str, ...]) -> frozenset[str]:
-        found = self._possible.get(terminals)
-        if found is None:
-            found = self._possible[terminals] = frozenset(
-                self.pipeline.possible_stages_for(list(terminals))
-            )
-        return found
 
     def _report_lost(self, request_ids: list[str], why: str, stage: str) -> None:
         reporter = next(iter(self._attach.values()))
@@ -395,53 +298,18 @@ class StageHost(mesh_pb2_grpc.StageServicer):
 
     def _on_command(self, stage_name: str, cmd: mesh_pb2.CoordinatorCommand) -> None:
         if cmd.HasField("topology"):
-            self._topology = {
-                name: [e.address for e in eps.endpoints]
-                for name, eps in cmd.topology.stages.items()
-            }
-            self._address_stage = {a: name for name, addrs in self._topology.items() for a in addrs}
-            stages = cmd.topology.stages.values()
-            self._retire_channels(
-                {e.address: e.replica_id for eps in stages for e in eps.endpoints}
-            )
-            infos = list(
-                dict.fromkeys(
-                    info
-                    for eps in cmd.topology.stages.values()
-                    for ep in eps.endpoints
-                    for info in ep.relay_infos
-                )
-            )
-            for relay in self._relays.values():
-                relay.set_peers(infos)
+            self.router.set_topology(cmd.topology, self._relays)
         for abort in cmd.aborts:
-            for target in self._topology:
-                self._streams_to.pop((abort.request_id, target), None)
+            self.router.forget(abort.request_id)
             self.stages[stage_name].abort(abort.request_id, abort.reason)
             for relay in self._relays.values():
                 relay.cleanup(abort.request_id)
-            for channel in self._channels.values():
-                channel.forget_request(abort.request_id)
             self._attach[stage_name].abort_ack(abort.request_id)
         if cmd.released:
             self._released.add(stage_name)
         if cmd.HasField("shutdown"):
             log.info("stage %s: shutdown requested (%s)", stage_name, cmd.shutdown.reason)
             self.shutdown_requested.set()
-
-    def _retire_channels(self, replicas: dict[str, str]) -> None:
-        """Closes channels whose address lost its replica or got a new one (a restart at
-        the same address): what they still hold went to the old process, and a stream
-        opened while the address was down must not carry the new replica's traffic."""
-        for address in list(self._channels):
-            if self._replica_at.get(address) == replicas.get(address):
-                continue
-            channel = self._channels.pop(address)
-            gone = f"replica at {address} was replaced or went away"
-            task = asyncio.get_running_loop().create_task(channel.close(gone))
-            self._tasks.append(task)
-            task.add_done_callback(self._tasks.remove)
-        self._replica_at = replicas
 
     # ---- Deliver server --------------------------------------------------------
 

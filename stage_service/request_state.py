@@ -1,4 +1,4 @@
-"""What a stage keeps per request, and the plain helpers around it.
+"""What a stage keeps per request, what it reports to, and the plain helpers around it.
 
 `RequestState` is one request's state at a stage: its metadata, the payloads it holds,
 fan-in progress, its stream input and its tracing/metrics bookkeeping.
@@ -8,16 +8,28 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Protocol
 
 from omnirail.relay.io import ReceivedPayload
 from omnirail.stage.scheduler import IncomingMessage
 from omnirail.stage_service.stream_in import InStreams
 from omnirail.telemetry.tracer import Span
-from omnirail.v1 import mesh_pb2
+from omnirail.v1 import common_pb2, mesh_pb2
 from omnirail.wire.errors import Code, OmniError
 
 AckFn = Callable[[OmniError | None], None]
+
+
+class Reporter(Protocol):
+    """Upward events to the coordinator (the stage's Attach stream)."""
+
+    def complete(self, request_id: str, output: common_pb2.Payload, traceparent: str) -> None: ...
+
+    def chunk(
+        self, request_id: str, chunk_id: int, modality: str, data: common_pb2.Payload
+    ) -> None: ...
+
+    def fail(self, request_id: str, error: OmniError) -> None: ...
 
 
 @dataclass(slots=True)
@@ -71,3 +83,14 @@ def as_error(exc: BaseException, stage: str) -> OmniError:
             exc.stage = stage
         return exc
     return OmniError(Code.INTERNAL, f"{type(exc).__name__}: {exc}", stage)
+
+
+def queue_full(stage: str, depth: int, max_queue: int) -> OmniError:
+    """The refusal of a request that finds `max_queue` requests waiting at `stage`:
+    queueing it would only make it miss its deadline."""
+    return OmniError(
+        Code.RESOURCE_EXHAUSTED,
+        f"stage {stage!r} is overloaded: {depth} requests wait in its queue "
+        f"(stages[{stage}].max_queue is {max_queue}); retry later",
+        stage,
+    )

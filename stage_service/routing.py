@@ -10,6 +10,7 @@ from typing import Any, Protocol
 
 from omnirail.config import StageConfig, dotted
 from omnirail.relay.base import RelayHandle
+from omnirail.stage.scheduler import CLIENT
 from omnirail.v1 import mesh_pb2
 from omnirail.wire.errors import internal
 
@@ -31,6 +32,7 @@ class Routes:
         "_router",
         "_stage",
         "_stream_done_to_fn",
+        "_terminal",
         "project",
         "stream_to",
     )
@@ -40,6 +42,7 @@ class Routes:
         self._router = router
         self._next = tuple(cfg.next_stages)
         self.stream_to = tuple(cfg.stream_to)
+        self._terminal = cfg.terminal
         # Hooks, resolved from the config's dotted paths.
         self._route_fn = dotted.resolve(cfg.route_fn, base) if cfg.route_fn else None
         # Per target: makes the payload that target gets from the stage's output.
@@ -69,6 +72,22 @@ class Routes:
                     self._stage,
                 )
         return targets
+
+    def chunk_destinations(
+        self, target: str | None, meta: mesh_pb2.RequestMeta
+    ) -> tuple[bool, list[str]]:
+        """Where a stream chunk the scheduler emitted for `target` goes: (to the client,
+        the stages). The client is `CLIENT`'s, or a terminal stage's without stream_to."""
+        to_client = target == CLIENT or (target is None and not self.stream_to and self._terminal)
+        if to_client and not self._terminal:
+            raise internal("only terminal stages stream to the client", self._stage)
+        if target is None and not self.stream_to and not to_client:
+            raise internal(
+                "the scheduler emitted a stream chunk, but the stage has no stream_to "
+                "and is not terminal",
+                self._stage,
+            )
+        return to_client, [] if to_client else self.stream_targets(target, meta)
 
     def stream_targets(self, target: str | None, meta: mesh_pb2.RequestMeta) -> list[str]:
         """The stages a stream chunk for `target` (None: every `stream_to`) goes to."""

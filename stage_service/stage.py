@@ -13,13 +13,12 @@ import asyncio
 import logging
 import time
 from collections.abc import Mapping
-from typing import Any, Protocol
+from typing import Any
 
 from omnirail.config import PipelineConfig
 from omnirail.relay.base import Relay, RelayError
 from omnirail.relay.io import ReceivedPayload, inline_payload, receive_payload
 from omnirail.stage.scheduler import (
-    CLIENT,
     STOP_WAIT_S,
     AbortSet,
     IncomingMessage,
@@ -27,39 +26,33 @@ from omnirail.stage.scheduler import (
     Scheduler,
 )
 from omnirail.stage_service.edge_sender import (
-    EdgeSender,
     EdgeSenders,
     LocalValue,
-    Outgoing,
     SentToken,
 )
 from omnirail.stage_service.edges import EdgeRelays
 from omnirail.stage_service.fanin import FanIn
 from omnirail.stage_service.observe import StageObserver
-from omnirail.stage_service.request_state import PENDING, AckFn, RequestState, as_error
+from omnirail.stage_service.request_state import (
+    PENDING,
+    AckFn,
+    Reporter,
+    RequestState,
+    as_error,
+    queue_full,
+)
+from omnirail.stage_service.result_out import ResultSender
 from omnirail.stage_service.routing import Router, Routes
 from omnirail.stage_service.stream_in import drain
 from omnirail.stage_service.stream_out import StreamSender
 from omnirail.telemetry.logs import ids
 from omnirail.telemetry.metrics import ABORTED, COMPLETED, FAILED, StageMetrics
 from omnirail.telemetry.tracer import Tracer
-from omnirail.v1 import common_pb2, mesh_pb2
-from omnirail.wire.errors import Code, OmniError, internal, invalid
+from omnirail.v1 import mesh_pb2
+from omnirail.wire.errors import Code, OmniError, invalid
 from omnirail.wire.payload import Packed, PayloadError, encode_inline, pack
 
 log = logging.getLogger(__name__)
-
-
-class Reporter(Protocol):
-    """Upward events to the coordinator (the stage's Attach stream)."""
-
-    def complete(self, request_id: str, output: common_pb2.Payload, traceparent: str) -> None: ...
-
-    def chunk(
-        self, request_id: str, chunk_id: int, modality: str, data: common_pb2.Payload
-    ) -> None: ...
-
-    def fail(self, request_id: str, error: OmniError) -> None: ...
 
 
 class Stage:
@@ -89,7 +82,6 @@ class Stage:
         base = pipeline.source_dir
         self._fan_in = FanIn(name, self.cfg, base)
         self._routes = Routes(name, self.cfg, base, router)
-        self._project = self._routes.project
         self._stream_to = self._routes.stream_to
         self._observe = StageObserver(
             name,
@@ -116,11 +108,12 @@ class Stage:
             edges,
             router.deliver,
             aborted=self._aborted,
-            on_failed=self._send_failed,
+            on_failed=lambda rid, exc: self._fail(rid, as_error(exc, self.name)),
             on_put=self._observe.relay_put,
             stream=self.cfg.stream,
         )
         self._streams = StreamSender(self._senders)
+        self._results = ResultSender(self._senders, self._routes.project)
         scheduler.outbox.set_stream_limit(self.cfg.stream.outbox_chunks)
 
     # ---- lifecycle -----------------------------------------------------------
@@ -150,45 +143,75 @@ class Stage:
     async def on_item(
         self, item: mesh_pb2.DeliverItem, ack: AckFn, local: LocalValue | None = None
     ) -> None:
-        """One delivered item. `local`: the value of an item from a stage in this process
-        (handed over by reference: nothing to read, nothing that can be malformed)."""
+        """One delivered item, a payload or a stream item, through one path: dropped when
+        its request was aborted, read (relay or message), then taken as a payload (fan-in,
+        scheduler) or as a stream chunk. `local`: the value of an item from a stage in
+        this process (handed over by reference: nothing to read, nothing malformed).
+
+        What the sender gets back (`ack`): every stream item is acked (a chunk once the
+        scheduler has taken it: that returns the producer's credit); a payload item only
+        when relayed, with its error, or once released where the backend returns credit
+        through acks (shm learns of releases through its marks)."""
         rid = item.request_id
-        source = item.from_stage or "coordinator"
         if not rid:
             ack(invalid("delivery without request_id", self.name))  # harmless if not awaited
             return
-        # Errors are acked for every relayed item; successes only where the backend
-        # returns credit through acks (shm learns of releases through its marks).
+        stream = item.HasField("stream")
         relayed = item.payload.HasField("relay")
-        error_ack = ack if relayed else None
-        if item.HasField("stream"):
-            await self._on_stream_item(item, ack, local)
+        acks = stream or relayed  # whether this item is acked at all
+        if rid in self._aborted or (stream and rid in self._ended):
+            if stream:
+                await drain(item, self._relays)
+            if acks:
+                ack(None)
             return
-        if rid in self._aborted:
-            if error_ack:
-                error_ack(None)
-            return
+        req: RequestState | None = None
+        if stream:
+            req = self._request_for(item)
+            if not await self._stream_signal(item, req, ack):
+                return  # an end, an error or a bad stream item: nothing to read
+        source = item.from_stage or "coordinator"
         get_ns = time.time_ns()
         try:
-            received = await self._receive(item, local, copy=False)
+            # Relayed chunk bytes are copied out and the slot released on arrival, so a
+            # window the scheduler keeps never pins relay credit.
+            received = await self._receive(item, local, copy=stream and relayed)
         except (PayloadError, RelayError) as exc:
-            err = invalid(f"bad payload from {source}: {exc}", self.name)
-            if error_ack:
-                error_ack(err)
+            what = "stream chunk" if stream else "payload"
+            err = invalid(f"bad {what} from {source}: {exc}", self.name)
+            if acks:
+                ack(err)
             self._fail(rid, err)
             return
         # The read ends here: the request's span (opened below for its first item) is not
         # part of it.
         got_ns = self._observe.relay_get(item.payload.relay, source, get_ns) if relayed else 0
-        ack_fn = ack if relayed and self._relays[item.payload.relay.backend].acks_in_band else None
+        in_band = relayed and self._relays[item.payload.relay.backend].acks_in_band
+        held_ack = ack if stream or in_band else None
         if rid in self._aborted:  # aborted while the relay read was in flight
             received.release()
-            if ack_fn:
-                ack_fn(None)
+            if held_ack:
+                held_ack(None)
             return
+        if req is not None:
+            self._take_chunk(item, req, received, ack)
+        else:
+            self._take_payload(item, received, held_ack, get_ns, got_ns)
+
+    def _take_payload(
+        self,
+        item: mesh_pb2.DeliverItem,
+        received: ReceivedPayload,
+        ack: AckFn | None,
+        get_ns: int,
+        got_ns: int,
+    ) -> None:
+        """A payload read: held by its request (released, and acked, as it ends), then
+        through fan-in to the scheduler once every active upstream's is in."""
+        rid = item.request_id
         req = self._request_for(item, get_ns)
-        self._observe.received(req, item, source, get_ns, got_ns)
-        req.holds.append((received, ack_fn))
+        self._observe.received(req, item, item.from_stage or "coordinator", get_ns, got_ns)
+        req.holds.append((received, ack))
         if item.meta.deadline and time.time() > item.meta.deadline:
             self._fail(rid, OmniError(Code.DEADLINE_EXCEEDED, "deadline passed", self.name))
             return
@@ -228,15 +251,7 @@ class Stage:
         there: queueing it would only make it miss its deadline."""
         depth = self.scheduler.queue_depth
         if depth >= self._max_queue:
-            self._fail(
-                rid,
-                OmniError(
-                    Code.RESOURCE_EXHAUSTED,
-                    f"stage {self.name!r} is overloaded: {depth} requests wait in its queue "
-                    f"(stages[{self.name}].max_queue is {self._max_queue}); retry later",
-                    self.name,
-                ),
-            )
+            self._fail(rid, queue_full(self.name, depth, self._max_queue))
             return
         req.submitted = True
         inbox = self.scheduler.inbox
@@ -249,63 +264,45 @@ class Stage:
         req.streams.early.clear()
 
     # ---- stream input ----------------------------------------------------------
-    #
-    # Every stream item is acked: chunks once the scheduler has taken them (that returns
-    # the producer's credit), everything else at once. Relayed chunk bytes are copied out
-    # and the relay slot released on arrival, so a window the scheduler keeps never pins
-    # relay credit.
 
-    async def _on_stream_item(
-        self, item: mesh_pb2.DeliverItem, ack: AckFn, local: LocalValue | None
-    ) -> None:
+    async def _stream_signal(
+        self, item: mesh_pb2.DeliverItem, req: RequestState, ack: AckFn
+    ) -> bool:
+        """Checks a stream item and takes what carries no data (its producer's error, the
+        end of its stream); True when it is a chunk to read."""
         rid, source, signal = item.request_id, item.from_stage, item.stream
-        if rid in self._aborted or rid in self._ended:
-            await drain(item, self._relays)
-            ack(None)
-            return
+        problem = None
         if source not in self._stream_sources:
-            err = invalid(
+            problem = (
                 f"stream from {source or 'coordinator'!r}, which does not list "
-                f"{self.name!r} in stream_to",
-                self.name,
+                f"{self.name!r} in stream_to"
             )
-            await drain(item, self._relays)
-            ack(err)
-            self._fail(rid, err)
-            return
-        req = self._request_for(item)
-        if signal.HasField("error"):
+        elif signal.HasField("error"):
             # The producer already reported the failure; just stop work on it here.
             ack(None)
             self.abort(rid)
-            return
-        problem = req.streams.problem(source, signal)
+            return False
+        else:
+            problem = req.streams.problem(source, signal)
         if problem is not None:
-            await drain(item, self._relays)
             err = invalid(problem, self.name)
+            await drain(item, self._relays)
             ack(err)
             self._fail(rid, err)
-            return
+            return False
         if signal.done:
             ack(None)
             req.streams.accept(source, signal)
             self._maybe_stream_done(rid, req)
-            return
-        relayed = item.payload.HasField("relay")
-        get_ns = time.time_ns()
-        try:
-            received = await self._receive(item, local, copy=relayed)
-        except (PayloadError, RelayError) as exc:
-            err = invalid(f"bad stream chunk from {source}: {exc}", self.name)
-            ack(err)
-            self._fail(rid, err)
-            return
-        if relayed:
-            self._observe.relay_get(item.payload.relay, source, get_ns)
-        if rid in self._aborted:  # aborted while the relay read was in flight
-            received.release()
-            ack(None)
-            return
+            return False
+        return True
+
+    def _take_chunk(
+        self, item: mesh_pb2.DeliverItem, req: RequestState, received: ReceivedPayload, ack: AckFn
+    ) -> None:
+        """A stream chunk read: to the scheduler (acked once it takes it), held until the
+        request's payload comes when the stage holds early chunks, else refused."""
+        rid, source, signal = item.request_id, item.from_stage, item.stream
         req.streams.accept(source, signal)
         self._observe.chunk_in(req, source)
         msg = IncomingMessage(
@@ -356,11 +353,8 @@ class Stage:
     # ---- output path ---------------------------------------------------------
     #
     # Results are handled right in the loop callback that the outbox schedules, with no
-    # extra task hop, when nothing they send has to wait (inline, or a relay put with free
-    # credit). A part that must wait for relay credit goes on in a task of its edge's
-    # sender; the request ends here once every part has left. Nothing else waits for it:
-    # a result is the last thing its request sends on an edge, so order per (request,
-    # edge) holds, and other edges and requests go on.
+    # extra task hop (stage_service/result_out.py); the request ends here once every part
+    # of its result has left.
 
     def _on_outbox(self) -> None:
         for msg in self.scheduler.outbox.drain():
@@ -388,34 +382,21 @@ class Stage:
                 self._finish(rid)
                 return
             targets = self._routes.targets(rid, msg.data, req.meta)
-            # One target: nothing reads the payload after it is sent (the request ends
-            # here once it is), so received bytes may be forwarded rather than copied.
-            forward = len(targets) == 1
-            parts: list[tuple[EdgeSender, Outgoing]] = []
-            for target in targets:
-                project = self._project.get(target)
-                sender = self._senders[target]
-                packed = sender.prepare(project(msg.data) if project is not None else msg.data)
-                out = Outgoing(rid, packed, None, req.meta, req.traceparent, None, req, forward)
-                parts.append((sender, out))
-            # Send in order what needs no waiting; the rest waits for relay credit.
-            later: list[tuple[EdgeSender, Outgoing]] | None = None
-            for sender, out in parts:
-                if not sender.send_now(out):
-                    if later is None:
-                        later = []
-                    later.append((sender, out))
+            sent = self._results.send(
+                rid,
+                msg.data,
+                targets,
+                req.meta,
+                req.traceparent,
+                req,
+                lambda: self._sent_later(rid, req, send_ns),
+            )
         except Exception as exc:
             self._fail(rid, as_error(exc, self.name))
             return
-        if later is None:
+        if sent:
             self._observe.sent(req, send_ns)
             self._finish(rid)
-            return
-        token = SentToken(rid, len(later), lambda _: self._sent_later(rid, req, send_ns))
-        for sender, out in later:
-            out.token = token
-            sender.put_later(out)
 
     def _sent_later(self, rid: str, req: RequestState, send_ns: int) -> None:
         """The last part of a result that waited for relay credit has left."""
@@ -433,18 +414,7 @@ class Stage:
             outbox.sent(rid)
             return
         try:
-            to_client = msg.target == CLIENT or (
-                msg.target is None and not self._stream_to and self.cfg.terminal
-            )
-            if to_client and not self.cfg.terminal:
-                raise internal("only terminal stages stream to the client", self.name)
-            if msg.target is None and not self._stream_to and not to_client:
-                raise internal(
-                    "the scheduler emitted a stream chunk, but the stage has no stream_to "
-                    "and is not terminal",
-                    self.name,
-                )
-            targets = [] if to_client else self._routes.stream_targets(msg.target, req.meta)
+            to_client, targets = self._routes.chunk_destinations(msg.target, req.meta)
             modality = str((msg.metadata or {}).get("modality", ""))
             # Packed once for the client and every edge out of the process; local edges
             # take the value itself.
@@ -487,9 +457,6 @@ class Stage:
         for target in self._routes.stream_done_targets(rid, output, req.meta):
             self._streams.done(rid, target, req.meta, req.traceparent)
         self._streams.close_request(rid)  # targets left out get no done
-
-    def _send_failed(self, rid: str, exc: BaseException) -> None:
-        self._fail(rid, as_error(exc, self.name))
 
     # ---- endings -------------------------------------------------------------
 

@@ -21,6 +21,7 @@ from typing import Any
 
 import grpc
 
+from omnirail.transport.batching import take_batch, wait_until
 from omnirail.v1 import client_pb2
 from omnirail.wire.errors import Code, OmniError
 
@@ -225,19 +226,11 @@ class AsyncSession:
     async def _write(self) -> None:
         try:
             while True:
-                while not (self._outbox or self._aborts):
-                    self._wake.clear()
-                    await self._wake.wait()
+                await wait_until(self._wake, lambda: self._outbox or self._aborts)
                 batch = client_pb2.SessionRequest(abort=self._aborts)
                 self._aborts = []
-                size = 0
-                while self._outbox and len(batch.generate) < _MAX_BATCH:
-                    request, request_size = self._outbox[0]
-                    if batch.generate and size + request_size > self._max_bytes:
-                        break  # the next write's first
-                    self._outbox.popleft()
-                    batch.generate.append(request)
-                    size += request_size
+                taken = take_batch(self._outbox, _second, _MAX_BATCH, self._max_bytes)
+                batch.generate.extend(request for request, _ in taken)
                 await self._call.write(batch)
         except (grpc.RpcError, asyncio.InvalidStateError):
             pass  # the reader sees the end of the call and fails what is waiting
@@ -325,3 +318,7 @@ class AsyncSession:
                 await task
             except (asyncio.CancelledError, grpc.RpcError):
                 pass
+
+
+def _second(pair: tuple[object, int]) -> int:
+    return pair[1]

@@ -24,13 +24,16 @@ class StageIndex:
     each name, and upstream stages in declaration order, each once.
     """
 
+    # The stage list it was built from (PipelineConfig rebuilds it for another list).
+    stages: Sequence[StageConfig] = ()
     by_name: dict[str, StageConfig] = field(default_factory=dict)
     upstream: dict[str, list[str]] = field(default_factory=dict)
     stream_sources: dict[str, list[str]] = field(default_factory=dict)
 
     @classmethod
     def of(cls, stages: Iterable[StageConfig]) -> StageIndex:
-        index = cls()
+        stages = list(stages) if not isinstance(stages, list) else stages
+        index = cls(stages)
         for s in stages:
             index.by_name.setdefault(s.name, s)
             for target in dict.fromkeys(s.next_stages):

@@ -24,7 +24,7 @@ from pydantic import (
 from omnirail.config import dotted
 from omnirail.config.api import ApiConfig
 from omnirail.config.errors import NAME_RE, ConfigError, clip, short, stage_label
-from omnirail.config.graph import join_groups, walk_graph
+from omnirail.config.graph import StageIndex, join_groups, walk_graph
 from omnirail.config.limits import (
     MAX_COUNT,
     MAX_CPU_ID,
@@ -618,6 +618,9 @@ class PipelineConfig(_Model):
     )
 
     _source_dir: str | None = PrivateAttr(default=None)
+    # possible_stages' answers, by terminal set (a serving config does not change).
+    _possible: dict[tuple[str, ...], frozenset[str]] = PrivateAttr(default_factory=dict)
+    _index: StageIndex | None = PrivateAttr(default=None)
 
     @model_validator(mode="before")
     @classmethod
@@ -726,19 +729,28 @@ class PipelineConfig(_Model):
     def gpu_placement(self) -> dict[str, int | list[int]]:
         return {s.name: s.gpu for s in self.stages if s.gpu is not None}
 
+    @property
+    def index(self) -> StageIndex:
+        """The stage lookups (config/graph.py), built once per stage list: what
+        validation, the coordinator and the stage hosts query."""
+        index = self._index
+        if index is None or index.stages is not self.stages:
+            index = self._index = StageIndex.of(self.stages)
+        return index
+
     def stage(self, name: str) -> StageConfig:
-        for s in self.stages:
-            if s.name == name:
-                return s
-        raise KeyError(f"unknown stage {name!r}; stages: {', '.join(self.stage_names)}")
+        found = self.index.by_name.get(name)
+        if found is None:
+            raise KeyError(f"unknown stage {name!r}; stages: {', '.join(self.stage_names)}")
+        return found
 
     def upstream_of(self, name: str) -> list[str]:
         """Stages whose `next` names `name`, in declaration order."""
-        return [s.name for s in self.stages if name in s.next_stages]
+        return list(self.index.upstream_of(name))
 
     def stream_sources_of(self, name: str) -> list[str]:
         """Stages whose `stream_to` names `name`, in declaration order."""
-        return [s.name for s in self.stages if name in s.stream_to]
+        return list(self.index.stream_sources_of(name))
 
     def takes_payload(self, name: str) -> bool:
         """Whether `name` gets a request payload (entry, or some stage's `next`)."""
@@ -770,8 +782,8 @@ class PipelineConfig(_Model):
 
     def edges_of(self, stage_name: str) -> list[str]:
         """Stages `stage_name` can send to (next and stream_to)."""
-        stage = self.stage(stage_name)
-        return list(dict.fromkeys([*stage.next_stages, *stage.stream_to]))
+        self.stage(stage_name)  # KeyError naming the stages
+        return self.index.edges_of(stage_name)
 
     def factory_args_for(self, stage_name: str) -> dict[str, Any]:
         """`factory_args` updated (shallowly) by `runtime_overrides[stage]`.
@@ -838,6 +850,14 @@ class PipelineConfig(_Model):
             for d in dsts:
                 reverse.setdefault(d, set()).add(src)
         return forward & walk_graph(targets, reverse)
+
+    def possible_stages(self, terminals: tuple[str, ...]) -> frozenset[str]:
+        """`possible_stages_for(terminals)`, computed once per terminal set: what the
+        coordinator and every stage host ask for each request."""
+        found = self._possible.get(terminals)
+        if found is None:
+            found = self._possible[terminals] = frozenset(self.possible_stages_for(terminals))
+        return found
 
     def _edges(self) -> dict[str, set[str]]:
         return {s.name: set(s.next_stages) | set(s.stream_to) for s in self.stages}

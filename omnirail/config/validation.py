@@ -32,7 +32,7 @@ def validate(cfg: PipelineConfig, resolve: bool = True) -> None:
     """
     errors: list[str] = []
     err = errors.append
-    index = StageIndex.of(cfg.stages)
+    index = cfg.index
     by_name = index.by_name
     first_at: dict[str, int] = {}
     for i, s in enumerate(cfg.stages):

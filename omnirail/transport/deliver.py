@@ -14,10 +14,12 @@ import logging
 from collections import deque
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
-from typing import Any, Protocol
+from typing import Any
 
 import grpc
 
+from omnirail.relay.base import Releasable
+from omnirail.transport.batching import take_batch, wait_until
 from omnirail.transport.security import MeshSecurity, mesh_channel
 from omnirail.v1 import common_pb2, mesh_pb2, mesh_pb2_grpc
 
@@ -26,12 +28,6 @@ log = logging.getLogger(__name__)
 # Bound on one write so a burst of large inline payloads stays under the message limit.
 _MAX_BATCH_ITEMS = 256
 _MAX_BATCH_BYTES = 8 << 20
-
-
-class Releasable(Protocol):
-    acked_in_band: bool
-
-    def release(self) -> None: ...
 
 
 @dataclass(slots=True)
@@ -166,25 +162,16 @@ class DeliverChannel:
         first = True
         try:
             while True:
-                while not self._queue:
-                    self._wake.clear()
-                    await self._wake.wait()
-                    if acks.done():
-                        acks.result()  # raises the stream error, if any
-                        return
-                batch = mesh_pb2.DeliverBatch()
+                await wait_until(self._wake, lambda: self._queue or acks.done())
+                if not self._queue:
+                    acks.result()  # raises the stream error, if any
+                    return
+                batch = mesh_pb2.DeliverBatch(
+                    items=take_batch(self._queue, _item_size, _MAX_BATCH_ITEMS, _MAX_BATCH_BYTES)
+                )
                 if first:
                     batch.sender = self._sender
                     first = False
-                size = 0
-                while self._queue and len(batch.items) < _MAX_BATCH_ITEMS:
-                    item = self._queue[0]
-                    item_size = item.ByteSize()
-                    if batch.items and size + item_size > _MAX_BATCH_BYTES:
-                        break
-                    self._queue.popleft()
-                    batch.items.append(item)
-                    size += item_size
                 await call.write(batch)
         finally:
             acks.cancel()
@@ -219,3 +206,7 @@ def _release(pending: Iterable[_Pending]) -> None:
     for p in pending:
         if p.handle is not None:
             p.handle.release()
+
+
+def _item_size(item: mesh_pb2.DeliverItem) -> int:
+    return item.ByteSize()

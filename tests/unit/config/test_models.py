@@ -221,6 +221,14 @@ def test_possible_stages_for() -> None:
         cfg.possible_stages_for(["ghost"])
 
 
+def test_possible_stages_is_computed_once_per_terminal_set() -> None:
+    cfg = PipelineConfig.from_dict(demo())
+    first = cfg.possible_stages(("decode",))
+    assert first == frozenset(cfg.possible_stages_for(["decode"]))
+    assert cfg.possible_stages(("decode",)) is first  # the coordinator and hosts share it
+    assert cfg.possible_stages(("code2wav",)) != first
+
+
 def test_possible_stages_for_branches() -> None:
     d = pipe(
         st("a", next=["b", "c"]),

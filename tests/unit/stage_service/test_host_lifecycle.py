@@ -133,9 +133,11 @@ async def test_the_other_hosts_stop_routing_to_a_host_that_went() -> None:
             for r in mesh.coordinator.registry.replicas("b")
             if r.replica_id == gone.replica_id
         ]
-        assert gone_address in a_host._topology["b"]
+        assert gone_address in a_host.router.topology["b"]
         await mesh.stop_process("stage-b-0")
-        await until(lambda: a_host._topology.get("b") == [left_address(mesh)], "a forgets b-0")
+        await until(
+            lambda: a_host.router.topology.get("b") == [left_address(mesh)], "a forgets b-0"
+        )
         # Every request now goes to the replica that is left.
         for _ in range(8):
             assert (await client.generate({})).output["path"] == ["a", "b"]
