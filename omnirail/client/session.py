@@ -73,7 +73,11 @@ class SyncSession:
 
     def __init__(self, stub: Any, max_bytes: int, metadata: Metadata = ()) -> None:
         self._max_bytes = max_bytes - _BATCH_SLACK
-        self._outgoing: queue.SimpleQueue[client_pb2.SessionRequest | None] = queue.SimpleQueue()
+        # What waits for the writer (grpc's thread iterating `_requests`), each a request or
+        # an abort; `_wake` is notified as something is queued or the session closes.
+        self._outgoing: collections.deque[client_pb2.SessionRequest] = collections.deque()
+        self._wake = threading.Condition()
+        self._ended = False
         self._futures: dict[str, concurrent.futures.Future[client_pb2.SessionEvent]] = {}
         self._streams: dict[str, queue.SimpleQueue[client_pb2.SessionEvent | OmniError]] = {}
         self._lock = threading.Lock()
@@ -87,30 +91,25 @@ class SyncSession:
         _OPEN.add(self)
 
     def _requests(self) -> Iterator[client_pb2.SessionRequest]:
-        carry: client_pb2.SessionRequest | None = None
         while True:
-            first = carry if carry is not None else self._outgoing.get()
-            carry = None
-            if first is None:
-                return
+            with self._wake:
+                self._wake.wait_for(lambda: self._outgoing or self._ended)
+                parts = take_batch(self._outgoing, _size, _MAX_BATCH, self._max_bytes)
+            if not parts:
+                return  # closed, and everything queued went out
             batch = client_pb2.SessionRequest()
-            batch.MergeFrom(first)
-            size = first.ByteSize()
-            while len(batch.generate) < _MAX_BATCH:
-                try:
-                    more = self._outgoing.get_nowait()
-                except queue.Empty:
-                    break
-                if more is None:
-                    yield batch
-                    return
-                more_size = more.ByteSize()
-                if size + more_size > self._max_bytes:
-                    carry = more  # the next write's first
-                    break
-                batch.MergeFrom(more)
-                size += more_size
+            for part in parts:
+                batch.MergeFrom(part)
             yield batch
+
+    def _queue(self, message: client_pb2.SessionRequest | None) -> None:
+        """Queues `message` for the writer (None: no more after what is queued)."""
+        with self._wake:
+            if message is None:
+                self._ended = True
+            else:
+                self._outgoing.append(message)
+            self._wake.notify()
 
     def _read(self) -> None:
         error: BaseException | None = None
@@ -157,7 +156,7 @@ class SyncSession:
                 future.set_exception(self.failure or _broken(None))
                 return future
             self._futures[request.request_id] = future
-        self._outgoing.put(client_pb2.SessionRequest(generate=[request]))
+        self._queue(client_pb2.SessionRequest(generate=[request]))
         return future
 
     def send_stream(
@@ -173,7 +172,7 @@ class SyncSession:
                 events.put(self.failure or _broken(None))
                 return events
             self._streams[request.request_id] = events
-        self._outgoing.put(client_pb2.SessionRequest(generate=[request]))
+        self._queue(client_pb2.SessionRequest(generate=[request]))
         return events
 
     def abort(self, request_id: str, reason: str) -> None:
@@ -182,7 +181,7 @@ class SyncSession:
             future = self._futures.pop(request_id, None)
         if future is not None:
             future.set_exception(OmniError(Code.CANCELLED, reason))
-        self._outgoing.put(
+        self._queue(
             client_pb2.SessionRequest(
                 abort=[client_pb2.AbortRequest(request_id=request_id, reason=reason)]
             )
@@ -193,7 +192,7 @@ class SyncSession:
         if call is None:
             return
         self._closing = True
-        self._outgoing.put(None)
+        self._queue(None)
         call.cancel()
         self._reader.join(timeout=5)
         if not self._reader.is_alive():
@@ -322,3 +321,7 @@ class AsyncSession:
 
 def _second(pair: tuple[object, int]) -> int:
     return pair[1]
+
+
+def _size(message: client_pb2.SessionRequest) -> int:
+    return message.ByteSize()

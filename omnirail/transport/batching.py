@@ -1,8 +1,8 @@
 """How every stream writer here batches: whoever queues something sets the writer's
 `wake` event, and the writer takes what one write carries, so a burst goes out as one
-message. The servers' writer is `grpc_server.write_until_read_ends`; the clients' (the SDK's
-Session, a stage's Deliver channels and Attach stream) wait with `wait_until` and take
-with `take_batch`."""
+message. The servers' writer is `grpc_server.write_until_read_ends`; the clients' (a stage's
+Deliver channels and Attach stream, the SDK's async Session) wait with `wait_until`, and
+take with `take_batch`, as the blocking SDK's Session does on its grpc writer thread."""
 
 from __future__ import annotations
 
