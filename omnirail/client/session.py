@@ -75,7 +75,10 @@ class SyncSession:
         self._max_bytes = max_bytes - _BATCH_SLACK
         # What waits for the writer (grpc's thread iterating `_requests`), each a request or
         # an abort; `_wake` is notified as something is queued or the session closes.
-        self._outgoing: collections.deque[client_pb2.SessionRequest] = collections.deque()
+        # (message, its size: measured once, when it is queued).
+        self._outgoing: collections.deque[tuple[client_pb2.SessionRequest, int]] = (
+            collections.deque()
+        )
         self._wake = threading.Condition()
         self._ended = False
         self._futures: dict[str, concurrent.futures.Future[client_pb2.SessionEvent]] = {}
@@ -94,21 +97,22 @@ class SyncSession:
         while True:
             with self._wake:
                 self._wake.wait_for(lambda: self._outgoing or self._ended)
-                parts = take_batch(self._outgoing, _size, _MAX_BATCH, self._max_bytes)
+                parts = take_batch(self._outgoing, _second, _MAX_BATCH, self._max_bytes)
             if not parts:
                 return  # closed, and everything queued went out
             batch = client_pb2.SessionRequest()
-            for part in parts:
+            for part, _ in parts:
                 batch.MergeFrom(part)
             yield batch
 
-    def _queue(self, message: client_pb2.SessionRequest | None) -> None:
-        """Queues `message` for the writer (None: no more after what is queued)."""
+    def _queue(self, message: client_pb2.SessionRequest | None, size: int = 0) -> None:
+        """Queues `message` of `size` bytes for the writer (None: no more after what is
+        queued)."""
         with self._wake:
             if message is None:
                 self._ended = True
             else:
-                self._outgoing.append(message)
+                self._outgoing.append((message, size))
             self._wake.notify()
 
     def _read(self) -> None:
@@ -156,7 +160,7 @@ class SyncSession:
                 future.set_exception(self.failure or _broken(None))
                 return future
             self._futures[request.request_id] = future
-        self._queue(client_pb2.SessionRequest(generate=[request]))
+        self._queue(client_pb2.SessionRequest(generate=[request]), size)
         return future
 
     def send_stream(
@@ -172,7 +176,7 @@ class SyncSession:
                 events.put(self.failure or _broken(None))
                 return events
             self._streams[request.request_id] = events
-        self._queue(client_pb2.SessionRequest(generate=[request]))
+        self._queue(client_pb2.SessionRequest(generate=[request]), size)
         return events
 
     def abort(self, request_id: str, reason: str) -> None:
@@ -181,11 +185,8 @@ class SyncSession:
             future = self._futures.pop(request_id, None)
         if future is not None:
             future.set_exception(OmniError(Code.CANCELLED, reason))
-        self._queue(
-            client_pb2.SessionRequest(
-                abort=[client_pb2.AbortRequest(request_id=request_id, reason=reason)]
-            )
-        )
+        abort = client_pb2.AbortRequest(request_id=request_id, reason=reason)
+        self._queue(client_pb2.SessionRequest(abort=[abort]), abort.ByteSize())
 
     def close(self) -> None:
         call = self._call
@@ -321,7 +322,3 @@ class AsyncSession:
 
 def _second(pair: tuple[object, int]) -> int:
     return pair[1]
-
-
-def _size(message: client_pb2.SessionRequest) -> int:
-    return message.ByteSize()

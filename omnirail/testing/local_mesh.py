@@ -278,15 +278,6 @@ class LocalMesh:
             raise RuntimeError("LocalMesh.run is for a mesh started with start() or `with`")
         return asyncio.run_coroutine_threadsafe(coro, self._loop).result(timeout)
 
-    def call(self, fn: Any, *args: Any) -> Any:
-        """Calls `fn(*args)` on the mesh's loop and returns its result (the coordinator's
-        and hosts' state belongs to that loop)."""
-
-        async def on_loop() -> Any:
-            return fn(*args)
-
-        return self.run(on_loop())
-
     def client(self, **kwargs: Any) -> Client:
         """A blocking `Client` of this mesh."""
         return Client(self.address or "", **client_options(self.security), **kwargs)
