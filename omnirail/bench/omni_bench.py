@@ -48,7 +48,7 @@ TEXT = "Describe this."
 TINY = "tiny random (made here)"
 BASELINE_BATCHING = (
     "a wave of c requests is one batch of c through generate() (left padding; "
-    "transformers 5.24 batches thinker, talker and code2wav with audio output). c threads "
+    "transformers 5.19 batches thinker, talker and code2wav with audio output). c threads "
     "calling generate() on one shared model are not safe (the thinker and talker keep "
     "rope_deltas on the module between calls) and run one at a time under the GIL"
 )
@@ -189,7 +189,7 @@ class _CpuMeter:
 class _Transformers:
     """`Qwen3OmniMoeForConditionalGeneration.generate` on the same directory, in this
     process (the example's `tiny_model.load_reference`: from_pretrained offline, float32,
-    eval, with its transformers 5.24 workaround)."""
+    eval, with its transformers 5.19 workaround)."""
 
     def __init__(
         self, tiny_model: Any, model_path: str, kind: str, max_new_tokens: int, talker: int

@@ -228,7 +228,7 @@ class Code2WavStreamer:
             if state.cache is None:
                 state.cache = DynamicCache(config=self.config)
             hidden = c2w.pre_transformer(
-                inputs_embeds=embeds, cache=state.cache, use_cache=True
+                inputs_embeds=embeds, past_key_values=state.cache, use_cache=True
             ).last_hidden_state.permute(0, 2, 1)
             wav = self.convs(state.convs, hidden)[0, 0]
         # The convolutions have now given samples(n) of the segment window's samples.

@@ -21,7 +21,7 @@ dropped ends) still to come at the end:
 
 The float results equal the whole-segment forward to rounding (convolution kernels may sum
 in another order for other lengths; the streamer's tests bound the audio at 1e-6 against
-the reference, and measure ~1e-8). transformers 5.24's module structure is walked as is;
+the reference, and measure ~1e-8). transformers 5.19's module structure is walked as is;
 a layer this does not know raises at construction.
 """
 

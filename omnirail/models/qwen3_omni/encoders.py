@@ -3,7 +3,7 @@
 `AudioEncoder(module).encode(input_features, feature_attention_mask)` and
 `ImageEncoder(module).encode(pixel_values, image_grid_thw)` compute what the thinker's
 `get_audio_features` / `get_image_features` compute inside
-`Qwen3OmniMoeForConditionalGeneration.generate()` (transformers 5.24), with the same tensor
+`Qwen3OmniMoeForConditionalGeneration.generate()` (transformers 5.19), with the same tensor
 operations in the same order, so the results are bitwise equal to the reference's. The module
 is the thinker's `audio_tower` (`Qwen3OmniMoeAudioEncoder`) or `visual`
 (`Qwen3OmniMoeVisionEncoder`) alone: a stage process loads just that submodule.

@@ -1,6 +1,6 @@
 """Qwen3-Omni's preprocessing (chat template, tokenizer, Whisper features, image patches).
 
-transformers 5.24 cannot build `Qwen3OmniMoeProcessor` without a video processor, and its
+transformers (5.19) cannot build `Qwen3OmniMoeProcessor` without a video processor, and its
 video processors (and `AutoVideoProcessor`) need torchvision, which has no CPU wheel
 reachable here. `load_processor` therefore returns `Qwen3OmniMoeProcessor.from_pretrained`
 where torchvision is installed and otherwise `Qwen3OmniMoeProcessorNoVideo`: the same class
@@ -22,6 +22,15 @@ from transformers.processing_utils import ProcessorMixin
 VIDEO_UNSUPPORTED = (
     "video input needs torchvision, which is not installed (text, image and audio work)"
 )
+
+
+class _NoVideoProcessor:
+    """What `Qwen3OmniMoeProcessor` reads of its video processor when there is no video."""
+
+    model_input_names: list[str] = []
+
+    def __init__(self, merge_size: int) -> None:
+        self.merge_size = merge_size
 
 
 class Qwen3OmniMoeProcessorNoVideo(Qwen3OmniMoeProcessor):
@@ -46,6 +55,8 @@ class Qwen3OmniMoeProcessorNoVideo(Qwen3OmniMoeProcessor):
         self.vision_eos_token = self.tokenizer.vision_eos_token
         self.audio_bos_token = self.tokenizer.audio_bos_token
         self.audio_eos_token = self.tokenizer.audio_eos_token
+        # The parent's token expansion reads `video_processor.merge_size` even without video.
+        self.video_processor = _NoVideoProcessor(self.image_processor.merge_size)
 
     def __call__(self, text=None, images=None, videos=None, audio=None, **kwargs: Any):
         if videos is not None:

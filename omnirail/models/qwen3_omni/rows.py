@@ -42,7 +42,7 @@ it), attention (`Qwen3OmniMoeThinkerTextAttention`: q/k/v projections, q/k RMSNo
 the head dim, rope, attention, o projection, with the cache update and attention done per
 request), the sparse MoE blocks (router softmax, top-k and renormalisation, experts, the
 talker's sigmoid-gated shared expert) and the code predictor's dense layers. They repeat
-transformers 5.24's forwards, the version pinned; the module is only read.
+transformers 5.19's forwards, the version pinned; the module is only read.
 
 `PredictorRows` runs the talker's code predictor the same way: its rows move in lockstep
 (one frame per request, every row at the same position), so its keys and values live in

@@ -149,7 +149,7 @@ class TalkerRunner:
         self.talker = talker
         self.config = config
         self.talker_config = config.talker_config
-        # transformers 5.24: the talker's 3D rope reads `config.audio_config.n_window`
+        # transformers 5.19: the talker's 3D rope reads `config.audio_config.n_window`
         # (audio and an image in one request), which the talker's config lacks.
         if not hasattr(self.talker.config, "audio_config"):
             self.talker.config.audio_config = config.thinker_config.audio_config
@@ -431,7 +431,7 @@ class TalkerRunner:
             inputs_embeds=inputs_embeds,
             attention_mask=attention_mask,
             position_ids=state.positions,
-            cache=state.cache,
+            past_key_values=state.cache,
             use_cache=True,
             output_hidden_states=True,
         )

@@ -11,7 +11,7 @@ No per-request value is ever stored on the shared modules (transformers' own thi
 `rope_deltas` on the module, which would mix up interleaved requests).
 
 Exactness. `prefill` calls the text model with exactly the arguments
-`Qwen3OmniMoeForConditionalGeneration.generate()` gives it (transformers 5.24): the input
+`Qwen3OmniMoeForConditionalGeneration.generate()` gives it (transformers 5.19): the input
 embeddings with audio and image features scattered in, the deepstack features and their
 mask, the 4-row position ids (text positions, then the 3D mRoPE positions from transformers'
 own `get_rope_index`), no attention mask (all ones is dropped by `generate()`), a
@@ -263,12 +263,12 @@ class ThinkerRunner:
         cache = DynamicCache(config=self.text_config)
         kwargs: dict[str, Any] = {}
         if self.accept_hidden_layer is not None:
-            kwargs["output_hidden_states"] = [self.accept_hidden_layer]
+            kwargs["output_hidden_states"] = True
         out = self.model(
             inputs_embeds=embeds,
             attention_mask=None,
             position_ids=position_ids,
-            cache=cache,
+            past_key_values=cache,
             use_cache=True,
             visual_pos_masks=visual_pos_masks,
             deepstack_visual_embeds=deepstack,

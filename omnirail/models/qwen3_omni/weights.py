@@ -15,10 +15,9 @@ mode and equal, parameter for parameter, to the same submodule of
 The submodules (`SUBMODULES`): name, the checkpoint prefixes it reads, the module returned
 and (in brackets) where the same module sits in `Qwen3OmniMoeForConditionalGeneration`:
 
-- `thinker.audio_tower`: `thinker.audio_tower.`, the audio encoder
-  (`thinker.model.audio_tower`)
-- `thinker.visual`: `thinker.visual.`, the vision encoder (`thinker.model.visual`)
-- `thinker.model`: `thinker.model.`, the MoE text model (`thinker.model.language_model`)
+- `thinker.audio_tower`: `thinker.audio_tower.`, the audio encoder (`thinker.audio_tower`)
+- `thinker.visual`: `thinker.visual.`, the vision encoder (`thinker.visual`)
+- `thinker.model`: `thinker.model.`, the MoE text model (`thinker.model`)
 - `thinker.lm_head`: `thinker.lm_head.`, an `nn.Linear` (`thinker.lm_head`)
 - `thinker.text`: `thinker.model.` and `thinker.lm_head.`, a `ThinkerText` holding both
   as `.model` and `.lm_head`
@@ -81,15 +80,15 @@ SUBMODULES: dict[str, Submodule] = {
     s.name: s
     for s in [
         Submodule(
-            "thinker.audio_tower", (("", "thinker.audio_tower."),), ("thinker.model.audio_tower",)
+            "thinker.audio_tower", (("", "thinker.audio_tower."),), ("thinker.audio_tower",)
         ),
-        Submodule("thinker.visual", (("", "thinker.visual."),), ("thinker.model.visual",)),
-        Submodule("thinker.model", (("", "thinker.model."),), ("thinker.model.language_model",)),
+        Submodule("thinker.visual", (("", "thinker.visual."),), ("thinker.visual",)),
+        Submodule("thinker.model", (("", "thinker.model."),), ("thinker.model",)),
         Submodule("thinker.lm_head", (("", "thinker.lm_head."),), ("thinker.lm_head",)),
         Submodule(
             "thinker.text",
             (("model.", "thinker.model."), ("lm_head.", "thinker.lm_head.")),
-            ("thinker.model.language_model", "thinker.lm_head"),
+            ("thinker.model", "thinker.lm_head"),
         ),
         Submodule("talker", (("", "talker."),), ("talker",)),
         Submodule(
@@ -205,7 +204,7 @@ def build_submodule(config: Any, name: str, device: torch.device, dtype: torch.d
             module = m.Qwen3OmniMoeTalkerForConditionalGeneration._from_config(
                 config.talker_config, dtype=dtype
             )
-            # transformers 5.24: the talker's 3D rope reads `config.audio_config.n_window`
+            # transformers 5.19: the talker's 3D rope reads `config.audio_config.n_window`
             # (audio and image in one request), which the talker's config lacks.
             if not hasattr(module.config, "audio_config"):
                 module.config.audio_config = thinker.audio_config

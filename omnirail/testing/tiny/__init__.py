@@ -15,6 +15,7 @@ from pathlib import Path
 
 # kind -> the module whose `make_tiny_model(path, seed)` builds it.
 BUILDERS = {
+    "qwen3": "omnirail.testing.tiny.qwen3",
     "qwen3-omni": "omnirail.testing.tiny.qwen3_omni",
 }
 

@@ -8,7 +8,7 @@ Whisper feature extractor. The result loads with
 `Qwen3OmniMoeForConditionalGeneration.from_pretrained(path)` (see `load_reference` for the
 transformers bug it works around) and `processor.load_processor(path)`, and
 `reference_generate` runs the reference `generate()` greedily on it (`generate_kwargs`).
-transformers 5.24 leaves the talker's MoE expert weights uninitialised (`torch.empty`);
+transformers 5.19 leaves the talker's MoE expert weights uninitialised (`torch.empty`);
 `make_tiny_model` draws them itself, so the same seed gives the same files.
 
 Shapes (see `tiny_config`): thinker text model 2 layers x 64 wide with 4 experts (2 per
@@ -396,7 +396,7 @@ def make_tiny_model(path: str | Path, seed: int = 0) -> Path:
 
 
 def _init_talker_experts(model, seed: int) -> None:
-    """transformers 5.24 leaves the talker's fused MoE expert weights (`torch.empty`) out of
+    """transformers 5.19 leaves the talker's fused MoE expert weights (`torch.empty`) out of
     `_init_weights`: they would hold whatever memory they were given, and differ from run to
     run. Draws them here, seeded, with the talker's init std."""
     gen = torch.Generator().manual_seed(seed + 1)
@@ -409,7 +409,7 @@ def _init_talker_experts(model, seed: int) -> None:
 
 def load_reference(path: str | Path, device: str | torch.device = "cpu"):
     """`Qwen3OmniMoeForConditionalGeneration.from_pretrained(path)` in eval mode, offline, with
-    a transformers 5.24 bug worked around: with audio and an image (or video) in one request
+    a transformers 5.19 bug worked around: with audio and an image (or video) in one request
     and `return_audio=True`, the talker's 3D rope reads `config.audio_config.n_window`, which
     the talker's config lacks (AttributeError); the talker is given the thinker's audio config,
     which changes nothing else."""

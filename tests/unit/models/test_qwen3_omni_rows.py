@@ -62,7 +62,7 @@ def test_a_row_is_bitwise_the_same_alone_and_batched_in_any_slot(
             prompt = torch.randn((1, n, width), generator=gen)
             pos = torch.arange(n).view(1, 1, n).expand(4, 1, n)
             with torch.no_grad():
-                model(inputs_embeds=prompt, position_ids=pos, cache=cache, use_cache=True)
+                model(inputs_embeds=prompt, position_ids=pos, past_key_values=cache, use_cache=True)
             caches.append(cache)
             positions[len(caches) - 1] = torch.full((4, 1, 1), n)
     assert len({c.get_seq_length() for c in caches}) == 3
@@ -150,7 +150,7 @@ def test_predictor_rows_follow_the_module_and_keep_rows_apart(tiny_dir):
                 length = embed.shape[1]
                 positions = torch.arange(position, position + length).expand(SLOTS, -1)
                 hidden = predictor.model(
-                    inputs_embeds=embed, position_ids=positions, cache=cache, use_cache=True
+                    inputs_embeds=embed, position_ids=positions, past_key_values=cache, use_cache=True
                 ).last_hidden_state
                 out.append(predictor.lm_head[step](hidden[:, -1]))
                 position += length

@@ -92,7 +92,7 @@ def test_reference_generate_is_deterministic(kind, tiny_dir, reference, processo
 
 
 def test_reference_generate_audio_and_image(reference, processor):
-    """The transformers 5.24 bug `load_reference` works around: the talker's rope reads the
+    """The transformers 5.19 bug `load_reference` works around: the talker's rope reads the
     audio config when a request holds audio and an image."""
     seq, wav = tiny_model.reference_generate(
         reference, processor, tiny_model.sample_conversation("image+audio")
@@ -361,7 +361,7 @@ def test_single_file_checkpoint_with_fused_experts(tiny_dir, tmp_path, reference
     tensors: dict[str, torch.Tensor] = {}
     for shard in sorted(set(_index(tiny_dir).values())):
         tensors.update(load_file(tiny_dir / shard))
-    for key, value in dict(reference.thinker.model.language_model.named_parameters()).items():
+    for key, value in dict(reference.thinker.model.named_parameters()).items():
         if ".mlp.experts." in key:
             tensors[f"thinker.model.{key}"] = value.detach().clone()
     tensors = {
