@@ -79,9 +79,7 @@ class Submodule:
 SUBMODULES: dict[str, Submodule] = {
     s.name: s
     for s in [
-        Submodule(
-            "thinker.audio_tower", (("", "thinker.audio_tower."),), ("thinker.audio_tower",)
-        ),
+        Submodule("thinker.audio_tower", (("", "thinker.audio_tower."),), ("thinker.audio_tower",)),
         Submodule("thinker.visual", (("", "thinker.visual."),), ("thinker.visual",)),
         Submodule("thinker.model", (("", "thinker.model."),), ("thinker.model",)),
         Submodule("thinker.lm_head", (("", "thinker.lm_head."),), ("thinker.lm_head",)),

@@ -64,7 +64,9 @@ def make_tiny_model(path: str | Path, seed: int = 0) -> Path:
     return path
 
 
-def reference_generate(path: str | Path, prompts: list[str], max_new_tokens: int) -> list[list[int]]:
+def reference_generate(
+    path: str | Path, prompts: list[str], max_new_tokens: int
+) -> list[list[int]]:
     """transformers' greedy `generate()` on each prompt alone: the generated token ids (the
     end-of-turn token included when it comes), the oracle an engine must equal."""
     from transformers import AutoModelForCausalLM, AutoTokenizer

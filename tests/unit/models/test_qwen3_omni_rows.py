@@ -150,7 +150,10 @@ def test_predictor_rows_follow_the_module_and_keep_rows_apart(tiny_dir):
                 length = embed.shape[1]
                 positions = torch.arange(position, position + length).expand(SLOTS, -1)
                 hidden = predictor.model(
-                    inputs_embeds=embed, position_ids=positions, past_key_values=cache, use_cache=True
+                    inputs_embeds=embed,
+                    position_ids=positions,
+                    past_key_values=cache,
+                    use_cache=True,
                 ).last_hidden_state
                 out.append(predictor.lm_head[step](hidden[:, -1]))
                 position += length
