@@ -33,6 +33,7 @@ class StageObserver:
         inflight: Callable[[], int],
         fan_in: bool,
         held: Callable[[], int] | None = None,
+        engine: Callable[[], object] | None = None,
     ) -> None:
         self._name = name
         self._fan_in = fan_in  # the stage waits for several producers: link them all
@@ -41,7 +42,7 @@ class StageObserver:
         # Whether requests get spans at all; checked before `open_span`.
         self.tracing = self._tracer.enabled
         self._metrics = (metrics or StageMetrics()).stage(
-            name, queue_depth=queue_depth, inflight=inflight, held=held
+            name, queue_depth=queue_depth, inflight=inflight, held=held, engine=engine
         )
 
     def open_span(

@@ -91,6 +91,7 @@ class Stage:
             inflight=lambda: self.inflight,
             fan_in=bool(self._fan_in.wait_for),
             held=lambda: scheduler.held_requests,
+            engine=scheduler.figures if scheduler.figures() is not None else None,
         )
         self._stream_sources = frozenset(pipeline.stream_sources_of(name))
         self._takes_payload = pipeline.takes_payload(name)

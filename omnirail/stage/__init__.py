@@ -13,6 +13,7 @@ INVALID_ARGUMENT and the stage keeps serving.
   (`new_request`, `stream_chunk`, `stream_done`), computing every N chunks.
 - `ARScheduler` with `ARRequest` and `ARStep`: continuous batching of an autoregressive
   step across requests, streaming tokens or hidden states.
+- `EngineFigures`: what a scheduler running a serving engine reports (`Scheduler.figures`).
 - `TensorParallel`: the ranks of a `tp_size` stage, driven from rank 0.
 - `IncomingMessage` / `OutgoingMessage`: what a custom `Scheduler` takes from its inbox and
   puts in its outbox; `CLIENT` is the destination of a chunk for the client.
@@ -26,6 +27,7 @@ from __future__ import annotations
 from omnirail.stage.ar import ARRequest, ARScheduler, ARStep
 from omnirail.stage.scheduler import (
     CLIENT,
+    EngineFigures,
     IncomingMessage,
     OutgoingMessage,
     Scheduler,
@@ -41,6 +43,7 @@ __all__ = [
     "ARRequest",
     "ARScheduler",
     "ARStep",
+    "EngineFigures",
     "IncomingMessage",
     "InputError",
     "OutgoingMessage",

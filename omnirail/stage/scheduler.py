@@ -244,6 +244,19 @@ class AbortSet:
         return request_id in self._ids
 
 
+@dataclass(slots=True, frozen=True)
+class EngineFigures:
+    """A serving engine's own counts (`Scheduler.figures`), exported as the stage's
+    `omnirail_engine_*` metrics: requests running and waiting in the engine, the share of KV
+    cache blocks in use (0..1), and prompt tokens looked up in / found in the prefix cache."""
+
+    running: int
+    waiting: int
+    kv_cache_usage: float
+    prefix_cache_queries: int = 0
+    prefix_cache_hits: int = 0
+
+
 class Scheduler(abc.ABC):
     """The surface the stage uses. Subclasses own their compute thread(s)."""
 
@@ -280,6 +293,11 @@ class Scheduler(abc.ABC):
         one that computes each request in one call. Read from another thread, at scrapes:
         a moment's count, for audits after the mesh is idle."""
         return 0
+
+    def figures(self) -> EngineFigures | None:
+        """A serving engine's own counts (None: no engine). Read from another thread, at
+        scrapes."""
+        return None
 
 
 class ThreadScheduler(Scheduler):

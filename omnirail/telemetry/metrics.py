@@ -15,10 +15,12 @@ than kept up to date on the request path.
 from __future__ import annotations
 
 import math
-from collections.abc import Callable
-from typing import TYPE_CHECKING
+from collections.abc import Callable, Iterator
+from typing import TYPE_CHECKING, Any
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.registry import Collector
 
 from omnirail.v1.common_pb2 import ErrorCode, RequestState
 
@@ -287,8 +289,12 @@ class StageMetrics:
         queue_depth: Callable[[], int] | None = None,
         inflight: Callable[[], int] | None = None,
         held: Callable[[], int] | None = None,
+        engine: Callable[[], Any] | None = None,
     ) -> StageRecorder:
-        """Binds the stage's series; the callables are read at each scrape."""
+        """Binds the stage's series; the callables are read at each scrape. `engine` returns
+        a serving engine's `EngineFigures` (or None: the stage runs no engine)."""
+        if engine is not None:
+            self.registry.register(_EngineCollector(name, engine))
         if held is not None:
             self.held.labels(name).set_function(_scrape_safe(held))
         if queue_depth is not None:
@@ -296,6 +302,50 @@ class StageMetrics:
         if inflight is not None:
             self.inflight.labels(name).set_function(_scrape_safe(inflight))
         return StageRecorder(self, name)
+
+
+class _EngineCollector(Collector):
+    """`omnirail_engine_*`: a stage's serving engine's own counts, read at each scrape."""
+
+    def __init__(self, stage: str, figures: Callable[[], Any]) -> None:
+        self._stage = stage
+        self._figures = figures
+
+    def collect(self) -> Iterator[Metric]:
+        try:
+            f = self._figures()
+        except Exception:  # a scrape racing the stage's shutdown
+            f = None
+        if f is None:
+            return
+        labels = [self._stage]
+        for name, doc, value in (
+            ("running_requests", "Requests the stage's engine is running.", f.running),
+            ("waiting_requests", "Requests waiting in the stage's engine.", f.waiting),
+            (
+                "kv_cache_usage",
+                "Share of the engine's KV cache blocks in use (0..1).",
+                f.kv_cache_usage,
+            ),
+        ):
+            g = GaugeMetricFamily(f"omnirail_engine_{name}", doc, labels=["stage"])
+            g.add_metric(labels, value)
+            yield g
+        for name, doc, value in (
+            (
+                "prefix_cache_queries",
+                "Prompt tokens the engine looked up in its prefix cache.",
+                f.prefix_cache_queries,
+            ),
+            (
+                "prefix_cache_hits",
+                "Prompt tokens the engine found in its prefix cache.",
+                f.prefix_cache_hits,
+            ),
+        ):
+            c = CounterMetricFamily(f"omnirail_engine_{name}", doc, labels=["stage"])
+            c.add_metric(labels, value)
+            yield c
 
 
 def watch_relay(metrics: StageMetrics, backend: str, held: Callable[[], int]) -> None:
