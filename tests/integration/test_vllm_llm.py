@@ -34,6 +34,9 @@ PROMPTS = ["Good morning", "yes, no, maybe", "thanks please sorry welcome and mo
 MAX_NEW = 24
 MAX_MODEL_LEN = 128
 ENGINE = {"enforce_eager": True, "kv_cache_gib": 0.25, "max_model_len": MAX_MODEL_LEN}
+# scripts/device_check.sh sets it on a CUDA host: the LLM stage then runs on GPU 0 (vLLM's
+# CUDA build), in float32 as here so that tokens still equal transformers'.
+ON_GPU = os.environ.get("OMNIRAIL_VLLM_GPU") == "1"
 
 
 def pipeline(model_dir: Path, where: Path, **engine: object) -> Path:
@@ -46,8 +49,9 @@ def pipeline(model_dir: Path, where: Path, **engine: object) -> Path:
             {
                 "name": "llm",
                 "factory": "omnirail.engines.vllm:create_llm",
-                "factory_args": {**ENGINE, **engine},
+                "factory_args": {**ENGINE, "dtype": "float32", **engine},
                 "terminal": True,
+                **({"gpu": 0} if ON_GPU else {}),
             },
         ],
     }
