@@ -136,6 +136,18 @@ def _run(args: argparse.Namespace) -> dict[str, Any]:
             torch_threads=args.torch_threads,
             progress=progress(args.json),
         )
+    elif args.what == "llm":
+        from omnirail.bench.llm_bench import run_llm_bench
+
+        report = run_llm_bench(
+            model_path=args.model_path,
+            concurrency=args.concurrency or [1, 8],
+            requests=16 if args.requests is None else args.requests,
+            max_new_tokens=args.max_new_tokens,
+            rounds=max(args.rounds, 2),
+            engine=_parse_options(args.option),
+            progress=progress(args.json),
+        )
     elif args.what == "streaming":
         from omnirail.bench.streaming_bench import run_streaming_bench
 
@@ -228,6 +240,7 @@ def add_bench_parser(sub: Any) -> None:
             "demo",
             "host",
             "omni",
+            "llm",
             "chaos",
             "overload",
             "stop",
@@ -241,7 +254,8 @@ def add_bench_parser(sub: Any) -> None:
         action="append",
         default=[],
         metavar="KEY=VALUE",
-        help="relay: a backend option for both sides (value parsed as YAML), repeatable",
+        help="relay: a backend option for both sides; llm: an engine option (value parsed as "
+        "YAML), repeatable",
     )
     b.add_argument(
         "--receiver-option",
@@ -312,7 +326,8 @@ def add_bench_parser(sub: Any) -> None:
     b.add_argument(
         "--model-path",
         default=None,
-        help="omni: a local Qwen3-Omni checkpoint directory (default: a tiny random one made "
+        help="omni: a local Qwen3-Omni checkpoint directory; llm: a model directory vLLM serves "
+        "(default: a tiny random one made "
         "in a temporary folder)",
     )
     b.add_argument(
