@@ -6,9 +6,15 @@ from __future__ import annotations
 
 from omnirail.engines.vllm.llm_stage import create_llm
 from omnirail.engines.vllm.options import EngineOptionError, EngineOptions, Sampling
-from omnirail.engines.vllm.scheduler import EngineRequest, EngineStartError, VLLMScheduler
+from omnirail.engines.vllm.scheduler import (
+    Chunk,
+    EngineRequest,
+    EngineStartError,
+    VLLMScheduler,
+)
 
 __all__ = [
+    "Chunk",
     "EngineOptionError",
     "EngineOptions",
     "EngineRequest",

@@ -22,7 +22,7 @@ from typing import Any
 import numpy as np
 
 from omnirail.engines.vllm.options import EngineOptionError, EngineOptions, Sampling
-from omnirail.engines.vllm.scheduler import EngineRequest, VLLMScheduler
+from omnirail.engines.vllm.scheduler import Chunk, EngineRequest, VLLMScheduler
 from omnirail.stage import InputError, TensorParallel
 
 TEXT = {"modality": "text"}
@@ -56,9 +56,8 @@ def create_llm(
         options=options,
         device=device,
         prepare=prepare,
-        make_chunk=text_chunk,
+        make_chunks=text_chunks,
         make_result=text_result,
-        stream_metadata=TEXT,
         max_unsent=max_unsent,
     )
 
@@ -152,8 +151,9 @@ def make_request(payload: Any, tokenizer: _Tokenizer) -> EngineRequest:
     return EngineRequest(prompt, params, context=prompt)
 
 
-def text_chunk(request: EngineRequest, token_ids: list[int], text: str) -> dict[str, Any]:
-    return {"token_ids": np.asarray(token_ids, dtype=np.int64), "text": text}
+def text_chunks(request: EngineRequest, token_ids: list[int], text: str) -> list[Chunk]:
+    """One chunk for all the new tokens: their ids and text."""
+    return [Chunk({"token_ids": np.asarray(token_ids, dtype=np.int64), "text": text}, None, TEXT)]
 
 
 def text_result(

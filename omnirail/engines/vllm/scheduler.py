@@ -69,16 +69,28 @@ class _Running:
     pending_text: list[str] = field(default_factory=list)
 
 
+@dataclass(slots=True)
+class Chunk:
+    """One stream chunk from `make_chunks`: to `target` (None: every stream target, or the
+    client at a terminal stage), labelled with `metadata`."""
+
+    data: Any
+    target: str | None = None
+    metadata: dict[str, Any] | None = None
+
+
 PrepareFn = Callable[[Any], EngineRequest]
-ChunkFn = Callable[[EngineRequest, list[int], str], Any]
+ChunksFn = Callable[[EngineRequest, list[int], str], list[Chunk]]
 ResultFn = Callable[[EngineRequest, list[int], str, str], Any]
 
 
 class VLLMScheduler(Scheduler):
     """Runs a vLLM engine for the stage. `prepare(payload)` turns a request's payload into an
-    `EngineRequest` (raise `InputError` for bad input); `make_chunk(request, new_ids,
-    new_text)` is one stream chunk; `make_result(request, all_ids, text, finish_reason)` the
-    request's result. `stream_metadata` labels chunks for clients."""
+    `EngineRequest` (raise `InputError` for bad input); `make_chunks(request, new_ids,
+    new_text)` the stream chunks of tokens new since the last call (several steps' worth when
+    the consumer was behind); `make_result(request, all_ids, text, finish_reason)` the
+    request's result. `before_build` runs on the engine's thread before it is built (model
+    registrations)."""
 
     takes_streams = False
 
@@ -90,10 +102,11 @@ class VLLMScheduler(Scheduler):
         options: EngineOptions,
         device: str,
         prepare: PrepareFn,
-        make_chunk: ChunkFn | None,
+        make_chunks: ChunksFn | None,
         make_result: ResultFn,
-        stream_metadata: dict[str, Any] | None = None,
         max_unsent: int = 16,
+        before_build: Callable[[], None] | None = None,
+        engine_args: dict[str, Any] | None = None,
     ) -> None:
         super().__init__()
         self.stage = stage
@@ -101,9 +114,10 @@ class VLLMScheduler(Scheduler):
         self._options = options
         self._device = device
         self._prepare = prepare
-        self._make_chunk = make_chunk
+        self._make_chunks = make_chunks
         self._make_result = make_result
-        self._metadata = stream_metadata
+        self._before_build = before_build
+        self._extra_args = engine_args or {}
         self.max_unsent = max_unsent
         self._running: dict[str, _Running] = {}
         self._prefix_queries = 0
@@ -215,7 +229,11 @@ class VLLMScheduler(Scheduler):
         # vLLM's periodic stats line would go into the stage's log; its figures are the
         # stage's metrics instead.
         logging.getLogger("vllm.v1.metrics.loggers").setLevel(logging.WARNING)
-        args = EngineArgs(**self._options.engine_args(self._model_path, self._device))
+        if self._before_build is not None:
+            self._before_build()
+        args = EngineArgs(
+            **{**self._options.engine_args(self._model_path, self._device), **self._extra_args}
+        )
         return LLMEngine.from_engine_args(args, stat_loggers=[_Counts])
 
     def _loop(self) -> None:
@@ -288,7 +306,7 @@ class VLLMScheduler(Scheduler):
             ids = list(completion.token_ids)
             run.token_ids.extend(ids)
             run.text.append(completion.text)
-            if self._make_chunk is not None and ids:
+            if self._make_chunks is not None and ids:
                 run.pending_ids.extend(ids)
                 run.pending_text.append(completion.text)
             if o.finished:
@@ -309,11 +327,11 @@ class VLLMScheduler(Scheduler):
         self.outbox.put_many(out)
 
     def _flush(self, rid: str, run: _Running, out: list[OutgoingMessage]) -> None:
-        if not run.pending_ids or self._make_chunk is None:
+        if not run.pending_ids or self._make_chunks is None:
             return
-        chunk = self._make_chunk(run.request, run.pending_ids, "".join(run.pending_text))
+        chunks = self._make_chunks(run.request, run.pending_ids, "".join(run.pending_text))
         run.pending_ids, run.pending_text = [], []
-        out.append(OutgoingMessage(rid, "stream", chunk, None, self._metadata))
+        out.extend(OutgoingMessage(rid, "stream", c.data, c.target, c.metadata) for c in chunks)
 
     def _error(self, rid: str, exc: BaseException) -> None:
         if rid not in self.aborted:

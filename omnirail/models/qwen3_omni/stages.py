@@ -104,7 +104,28 @@ def talker_prompt_chunk(prefill: Any, data: dict[str, Any]) -> dict[str, Any]:
     return chunk
 
 
-def create_thinker(model_path: str, device: str = "cpu", max_batch_size: int = 8) -> ARScheduler:
+def create_thinker(
+    model_path: str,
+    device: str = "cpu",
+    max_batch_size: int = 8,
+    engine: str = "native",
+    tp: Any = None,
+    **engine_options: Any,
+) -> Any:
+    """The thinker: `engine: native` (the hand-written step machine below, exact) or
+    `engine: vllm` (`vllm_thinker.py`; `engine_options` are its `EngineOptions`)."""
+    if engine == "vllm":
+        from .vllm_thinker import create_vllm_thinker
+
+        return create_vllm_thinker(model_path, device, tp, **engine_options)
+    stage = tp.stage if tp is not None else "thinker"
+    if engine != "native":
+        raise ValueError(f"stages[{stage}].factory_args.engine: native or vllm, got {engine!r}")
+    if engine_options:
+        raise ValueError(
+            f"stages[{stage}].factory_args.{sorted(engine_options)[0]}: an engine option; "
+            "the native thinker takes none (set engine: vllm)"
+        )
     runner = ThinkerRunner.from_pretrained(model_path, torch.device(device), slots=max_batch_size)
     _holds("thinker", runner.model, runner.lm_head)
 

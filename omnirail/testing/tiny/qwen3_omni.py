@@ -11,8 +11,9 @@ transformers bug it works around) and `processor.load_processor(path)`, and
 transformers 5.19 leaves the talker's MoE expert weights uninitialised (`torch.empty`);
 `make_tiny_model` draws them itself, so the same seed gives the same files.
 
-Shapes (see `tiny_config`): thinker text model 2 layers x 64 wide with 4 experts (2 per
-token); audio encoder 1 layer x 32; vision encoder 2 blocks x 32 (patch 16, merge 2,
+Shapes (see `tiny_config`): thinker text model 2 layers x 64 wide, 2 heads of 32 (the
+smallest head vLLM's CPU attention takes, so the vLLM thinker loads it too) with 4 experts (2
+per token); audio encoder 1 layer x 32; vision encoder 2 blocks x 32 (patch 16, merge 2,
 deepstack from both blocks); talker 2 layers x 32 with 4 experts and a 1-layer code
 predictor; 4 code groups of 32 codes; code2wav 1 layer x 32 with the real upsampling
 (1920 samples per code frame, 24 kHz).
@@ -235,13 +236,16 @@ def tiny_config(tokenizer) -> Any:
         "vision_start_token_id": tid("<|vision_start|>"),
     }
     vocab_size = 64 * math.ceil(len(tokenizer) / 64)
-    mrope = {
-        "rope_type": "default",
-        "rope_theta": 1_000_000.0,
-        "mrope_section": [4, 2, 2],  # sums to head_dim / 2 (16 / 2)
-        "interleaved": True,
-        "mrope_interleaved": True,
-    }
+
+    def mrope(section: list[int]) -> dict[str, Any]:
+        return {
+            "rope_type": "default",
+            "rope_theta": 1_000_000.0,
+            "mrope_section": section,  # sums to head_dim / 2
+            "interleaved": True,
+            "mrope_interleaved": True,
+        }
+
     codebook = CODEBOOK_SIZE
     thinker = {
         "audio_config": {
@@ -277,15 +281,18 @@ def tiny_config(tokenizer) -> Any:
             "hidden_size": 64,
             "intermediate_size": 128,
             "num_hidden_layers": 2,
-            "num_attention_heads": 4,
-            "num_key_value_heads": 2,
+            # head_dim 32: the smallest vLLM's CPU attention takes (the vLLM thinker).
+            "num_attention_heads": 2,
+            "num_key_value_heads": 1,
+            "head_dim": 32,
             "moe_intermediate_size": 32,
             "num_experts": 4,
             "num_experts_per_tok": 2,
             "decoder_sparse_step": 1,
             "norm_topk_prob": True,
             "max_position_embeddings": 4096,
-            "rope_parameters": dict(mrope),
+            "tie_word_embeddings": False,
+            "rope_parameters": mrope([6, 5, 5]),
             "initializer_range": INIT_STD,
         },
         "position_id_per_seconds": 13,
@@ -308,7 +315,7 @@ def tiny_config(tokenizer) -> Any:
             "decoder_sparse_step": 1,
             "norm_topk_prob": False,
             "max_position_embeddings": 4096,
-            "rope_parameters": dict(mrope),
+            "rope_parameters": mrope([4, 2, 2]),
             "initializer_range": TALKER_INIT_STD,
         },
         "code_predictor_config": {
