@@ -2,7 +2,9 @@
 in real processes, against transformers' `generate()` on the tiny checkpoint: the same token
 ids and codec codes, audio within the bound the hand-written thinker meets, 8 requests at once
 each getting what it gets alone, speech streaming before the text ends, aborted requests
-leaving nothing in the engine. Prompts with media are refused by name for now."""
+leaving nothing in the engine. Prompts with images and audio run on vLLM too: the encoder
+stages' rows, positions and deepstack features are put in place of vLLM's in the model's
+forward (`vllm_model.py`)."""
 
 from __future__ import annotations
 
@@ -25,6 +27,7 @@ pytest.importorskip("vllm")
 from omnirail.bench.omni_bench import write_pipeline
 from omnirail.client.sdk import Chunk, Client
 from omnirail.ops.launcher import Mesh
+from omnirail.testing.tiny import qwen3_omni as tiny_model
 from omnirail.wire.errors import Code, OmniError
 from tests.integration.conftest import collect_stream, wait_nothing_in_flight
 from tests.integration.test_metrics import Endpoints, scrape, value
@@ -73,10 +76,11 @@ def _answer(client: Client, request: dict[str, Any]) -> tuple[list[int], torch.T
     return decode["token_ids"], torch.tensor(code2wav["codes"]).T, pcm
 
 
-def test_text_equals_transformers_generate(mesh: Mesh, reference: Any) -> None:  # noqa: F811
-    tokens, codes, wav = reference("text")
+@pytest.mark.parametrize("kind", ["text", "image", "audio", "image+audio"])
+def test_equal_to_transformers_generate(mesh: Mesh, reference: Any, kind: str) -> None:  # noqa: F811
+    tokens, codes, wav = reference(kind)
     with Client(mesh.address or "", timeout=120, tensors="numpy") as client:
-        got_tokens, got_codes, pcm = _answer(client, request_for("text"))
+        got_tokens, got_codes, pcm = _answer(client, request_for(kind))
     assert got_tokens == tokens
     assert torch.equal(got_codes, codes)
     assert pcm.shape == wav.shape
@@ -106,21 +110,31 @@ def test_first_audio_arrives_before_the_last_text(mesh: Mesh) -> None:
     assert order.index("audio") < last_text, order
 
 
-@pytest.mark.parametrize("kind", ["image", "audio"])
-def test_media_prompts_are_refused_by_name_and_the_mesh_serves_on(mesh: Mesh, kind: str) -> None:
+def test_more_tokens_than_the_engine_holds_fails_that_request(mesh: Mesh) -> None:
+    """Within the model's positions (preprocessing's bound) but past the engine's
+    max_model_len: the thinker refuses that request with vLLM's reason; the mesh serves on."""
     with Client(mesh.address or "", timeout=120, tensors="numpy") as client:
         with pytest.raises(OmniError) as info:
-            client.generate(request_for(kind))
-        assert info.value.code == Code.INVALID_ARGUMENT
-        assert f"inputs.{kind}" in info.value.message and info.value.stage == "thinker"
+            client.generate({"text": "x", "max_new_tokens": 2000})
+        assert info.value.code == Code.INVALID_ARGUMENT and info.value.stage == "thinker"
+        assert str(VLLM["max_model_len"]) in info.value.message
         result = client.generate({"text": "Hi", "max_new_tokens": 2, "speak": False})
     assert 1 <= len(result.outputs["decode"]["token_ids"]) <= 2
+
+
+def test_the_image_reaches_the_model(mesh: Mesh) -> None:
+    """Another image, same prompt: other tokens or codes (the media rows are the model's)."""
+    with Client(mesh.address or "", timeout=120, tensors="numpy") as client:
+        one = _answer(client, request_for("image"))
+        other = _answer(client, {**request_for("image"), "image": tiny_model.sample_image(seed=5)})
+    assert one[0] != other[0] or not torch.equal(one[1], other[1])
 
 
 def test_aborted_requests_leave_nothing_in_the_engine(mesh: Mesh) -> None:
     def abandon(i: int) -> None:
         with Client(mesh.address or "", timeout=120, tensors="numpy") as client:
-            for event in client.stream({"text": "Tell me a story.", "max_new_tokens": 40}):
+            request = {**request_for(["text", "image"][i % 2]), "max_new_tokens": 40}
+            for event in client.stream(request):
                 if isinstance(event, Chunk) and event.modality == "audio":
                     break  # leaving the loop aborts the request everywhere
 

@@ -51,11 +51,20 @@ class EngineStartError(RuntimeError):
 @dataclass(slots=True)
 class EngineRequest:
     """What `prepare(payload)` makes of a request: the engine's prompt and sampling params,
-    and anything the stage's `make_chunk` / `make_result` need later (`context`)."""
+    and anything the stage's `make_chunks` / `make_result` need later (`context`).
+    `on_added(engine_id)` runs once the engine holds the request (with vLLM's own id for it),
+    `on_end()` once it no longer does (finished, aborted or failed); both on the engine's
+    thread."""
 
     prompt: Any
     params: Any
     context: Any = None
+    on_added: Callable[[str], None] | None = None
+    on_end: Callable[[], None] | None = None
+
+    def ended(self) -> None:
+        if self.on_end is not None:
+            self.on_end()
 
 
 @dataclass(slots=True)
@@ -106,6 +115,7 @@ class VLLMScheduler(Scheduler):
         make_result: ResultFn,
         max_unsent: int = 16,
         before_build: Callable[[], None] | None = None,
+        after_build: Callable[[Any], None] | None = None,
         engine_args: dict[str, Any] | None = None,
     ) -> None:
         super().__init__()
@@ -117,6 +127,7 @@ class VLLMScheduler(Scheduler):
         self._make_chunks = make_chunks
         self._make_result = make_result
         self._before_build = before_build
+        self._after_build = after_build
         self._extra_args = engine_args or {}
         self.max_unsent = max_unsent
         self._running: dict[str, _Running] = {}
@@ -234,7 +245,10 @@ class VLLMScheduler(Scheduler):
         args = EngineArgs(
             **{**self._options.engine_args(self._model_path, self._device), **self._extra_args}
         )
-        return LLMEngine.from_engine_args(args, stat_loggers=[_Counts])
+        engine = LLMEngine.from_engine_args(args, stat_loggers=[_Counts])
+        if self._after_build is not None:
+            self._after_build(engine)
+        return engine
 
     def _loop(self) -> None:
         engine = self._engine
@@ -270,8 +284,10 @@ class VLLMScheduler(Scheduler):
     def _handle(self, msg: IncomingMessage) -> None:
         rid = msg.request_id
         if msg.type == "abort":
-            if self._running.pop(rid, None) is not None:
+            run = self._running.pop(rid, None)
+            if run is not None:
                 self._engine.abort_request([rid])
+                run.request.ended()
             return
         if rid in self.aborted:
             return
@@ -283,7 +299,9 @@ class VLLMScheduler(Scheduler):
             return
         try:
             request = self._prepare(msg.data)
-            self._engine.add_request(rid, request.prompt, request.params)
+            engine_id = self._engine.add_request(rid, request.prompt, request.params)
+            if request.on_added is not None:
+                request.on_added(engine_id)
         except InputError as exc:
             self._error(rid, exc)
             return
@@ -311,6 +329,7 @@ class VLLMScheduler(Scheduler):
                 run.pending_text.append(completion.text)
             if o.finished:
                 del self._running[rid]
+                run.request.ended()
                 self._flush(rid, run, out)
                 result = self._make_result(
                     run.request,
@@ -339,6 +358,8 @@ class VLLMScheduler(Scheduler):
 
     def _fail_all(self, exc: Exception) -> None:
         rids = list(self._running)
+        for run in self._running.values():
+            run.request.ended()
         self._running.clear()
         try:
             self._engine.abort_request(rids)

@@ -132,7 +132,33 @@ class Prefill:
     talker: TalkerPrompt
 
 
+@dataclass
+class PromptInputs:
+    """A prompt as the text model takes it. `embeds`: (1, L, H) the input embeddings with the
+    encoders' rows scattered in; `position_ids`: (4, 1, L) text positions then the three 3D
+    rope rows; `rope_deltas`: (1, 1) 3D minus text positions after the prompt;
+    `visual_pos_masks`: (1, L) image positions and `deepstack`: the image encoder's deepstack
+    features (added after the first layers), both None without an image; `multimodal_mask`:
+    (1, L) audio, image and video positions."""
+
+    embeds: torch.Tensor
+    position_ids: torch.Tensor
+    rope_deltas: torch.Tensor
+    visual_pos_masks: torch.Tensor | None
+    deepstack: list[torch.Tensor] | None
+    multimodal_mask: torch.Tensor
+
+
 _DEFAULT = object()
+
+
+class _EmbeddingOnly(torch.nn.Module):
+    """A text model's `embed_tokens` and `config` without its layers (`prompts_only`)."""
+
+    def __init__(self, table: torch.Tensor, config: Any) -> None:
+        super().__init__()
+        self.embed_tokens = torch.nn.Embedding.from_pretrained(table, freeze=True)
+        self.config = config
 
 
 class ThinkerRunner:
@@ -147,7 +173,7 @@ class ThinkerRunner:
     def __init__(
         self,
         text_model: torch.nn.Module,
-        lm_head: torch.nn.Module,
+        lm_head: torch.nn.Module | None,
         config: Any,
         *,
         accept_hidden_layer: int | object | None = _DEFAULT,
@@ -157,7 +183,7 @@ class ThinkerRunner:
             raise ValueError(f"slots must be >= 1, got {slots}")
         self.slots = slots
         self.model = text_model.eval()
-        self.lm_head = lm_head.eval()
+        self.lm_head = lm_head.eval() if lm_head is not None else None
         self.config = config
         self.thinker_config = config.thinker_config
         self.text_config = text_model.config
@@ -196,6 +222,18 @@ class ThinkerRunner:
         text = load_submodule(model_path, "thinker.text", device, dtype)
         return cls(text.model, text.lm_head, read_config(model_path), **kwargs)
 
+    @classmethod
+    def prompts_only(cls, model_path: str, device: torch.device | str = "cpu") -> ThinkerRunner:
+        """A runner for `check_request` and `prompt_inputs` alone, holding the checkpoint's
+        input embedding table and no layers (it cannot prefill or step): a thinker that runs
+        its model elsewhere (`vllm_thinker.py`) builds the same inputs with it."""
+        from .talker_prompt import read_embed_table
+        from .weights import read_config
+
+        config = read_config(model_path)
+        table = read_embed_table(model_path).to(device)
+        return cls(_EmbeddingOnly(table, config.thinker_config.text_config), None, config)
+
     # ---- public API ---------------------------------------------------------------------
 
     def embed(self, token_ids: torch.Tensor | Sequence[int]) -> torch.Tensor:
@@ -226,12 +264,74 @@ class ThinkerRunner:
         `max_new_tokens`: 1.. (max_position_embeddings - L); `eos_token_id`: an id or ids
         that end generation (default: the config's `im_end_token_id`; None: none).
         """
-        ids = self._check_ids(input_ids, attention_mask)
+        ids, max_new_tokens, eos = self.check_request(
+            input_ids, max_new_tokens, attention_mask, audio, image, eos_token_id
+        )
         length = ids.shape[1]
-        max_new_tokens = self._check_max_new_tokens(max_new_tokens, length)
+        inputs = self.prompt_inputs(ids, audio, image)
+        embeds, position_ids, rope_deltas = inputs.embeds, inputs.position_ids, inputs.rope_deltas
+        visual_pos_masks, deepstack = inputs.visual_pos_masks, inputs.deepstack
+
+        # 3. The prompt through the model, into this request's own cache.
+        from transformers import DynamicCache
+
+        cache = DynamicCache(config=self.text_config)
+        kwargs: dict[str, Any] = {}
+        if self.accept_hidden_layer is not None:
+            kwargs["output_hidden_states"] = True
+        out = self.model(
+            inputs_embeds=embeds,
+            attention_mask=None,
+            position_ids=position_ids,
+            past_key_values=cache,
+            use_cache=True,
+            visual_pos_masks=visual_pos_masks,
+            deepstack_visual_embeds=deepstack,
+            **kwargs,
+        )
+        token = self._greedy(out.last_hidden_state)
+
+        accept_hidden = None
+        if self.accept_hidden_layer is not None:
+            accept_hidden = out.hidden_states[self.accept_hidden_layer].contiguous()
+        state = ThinkerState(
+            cache=cache,
+            position=position_ids[..., -1:].clone(),
+            rope_deltas=rope_deltas,
+            prompt_length=length,
+            max_new_tokens=max_new_tokens,
+            eos_token_ids=eos,
+        )
+        first = self._record(state, token, None)
+        talker = TalkerPrompt(
+            input_ids=ids.contiguous(),
+            embeds=embeds.contiguous(),
+            accept_hidden=accept_hidden,
+            multimodal_mask=inputs.multimodal_mask.contiguous(),
+        )
+        return Prefill(state=state, first=first, talker=talker)
+
+    def check_request(
+        self,
+        input_ids: torch.Tensor,
+        max_new_tokens: Any,
+        attention_mask: torch.Tensor | None = None,
+        audio: AudioEncoding | None = None,
+        image: ImageEncoding | None = None,
+        eos_token_id: int | Iterable[int] | object | None = _DEFAULT,
+    ) -> tuple[torch.Tensor, int, frozenset[int]]:
+        """A request's ids (1, L) on the device, its `max_new_tokens` and its end ids, after
+        checking them and its media against each other (`InputError` naming the field)."""
+        ids = self._check_ids(input_ids, attention_mask)
+        max_new_tokens = self._check_max_new_tokens(max_new_tokens, ids.shape[1])
         eos = self._eos_ids(eos_token_id)
         self._check_media(ids, audio, image)
+        return ids, max_new_tokens, eos
 
+    def prompt_inputs(
+        self, ids: torch.Tensor, audio: AudioEncoding | None, image: ImageEncoding | None
+    ) -> PromptInputs:
+        """What the text model is given for a checked prompt (`check_request`'s ids)."""
         # 1. Input embeddings, as Qwen3OmniMoeThinkerModel.forward builds them.
         embeds = self.model.embed_tokens(ids)
         if audio is not None:
@@ -256,50 +356,14 @@ class ThinkerRunner:
             audio.feature_lengths.to(self.device) if audio is not None else None,
         )
         position_ids = torch.cat([text_positions[None, ...], rope_positions], dim=0)
-
-        # 3. The prompt through the model, into this request's own cache.
-        from transformers import DynamicCache
-
-        cache = DynamicCache(config=self.text_config)
-        kwargs: dict[str, Any] = {}
-        if self.accept_hidden_layer is not None:
-            kwargs["output_hidden_states"] = True
-        out = self.model(
-            inputs_embeds=embeds,
-            attention_mask=None,
-            position_ids=position_ids,
-            past_key_values=cache,
-            use_cache=True,
-            visual_pos_masks=visual_pos_masks,
-            deepstack_visual_embeds=deepstack,
-            **kwargs,
-        )
-        token = self._greedy(out.last_hidden_state)
-
-        accept_hidden = None
-        if self.accept_hidden_layer is not None:
-            accept_hidden = out.hidden_states[self.accept_hidden_layer].contiguous()
         multimodal = (
             (ids == self.audio_token_id)
             | (ids == self.image_token_id)
             | (ids == self.video_token_id)
         )
-        state = ThinkerState(
-            cache=cache,
-            position=position_ids[..., -1:].clone(),
-            rope_deltas=rope_deltas,
-            prompt_length=length,
-            max_new_tokens=max_new_tokens,
-            eos_token_ids=eos,
+        return PromptInputs(
+            embeds, position_ids, rope_deltas, visual_pos_masks, deepstack, multimodal
         )
-        first = self._record(state, token, None)
-        talker = TalkerPrompt(
-            input_ids=ids.contiguous(),
-            embeds=embeds.contiguous(),
-            accept_hidden=accept_hidden,
-            multimodal_mask=multimodal.contiguous(),
-        )
-        return Prefill(state=state, first=first, talker=talker)
 
     def step(self, state: ThinkerState) -> StepOutput:
         """Feeds the request's last token and returns the next one (with the fed token's
