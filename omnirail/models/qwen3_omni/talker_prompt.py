@@ -99,17 +99,3 @@ def read_tts_embeds(model_path: str | Path, ids: Sequence[int]) -> torch.Tensor:
         table = f.get_slice(name)
         return torch.stack([table[i : i + 1][0] for i in ids])
 
-
-def read_embed_table(model_path: str | Path) -> torch.Tensor:
-    """The thinker's whole input embedding table (`thinker.model.embed_tokens.weight`), read
-    from the checkpoint alone: `(vocab, D)`, in the checkpoint's dtype."""
-    from safetensors import safe_open
-
-    from .weights import ModelDirError, weight_map
-
-    name = "thinker.model.embed_tokens.weight"
-    files = weight_map(model_path)
-    if name not in files:
-        raise ModelDirError(f"{model_path}: no tensor {name!r}")
-    with safe_open(str(Path(model_path) / files[name]), framework="pt") as f:
-        return f.get_tensor(name)

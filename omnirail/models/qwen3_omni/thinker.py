@@ -227,8 +227,7 @@ class ThinkerRunner:
         """A runner for `check_request` and `prompt_inputs` alone, holding the checkpoint's
         input embedding table and no layers (it cannot prefill or step): a thinker that runs
         its model elsewhere (`vllm_thinker.py`) builds the same inputs with it."""
-        from .talker_prompt import read_embed_table
-        from .weights import read_config
+        from .weights import read_config, read_embed_table
 
         config = read_config(model_path)
         table = read_embed_table(model_path).to(device)

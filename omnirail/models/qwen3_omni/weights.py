@@ -369,3 +369,14 @@ def _names(names: list[str]) -> str:
 def _one_line(e: BaseException) -> str:
     text = " ".join(str(e).split())
     return text[:300] + ("..." if len(text) > 300 else "")
+
+
+def read_embed_table(model_path: str | Path) -> torch.Tensor:
+    """The thinker's whole input embedding table (`thinker.model.embed_tokens.weight`), read
+    from the checkpoint alone: `(vocab, D)`, in the checkpoint's dtype."""
+    name = "thinker.model.embed_tokens.weight"
+    files = weight_map(model_path)
+    if name not in files:
+        raise ModelDirError(f"{model_path}: no tensor {name!r}")
+    with safe_open(str(Path(model_path) / files[name]), framework="pt") as f:
+        return f.get_tensor(name)
