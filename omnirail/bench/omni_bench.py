@@ -35,7 +35,7 @@ import tempfile
 import threading
 import time
 from collections.abc import Callable, Iterator, Sequence
-from contextlib import contextmanager
+from contextlib import ExitStack, contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -44,8 +44,13 @@ from omnirail.bench import cpu_seconds
 QWEN3_OMNI = "omnirail.models.qwen3_omni"
 AUDIO_SAMPLE_RATE = 24_000  # code2wav's output: 1920 samples per 12.5 Hz code frame
 KINDS = ("text", "image", "audio")
+THINKERS = ("native", "vllm")
 TEXT = "Describe this."
 TINY = "tiny random (made here)"
+BENCH = "bench-size random (made here): " + (
+    "thinker text 8 layers x 512 (8 heads of 64, 16 experts, 4 per token), audio and vision "
+    "encoders and talker and code2wav as the tiny one's"
+)
 BASELINE_BATCHING = (
     "a wave of c requests is one batch of c through generate() (left padding; "
     "transformers 5.19 batches thinker, talker and code2wav with audio output). c threads "
@@ -70,9 +75,15 @@ def _request(tiny_model: Any, kind: str, max_new_tokens: int) -> dict[str, Any]:
     return request
 
 
-def write_pipeline(where: Path, model_path: str, max_new_tokens: int, talker_tokens: int) -> Path:
-    """Writes the installed Qwen3-Omni pipeline into `where` with `model_path` and the token
-    limits set; its path."""
+def write_pipeline(
+    where: Path,
+    model_path: str,
+    max_new_tokens: int,
+    talker_tokens: int,
+    thinker_args: dict[str, Any] | None = None,
+) -> Path:
+    """Writes the installed Qwen3-Omni pipeline into `where` with `model_path`, the token
+    limits and any thinker factory arguments set; its path."""
     import yaml
 
     from omnirail.models.registry import by_name
@@ -86,16 +97,33 @@ def write_pipeline(where: Path, model_path: str, max_new_tokens: int, talker_tok
             args["max_new_tokens"] = max_new_tokens
         elif stage["name"] == "talker":
             args["max_new_tokens"] = talker_tokens
+        elif stage["name"] == "thinker":
+            args.update(thinker_args or {})
     path = where / "pipeline.yaml"
     path.write_text(yaml.safe_dump(cfg, sort_keys=False))
     return path
 
 
 @contextmanager
-def _pipeline(model_path: str, max_new_tokens: int, talker_tokens: int) -> Iterator[Path]:
+def _pipeline(
+    model_path: str,
+    max_new_tokens: int,
+    talker_tokens: int,
+    thinker_args: dict[str, Any] | None = None,
+) -> Iterator[Path]:
     """`write_pipeline` into a temporary folder, removed afterwards."""
     with tempfile.TemporaryDirectory(prefix="omnirail-bench-omni-") as tmp:
-        yield write_pipeline(Path(tmp) / "qwen3_omni", model_path, max_new_tokens, talker_tokens)
+        yield write_pipeline(
+            Path(tmp) / "qwen3_omni", model_path, max_new_tokens, talker_tokens, thinker_args
+        )
+
+
+def _thinker_args(thinker: str, options: dict[str, Any] | None) -> dict[str, Any]:
+    """The thinker stage's factory arguments for `thinker` (`native` or `vllm`)."""
+    if thinker == "native":
+        return {}
+    # The tiny checkpoint is float32 (so are the other stages); eager: a short start-up.
+    return {"engine": "vllm", "dtype": "float32", "enforce_eager": True, **(options or {})}
 
 
 # ---- the mesh ---------------------------------------------------------------------------
@@ -347,9 +375,13 @@ def run_omni_bench(
     talker_max_new_tokens: int = 128,
     kind: str = "text",
     torch_threads: int = 1,
+    thinkers: Sequence[str] = ("native",),
+    thinker_options: dict[str, Any] | None = None,
+    size: str = "tiny",
     progress: Callable[[str], None] | None = None,
 ) -> dict[str, Any]:
-    """`requests` per concurrency level (rounded up to whole waves of `c`)."""
+    """`requests` per concurrency level (rounded up to whole waves of `c`); one mesh per
+    thinker engine in `thinkers` (`native`, `vllm`), all measured in the same run."""
     from omnirail.client.sdk import Client
     from omnirail.ops.launcher import Mesh
 
@@ -363,12 +395,15 @@ def run_omni_bench(
         raise ValueError("concurrency levels and requests must be at least 1")
     if max_new_tokens < 1 or talker_max_new_tokens < 1 or torch_threads < 1:
         raise ValueError("token limits and torch threads must be at least 1")
+    thinkers = list(dict.fromkeys(thinkers))
+    if not thinkers or any(t not in THINKERS for t in thinkers):
+        raise ValueError(f"thinkers: some of {list(THINKERS)}, got {thinkers}")
     from omnirail.testing.tiny import qwen3_omni as tiny_model
 
     with tempfile.TemporaryDirectory(prefix="omnirail-qwen3-omni-") as tmp:
         if model_path is None:
-            say("making the tiny random Qwen3-Omni checkpoint")
-            path = str(tiny_model.make_tiny_model(Path(tmp) / "tiny"))
+            say(f"making the {size} random Qwen3-Omni checkpoint")
+            path = str(tiny_model.make_tiny_model(Path(tmp) / size, size=size))
         else:
             path = str(Path(model_path).resolve())
         base = None
@@ -382,20 +417,27 @@ def run_omni_bench(
             say("loading transformers' Qwen3OmniMoeForConditionalGeneration")
             base = _Transformers(tiny_model, path, kind, max_new_tokens, talker_max_new_tokens)
         request = _request(tiny_model, kind, max_new_tokens)
-        with _pipeline(path, max_new_tokens, talker_max_new_tokens) as pipeline:
-            mesh = Mesh(pipeline, progress=progress, env={"HF_HUB_OFFLINE": "1"})
-            mesh.start(timeout=300)
-            try:
-                assert mesh.address is not None
-                processes = mesh.processes()
-                with Client(mesh.address, timeout=600, tensors="numpy") as client:
-                    report_levels, check = _measure(
-                        client, request, base, levels, requests, processes, say
+        with ExitStack() as stack:
+            meshes: dict[str, tuple[Any, dict[str, int]]] = {}
+            for thinker in thinkers:
+                pipeline = stack.enter_context(
+                    _pipeline(
+                        path,
+                        max_new_tokens,
+                        talker_max_new_tokens,
+                        _thinker_args(thinker, thinker_options),
                     )
-            finally:
-                mesh.stop()
+                )
+                say(f"starting the mesh with the {thinker} thinker")
+                mesh = Mesh(pipeline, progress=progress, env={"HF_HUB_OFFLINE": "1"})
+                stack.callback(mesh.stop)
+                mesh.start(timeout=600)
+                assert mesh.address is not None
+                client = stack.enter_context(Client(mesh.address, timeout=600, tensors="numpy"))
+                meshes[thinker] = (client, mesh.processes())
+            report_levels, check = _measure(meshes, request, base, levels, requests, say)
     report: dict[str, Any] = {
-        "model": TINY if model_path is None else path,
+        "model": (TINY if size == "tiny" else BENCH) if model_path is None else path,
         "pipeline": f"{QWEN3_OMNI} (installed)",
         "kind": kind,
         "max_new_tokens": max_new_tokens,
@@ -403,6 +445,7 @@ def run_omni_bench(
         "audio_sample_rate": AUDIO_SAMPLE_RATE,
         "concurrency": levels,
         "baseline": baseline,
+        "thinkers": thinkers,
         "levels": report_levels,
     }
     if base is not None:
@@ -413,71 +456,87 @@ def run_omni_bench(
 
 
 def _measure(
-    client: Any,
+    meshes: dict[str, tuple[Any, dict[str, int]]],
     request: dict[str, Any],
     base: _Transformers | None,
     levels: list[int],
     requests: int,
-    processes: dict[str, int],
     say: Callable[[str], None],
 ) -> tuple[list[dict[str, Any]], dict[str, bool]]:
+    """Waves of each mesh (one per thinker) and of transformers in turn at each level. The
+    first thinker's figures are `mesh` (and `ratios`); every thinker's are in `thinkers`."""
     # Warm-up, not timed: channels, pools and code paths of the mesh, one request and
     # one wave at the largest concurrency; the same for generate().
     say("warming up")
-    solo = _mesh_wave(client, request, 1)[1][0]
-    _mesh_wave(client, request, max(levels))
+    solo = {}
+    for name, (client, _) in meshes.items():
+        solo[name] = _mesh_wave(client, request, 1)[1][0]
+        _mesh_wave(client, request, max(levels))
     reference = None
     if base is not None:
         reference = base.wave(1)[1][0]
         base.wave(max(levels))
+    first = next(iter(meshes))
     out: list[dict[str, Any]] = []
-    mesh_equal = batch_equal = True
+    equal = dict.fromkeys(meshes, True)
+    batch_equal = True
     for c in levels:
         waves = math.ceil(requests / c)
-        mesh_walls: list[float] = []
-        mesh_samples: list[dict[str, Any]] = []
+        walls: dict[str, list[float]] = {name: [] for name in meshes}
+        samples: dict[str, list[dict[str, Any]]] = {name: [] for name in meshes}
+        cpus = {name: _CpuMeter(processes) for name, (_, processes) in meshes.items()}
         base_walls: list[float] = []
         base_samples: list[dict[str, Any]] = []
-        mesh_cpu, base_cpu = _CpuMeter(processes), _CpuMeter({})
+        base_cpu = _CpuMeter({})
         for w in range(waves):
             say(f"concurrency {c}: wave {w + 1} of {waves}")
-            with mesh_cpu.measure():
-                wall, samples = _mesh_wave(client, request, c)
-            mesh_walls.append(wall)
-            mesh_samples.extend(samples)
+            # Alternate which mesh goes first, so neither always follows transformers.
+            order = list(meshes) if w % 2 == 0 else list(reversed(meshes))
+            for name in order:
+                with cpus[name].measure():
+                    wall, got = _mesh_wave(meshes[name][0], request, c)
+                walls[name].append(wall)
+                samples[name].extend(got)
             if base is not None:
                 with base_cpu.measure():
-                    wall, samples = base.wave(c)
+                    wall, got = base.wave(c)
                 base_walls.append(wall)
-                base_samples.extend(samples)
-        level: dict[str, Any] = {"concurrency": c, "mesh": _summary(mesh_walls, mesh_samples)}
-        n = len(mesh_samples)
-        level["mesh"]["cpu_s_per_request"] = mesh_cpu.per_request(n)
-        level["mesh"]["cpu_s_per_request_total"] = mesh_cpu.total_per_request(n)
-        # Greedy on both sides: every mesh request should give transformers' tokens and
-        # audio length (the integration tests check codes and waveforms too).
-        want = reference or solo
-        mesh_equal &= all(_same(s, want) for s in mesh_samples)
+                base_samples.extend(got)
+        level: dict[str, Any] = {"concurrency": c, "thinkers": {}}
+        for name in meshes:
+            summary = _summary(walls[name], samples[name])
+            n = len(samples[name])
+            summary["cpu_s_per_request"] = cpus[name].per_request(n)
+            summary["cpu_s_per_request_total"] = cpus[name].total_per_request(n)
+            level["thinkers"][name] = summary
+            # Greedy on every side: each request should give transformers' tokens and
+            # audio length (the integration tests check codes and waveforms too).
+            want = reference or solo[first]
+            equal[name] &= all(_same(s, want) for s in samples[name])
+        level["mesh"] = level["thinkers"][first]
         if base is not None:
-            batch_equal &= all(_same(s, want) for s in base_samples)
+            batch_equal &= all(_same(s, reference or solo[first]) for s in base_samples)
             level["transformers"] = _summary(base_walls, base_samples)
             cpu = base_cpu.total_per_request(len(base_samples))
             level["transformers"]["cpu_s_per_request_total"] = cpu
             vocoder_ms = base.vocoder_floor_ms()
             level["transformers"]["vocoder_ms_one_request"] = round(vocoder_ms, 2)
-            level["ratios"] = _ratios(level["mesh"], level["transformers"])
             cores = len(os.sched_getaffinity(0))
-            level["ratios"]["audio_s_per_s_ceiling"] = _ceiling(
-                level["transformers"], vocoder_ms, cores
-            )
-            level["ratios"]["audio_s_per_s_cpu_ceiling"] = _cpu_ceiling(
-                level["mesh"], level["transformers"], cores
-            )
+            for summary in level["thinkers"].values():
+                ratios = _ratios(summary, level["transformers"])
+                ratios["audio_s_per_s_ceiling"] = _ceiling(level["transformers"], vocoder_ms, cores)
+                ratios["audio_s_per_s_cpu_ceiling"] = _cpu_ceiling(
+                    summary, level["transformers"], cores
+                )
+                summary["ratios"] = ratios
+            level["ratios"] = level["mesh"]["ratios"]
         out.append(level)
     check = {
-        "mesh_equals_transformers": mesh_equal,
+        "mesh_equals_transformers": equal[first],
         "transformers_batch_equals_solo": batch_equal,
     }
+    for name, same in equal.items():
+        check[f"{name}_thinker_equals_{'transformers' if base is not None else 'solo'}"] = same
     return out, check
 
 

@@ -134,6 +134,9 @@ def _run(args: argparse.Namespace) -> dict[str, Any]:
             talker_max_new_tokens=args.talker_max_new_tokens,
             kind=args.kind,
             torch_threads=args.torch_threads,
+            thinkers=[t.strip() for t in args.thinker.split(",") if t.strip()],
+            thinker_options=_parse_options(args.option),
+            size=args.size,
             progress=progress(args.json),
         )
     elif args.what == "llm":
@@ -346,6 +349,20 @@ def add_bench_parser(sub: Any) -> None:
     )
     b.add_argument(
         "--kind", choices=["text", "image", "audio"], default="text", help="omni: the request"
+    )
+    b.add_argument(
+        "--thinker",
+        default="native",
+        metavar="ENGINE[,ENGINE]",
+        help="omni: the thinker engines to run, one mesh each, in the same run (native, vllm; "
+        "e.g. vllm,native); --option KEY=VALUE sets the vLLM thinker's engine options",
+    )
+    b.add_argument(
+        "--size",
+        choices=["tiny", "bench"],
+        default="tiny",
+        help="omni: the random checkpoint made when --model-path is not given: tiny, or bench "
+        "(the thinker far larger than talker and code2wav, as in the real model)",
     )
     b.add_argument(
         "--torch-threads",

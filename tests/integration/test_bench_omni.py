@@ -18,6 +18,7 @@ import pytest
 
 pytest.importorskip("transformers")
 pytest.importorskip("PIL")
+pytest.importorskip("vllm")
 
 REPO = Path(__file__).resolve().parents[2]
 TIMINGS = ("ttft_ms", "ttfa_ms", "e2e_ms")
@@ -44,12 +45,14 @@ def test_bench_omni_json_against_transformers() -> None:
             "6",
             "--talker-max-new-tokens",
             "16",
+            "--thinker",
+            "vllm,native",
             "--json",
         ],
         cwd=REPO,
         capture_output=True,
         text=True,
-        timeout=280,
+        timeout=480,
         stdin=subprocess.DEVNULL,
         env={**os.environ, "HF_HUB_OFFLINE": "1"},
     )
@@ -66,10 +69,21 @@ def test_bench_omni_json_against_transformers() -> None:
     assert report["check"] == {
         "mesh_equals_transformers": True,
         "transformers_batch_equals_solo": True,
+        "vllm_thinker_equals_transformers": True,
+        "native_thinker_equals_transformers": True,
     }
+    # Both thinkers, each its own mesh, in the same run; the first listed is `mesh`.
+    assert report["thinkers"] == ["vllm", "native"]
     assert [level["concurrency"] for level in report["levels"]] == [1, 2]
     for level in report["levels"]:
         c = level["concurrency"]
+        assert set(level["thinkers"]) == {"vllm", "native"}
+        assert level["mesh"] == level["thinkers"]["vllm"]
+        native = level["thinkers"]["native"]
+        assert (
+            native["requests"] == 2 and native["ttft_ms"] <= native["ttfa_ms"] <= native["e2e_ms"]
+        )
+        assert native["ratios"]["audio_s_per_s"] > 0 and native["cpu_s_per_request_total"] > 0
         mesh, base, ratios = level["mesh"], level["transformers"], level["ratios"]
         for side in (mesh, base):
             assert side["requests"] == 2 and side["waves"] == 2 // c, level
@@ -117,3 +131,4 @@ def test_bench_omni_json_against_transformers() -> None:
             1000 / base["requests_per_s"] * cores / base["vocoder_ms_one_request"], rel=0.01
         )
         assert all(v > 0 for v in ratios.values()), ratios
+        assert mesh["ratios"] == ratios

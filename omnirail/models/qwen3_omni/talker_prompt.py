@@ -98,4 +98,3 @@ def read_tts_embeds(model_path: str | Path, ids: Sequence[int]) -> torch.Tensor:
     with safe_open(str(Path(model_path) / files[name]), framework="pt") as f:
         table = f.get_slice(name)
         return torch.stack([table[i : i + 1][0] for i in ids])
-

@@ -217,8 +217,27 @@ def build_processor(tokenizer):
     )
 
 
-def tiny_config(tokenizer) -> Any:
-    """The reduced `Qwen3OmniMoeConfig`, its token ids taken from `tokenizer`."""
+# `size="bench"`: a thinker far larger than the talker and code2wav, as in the real model
+# (whose thinker is 30B with 3B active, its talker about a tenth of that): 8 layers x 512,
+# 8 heads of 64, 16 experts of which 4 per token (about 56M parameters, 18M active per
+# token, against the talker's 0.1M). For `omnirail bench omni --size bench`.
+BENCH_THINKER = {
+    "hidden_size": 512,
+    "intermediate_size": 1024,
+    "num_hidden_layers": 8,
+    "num_attention_heads": 8,
+    "num_key_value_heads": 2,
+    "head_dim": 64,
+    "moe_intermediate_size": 256,
+    "num_experts": 16,
+    "num_experts_per_tok": 4,
+}
+BENCH_INIT_STD = 0.05
+
+
+def tiny_config(tokenizer, size: str = "tiny") -> Any:
+    """The reduced `Qwen3OmniMoeConfig`, its token ids taken from `tokenizer`; `size`:
+    `tiny` or `bench` (`BENCH_THINKER`)."""
     from transformers import Qwen3OmniMoeConfig
 
     def tid(token: str) -> int:
@@ -246,6 +265,9 @@ def tiny_config(tokenizer) -> Any:
             "mrope_interleaved": True,
         }
 
+    if size not in ("tiny", "bench"):
+        raise ValueError(f"size: tiny or bench, got {size!r}")
+    width = BENCH_THINKER["hidden_size"] if size == "bench" else 64
     codebook = CODEBOOK_SIZE
     thinker = {
         "audio_config": {
@@ -254,7 +276,7 @@ def tiny_config(tokenizer) -> Any:
             "encoder_attention_heads": 2,
             "encoder_ffn_dim": 64,
             "d_model": 32,
-            "output_dim": 64,
+            "output_dim": width,
             "downsample_hidden_size": 16,
             "n_window": 50,
             "n_window_infer": 800,
@@ -271,7 +293,7 @@ def tiny_config(tokenizer) -> Any:
             "patch_size": 16,
             "spatial_merge_size": 2,
             "temporal_patch_size": 2,
-            "out_hidden_size": 64,
+            "out_hidden_size": width,
             "num_position_embeddings": 576,  # a 24 x 24 grid, interpolated per image
             "deepstack_visual_indexes": [0, 1],
             "initializer_range": INIT_STD,
@@ -300,6 +322,9 @@ def tiny_config(tokenizer) -> Any:
         "initializer_range": INIT_STD,
         **ids,
     }
+    if size == "bench":
+        thinker["text_config"].update(BENCH_THINKER, initializer_range=BENCH_INIT_STD)
+        thinker["text_config"]["rope_parameters"] = mrope([12, 10, 10])  # head_dim 64
     talker = {
         "text_config": {
             "vocab_size": codebook + 1024,
@@ -332,7 +357,7 @@ def tiny_config(tokenizer) -> Any:
             "initializer_range": TALKER_INIT_STD,
         },
         "num_code_groups": NUM_CODE_GROUPS,
-        "thinker_hidden_size": 64,
+        "thinker_hidden_size": width,
         "accept_hidden_layer": 1,
         "codec_pad_id": codebook + 100,
         "codec_bos_id": codebook + 101,
@@ -379,16 +404,17 @@ def tiny_config(tokenizer) -> Any:
     )
 
 
-def make_tiny_model(path: str | Path, seed: int = 0) -> Path:
+def make_tiny_model(path: str | Path, seed: int = 0, size: str = "tiny") -> Path:
     """Saves a tiny random Qwen3-Omni checkpoint (config, sharded safetensors weights,
-    tokenizer, processor) into `path` and returns it. Same `seed`, same files."""
+    tokenizer, processor) into `path` and returns it. Same `seed`, same files. `size="bench"`
+    makes the thinker far larger (`BENCH_THINKER`)."""
     from transformers import Qwen3OmniMoeForConditionalGeneration
 
     path = Path(path)
     path.mkdir(parents=True, exist_ok=True)
     tokenizer = build_tokenizer()
     processor = build_processor(tokenizer)
-    config = tiny_config(tokenizer)
+    config = tiny_config(tokenizer, size)
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
         model = Qwen3OmniMoeForConditionalGeneration(config)
@@ -397,7 +423,8 @@ def make_tiny_model(path: str | Path, seed: int = 0) -> Path:
         if not torch.isfinite(param).all():
             raise RuntimeError(f"tiny model: parameter {name} was left uninitialised")
     model.eval()
-    model.save_pretrained(path, max_shard_size=SHARD_SIZE, safe_serialization=True)
+    shard = SHARD_SIZE if size == "tiny" else "64MB"
+    model.save_pretrained(path, max_shard_size=shard, safe_serialization=True)
     processor.save_pretrained(path)
     return path
 
