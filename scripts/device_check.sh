@@ -72,11 +72,14 @@ if [[ $gpus -ge 2 ]]; then
 else
   check tensor-parallel-2gpu 5 echo "SKIP: needs 2 CUDA devices, this host has $gpus"
 fi
-# The vLLM stages on vLLM's CUDA build (the vllm extra), the LLM stage on GPU 0.
+# The vLLM stages on vLLM's CUDA build (the vllm extra): the LLM stage and the Qwen3-Omni
+# thinker on GPU 0 (float32, so that tokens still equal transformers').
 if needs vllm "vLLM is not installed (pip install 'omnirail[vllm]')" >"$OUT/vllm-probe.log"; then
-  check vllm-llm-stage-cuda 300 env OMNIRAIL_VLLM_GPU=1 "${pytest[@]}" tests/integration/test_vllm_llm.py
+  check vllm-llm-stage-cuda 240 env OMNIRAIL_VLLM_GPU=1 "${pytest[@]}" tests/integration/test_vllm_llm.py
+  check vllm-qwen3-thinker-cuda 240 env OMNIRAIL_VLLM_GPU=1 "${pytest[@]}" tests/integration/test_qwen3_omni_vllm.py
 else
   check vllm-llm-stage-cuda 5 cat "$OUT/vllm-probe.log"
+  check vllm-qwen3-thinker-cuda 5 cat "$OUT/vllm-probe.log"
 fi
 # The relay benchmark with the tensors on the GPU (JSON in the log).
 check bench-relay-shm-cuda 120 "$PY" -m omnirail bench relay --backend shm --device cuda --sizes 1048576,67108864

@@ -60,6 +60,8 @@ def mesh(tmp_path_factory: pytest.TempPathFactory, tiny_dir: Path) -> Iterator[M
     for stage in cfg["stages"]:
         if stage["name"] == "thinker":
             stage.setdefault("factory_args", {}).update(VLLM)
+            if os.environ.get("OMNIRAIL_VLLM_GPU") == "1":  # scripts/device_check.sh
+                stage["gpu"] = 0
     path.write_text(yaml.safe_dump(cfg, sort_keys=False))
     m = Mesh(path, env={"HF_HUB_OFFLINE": "1"})
     m.start(timeout=300)

