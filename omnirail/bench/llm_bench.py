@@ -58,12 +58,18 @@ class DirectEngine:
     def _main(self, model_path: str, engine: dict[str, Any]) -> None:
         try:
             os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
+            # vLLM logs to stdout by default: the bench's stdout is its JSON report.
+            os.environ.setdefault("VLLM_LOGGING_STREAM", "ext://sys.stderr")
             from vllm.engine.arg_utils import EngineArgs
             from vllm.v1.engine.llm_engine import LLMEngine
 
             from omnirail.engines.vllm.options import EngineOptions
 
-            options = EngineOptions.parse("direct", engine)
+            # The stage's own arguments (max_unsent) are not the engine's.
+            fields = EngineOptions.model_fields
+            options = EngineOptions.parse(
+                "direct", {k: v for k, v in engine.items() if k in fields}
+            )
             self.engine = LLMEngine.from_engine_args(
                 EngineArgs(**options.engine_args(model_path, "cpu"))
             )

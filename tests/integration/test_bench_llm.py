@@ -27,7 +27,9 @@ def test_bench_llm_reports_both_modes_interleaved():
         timeout=600,
     )
     assert proc.returncode == 0, explain(proc)
-    report = json.loads(proc.stdout.strip().splitlines()[-1])
+    lines = proc.stdout.strip().splitlines()
+    assert len(lines) == 1, proc.stdout[-2000:]  # the report alone: vLLM logs to stderr
+    report = json.loads(lines[0])
     assert report["bench"] == "llm" and report["rounds"] == 2
     for mode in ("direct", "mesh"):
         for level in ("1", "2"):

@@ -217,6 +217,8 @@ class VLLMScheduler(Scheduler):
         # The engine core runs in this process (see the module's docstring); vLLM reads
         # these when the engine is built.
         os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
+        # vLLM logs to stdout by default; a stage's (or a bench's) stdout is for its output.
+        os.environ.setdefault("VLLM_LOGGING_STREAM", "ext://sys.stderr")
         if self._options.cpu_threads_bind is not None:
             os.environ["VLLM_CPU_OMP_THREADS_BIND"] = self._options.cpu_threads_bind
         from vllm.engine.arg_utils import EngineArgs
