@@ -180,3 +180,19 @@ def test_bad_engine_options_fail_start_up_naming_stage_and_field(
         mesh.start(timeout=120)
     mesh.stop()
     assert message in str(err.value) + mesh.log_tails()
+
+
+def test_the_engine_in_a_process_of_its_own_gives_the_same_tokens(model_dir, reference, tmp_path):
+    """`engine_process: true`: vLLM's engine core in its own process (spawned), same answers,
+    and an aborted stream leaves nothing running in it."""
+    with Mesh(pipeline(model_dir, tmp_path, engine_process=True)) as mesh:
+        with Client(mesh.address, timeout=120) as client:
+            for prompt, want in zip(PROMPTS, reference, strict=True):
+                got = client.generate(ask(prompt)).output["token_ids"]
+                assert [int(t) for t in got] == want
+            stream = client.stream(ask(PROMPTS[0], max_new=100))
+            assert isinstance(next(stream), Chunk)
+            stream.close()
+            wait_nothing_in_flight(client)
+            got = client.generate(ask(PROMPTS[1])).output["token_ids"]
+            assert [int(t) for t in got] == reference[1]

@@ -58,6 +58,12 @@ class EngineOptions(BaseModel):
     )
     seed: int = Field(0, description="Sampling seed of the engine.")
     tokenizer: str | None = Field(None, description="Tokenizer directory (unset: model_path).")
+    engine_process: bool = Field(
+        False,
+        description="Run vLLM's engine core in a process of its own (vLLM's multiprocessing), "
+        "so that the stage's IO and the engine's Python do not share a GIL; model hooks that "
+        "need the engine in the stage's process (the Qwen3-Omni vLLM thinker) refuse it.",
+    )
     cpu_threads_bind: str | None = Field(
         None,
         description="CPU cores the engine's threads are bound to on a CPU host (vLLM's "

@@ -139,6 +139,7 @@ class VLLMScheduler(Scheduler):
         self._running: dict[str, _Running] = {}
         self._prefix_queries = 0
         self._prefix_hits = 0
+        self._last_stats: Any = None
         self._engine: Any = None
         # What the engine raises for a request it refuses (vLLM's client errors, set with it).
         self._refusals: tuple[type[BaseException], ...] = (ValueError, TypeError)
@@ -185,13 +186,22 @@ class VLLMScheduler(Scheduler):
         return len(self._running)
 
     def figures(self) -> EngineFigures:
-        """The engine's own counts, read at scrapes (a moment's values)."""
-        core = self._engine.engine_core.engine_core
-        sched = core.scheduler
+        """The engine's own counts, read at scrapes: live from its scheduler when the engine
+        core is in this process; with `engine_process`, as of its last step (vLLM reports
+        them with each step's outputs, so they can lag an abort until the next step)."""
+        if not self._options.engine_process:
+            sched = self._engine.engine_core.engine_core.scheduler
+            running, waiting = len(sched.running), len(sched.waiting)
+            usage = float(sched.kv_cache_manager.usage)
+        else:
+            stats = self._last_stats
+            running = stats.num_running_reqs if stats is not None else 0
+            waiting = stats.num_waiting_reqs if stats is not None else 0
+            usage = float(stats.kv_cache_usage) if stats is not None else 0.0
         return EngineFigures(
-            running=len(sched.running),
-            waiting=len(sched.waiting),
-            kv_cache_usage=float(sched.kv_cache_manager.usage),
+            running=running,
+            waiting=waiting,
+            kv_cache_usage=usage,
             prefix_cache_queries=self._prefix_queries,
             prefix_cache_hits=self._prefix_hits,
         )
@@ -214,9 +224,13 @@ class VLLMScheduler(Scheduler):
             self._engine = None
 
     def _build(self) -> Any:
-        # The engine core runs in this process (see the module's docstring); vLLM reads
-        # these when the engine is built.
-        os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
+        # The engine core runs in this process unless `engine_process` (see the module's
+        # docstring); vLLM reads these when the engine is built.
+        in_process = not self._options.engine_process
+        os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0" if in_process else "1"
+        if not in_process:
+            # Not fork: this process already runs gRPC's threads.
+            os.environ.setdefault("VLLM_WORKER_MULTIPROC_METHOD", "spawn")
         # vLLM logs to stdout by default; a stage's (or a bench's) stdout is for its output.
         os.environ.setdefault("VLLM_LOGGING_STREAM", "ext://sys.stderr")
         if self._options.cpu_threads_bind is not None:
@@ -241,6 +255,7 @@ class VLLMScheduler(Scheduler):
                     stats = scheduler_stats.prefix_cache_stats
                     figures._prefix_queries += stats.queries
                     figures._prefix_hits += stats.hits
+                    figures._last_stats = scheduler_stats
 
             def log_engine_initialized(self) -> None:
                 pass
@@ -253,7 +268,9 @@ class VLLMScheduler(Scheduler):
         args = EngineArgs(
             **{**self._options.engine_args(self._model_path, self._device), **self._extra_args}
         )
-        engine = LLMEngine.from_engine_args(args, stat_loggers=[_Counts])
+        engine = LLMEngine.from_engine_args(
+            args, stat_loggers=[_Counts], enable_multiprocessing=not in_process
+        )
         if self._after_build is not None:
             self._after_build(engine)
         return engine

@@ -172,8 +172,13 @@ def sample(
     logits[forbid] = -math.inf
     if temperature == 0.0:
         return int(logits.argmax())
-    top = torch.topk(logits / temperature, min(20, logits.numel()))
-    choice = torch.multinomial(torch.softmax(top.values, -1), 1, generator=gen)
+    top = torch.topk(logits, min(20, logits.numel()))
+    scaled = top.values / temperature
+    if not math.isfinite(float(scaled[0])):
+        # A temperature so small that the top logit overflows (softmax would see inf - inf):
+        # the distribution's limit, greedy.
+        return int(top.indices[0])
+    choice = torch.multinomial(torch.softmax(scaled, -1), 1, generator=gen)
     return int(top.indices[choice])
 
 

@@ -64,6 +64,11 @@ def create_vllm_thinker(
         raise EngineOptionError(
             f"stages[{stage}].tp_size: {tp.size}; the vLLM thinker runs as one process for now"
         )
+    if options.engine_process:
+        raise EngineOptionError(
+            f"stages[{stage}].factory_args.engine_process: the vLLM thinker's model reads the "
+            "stage's media rows, so its engine core runs in the stage's process"
+        )
     prompts = ThinkerRunner.prompts_only(model_path)
     table = prompts.model.embed_tokens.weight
     accept_layer = prompts.accept_hidden_layer

@@ -233,3 +233,12 @@ def test_the_example_pipeline_is_the_installed_one() -> None:
     (fan_in,) = [s for s in installed["stages"] if s["name"] == "mm_aggregate"]
     assert fan_in["wait_for_fn"] == "omnirail.models.fanin:wait_for"
     assert fan_in["merge_fn"] == "omnirail.models.fanin:merge_for_thinker"
+
+
+def test_a_vanishing_temperature_samples_the_top_token_not_nan():
+    """A temperature so small that logits / temperature overflow (found by the gateway's
+    fuzzing: 7e-172) still gives a token: the top one."""
+    logits = torch.tensor([0.5, 2.0, -1.0, 1.0])
+    gen = torch.Generator().manual_seed(0)
+    assert thinker.sample(logits, 7.36e-172, gen, forbid=[]) == 1
+    assert thinker.sample(logits, 7.36e-172, gen, forbid=[1]) == 3

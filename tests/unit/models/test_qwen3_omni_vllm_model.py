@@ -61,3 +61,8 @@ def test_a_media_prompt_indexes_its_media_and_image_rows():
 def test_the_thinker_engine_is_checked_by_name(tiny_dir, kwargs, message):
     with pytest.raises(ValueError, match=message):
         create_thinker(str(tiny_dir), **kwargs)
+
+
+def test_the_vllm_thinker_keeps_its_engine_in_process(tiny_dir):
+    with pytest.raises(ValueError, match=r"stages\[thinker\]\.factory_args\.engine_process: "):
+        create_thinker(str(tiny_dir), engine="vllm", engine_process=True)
