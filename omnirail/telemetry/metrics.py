@@ -319,33 +319,41 @@ class _EngineCollector(Collector):
         if f is None:
             return
         labels = [self._stage]
-        for name, doc, value in (
-            ("running_requests", "Requests the stage's engine is running.", f.running),
-            ("waiting_requests", "Requests waiting in the stage's engine.", f.waiting),
+        for family, name, doc, value in (
             (
+                GaugeMetricFamily,
+                "running_requests",
+                "Requests the stage's engine is running.",
+                f.running,
+            ),
+            (
+                GaugeMetricFamily,
+                "waiting_requests",
+                "Requests waiting in the stage's engine.",
+                f.waiting,
+            ),
+            (
+                GaugeMetricFamily,
                 "kv_cache_usage",
                 "Share of the engine's KV cache blocks in use (0..1).",
                 f.kv_cache_usage,
             ),
-        ):
-            g = GaugeMetricFamily(f"omnirail_engine_{name}", doc, labels=["stage"])
-            g.add_metric(labels, value)
-            yield g
-        for name, doc, value in (
             (
+                CounterMetricFamily,
                 "prefix_cache_queries",
                 "Prompt tokens the engine looked up in its prefix cache.",
                 f.prefix_cache_queries,
             ),
             (
+                CounterMetricFamily,
                 "prefix_cache_hits",
                 "Prompt tokens the engine found in its prefix cache.",
                 f.prefix_cache_hits,
             ),
         ):
-            c = CounterMetricFamily(f"omnirail_engine_{name}", doc, labels=["stage"])
-            c.add_metric(labels, value)
-            yield c
+            metric = family(f"omnirail_engine_{name}", doc, labels=["stage"])
+            metric.add_metric(labels, value)
+            yield metric
 
 
 def watch_relay(metrics: StageMetrics, backend: str, held: Callable[[], int]) -> None:

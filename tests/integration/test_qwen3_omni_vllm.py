@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import concurrent.futures
 import os
-import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -29,16 +28,18 @@ from omnirail.client.sdk import Chunk, Client
 from omnirail.ops.launcher import Mesh
 from omnirail.testing.tiny import qwen3_omni as tiny_model
 from omnirail.wire.errors import Code, OmniError
-from tests.integration.conftest import collect_stream, wait_nothing_in_flight
-from tests.integration.test_metrics import Endpoints, scrape, value
-from tests.integration.test_qwen3_omni import (
+from tests.integration.conftest import collect_stream
+from tests.integration.test_metrics import value
+from tests.integration.test_qwen3_omni import (  # noqa: F401 (fixtures and a test run here)
     AUDIO_BOUND,
     TALKER_TOKENS,
     THINKER_TOKENS,
-    reference,  # noqa: F401 (a fixture)
+    reference,
     request_for,
-    tiny_dir,  # noqa: F401 (a fixture)
+    test_first_audio_arrives_before_the_last_text,  # on this module's mesh: the vLLM thinker
+    tiny_dir,
 )
+from tests.integration.test_vllm_llm import wait_engine_empty
 
 pytestmark = pytest.mark.slow
 
@@ -101,17 +102,6 @@ def test_eight_at_once_each_get_what_they_get_alone(mesh: Mesh) -> None:
         assert torch.equal(c1, c2)
 
 
-def test_first_audio_arrives_before_the_last_text(mesh: Mesh) -> None:
-    with Client(mesh.address or "", timeout=120, tensors="numpy") as client:
-        chunks, result = collect_stream(
-            client.stream({"text": "Tell me a long story.", "max_new_tokens": 48})
-        )
-    assert len(result.outputs["decode"]["token_ids"]) >= 32
-    order = [c.modality for c in chunks]
-    last_text = len(order) - 1 - order[::-1].index("text")
-    assert order.index("audio") < last_text, order
-
-
 def test_more_tokens_than_the_engine_holds_fails_that_request(mesh: Mesh) -> None:
     """Within the model's positions (preprocessing's bound) but past the engine's
     max_model_len: the thinker refuses that request with vLLM's reason; the mesh serves on."""
@@ -143,17 +133,5 @@ def test_aborted_requests_leave_nothing_in_the_engine(mesh: Mesh) -> None:
     with concurrent.futures.ThreadPoolExecutor(10) as pool:
         list(pool.map(abandon, range(50)))
     with Client(mesh.address or "", timeout=60) as client:
-        wait_nothing_in_flight(client, timeout=30)
-        address = Endpoints(client).stage("thinker")
-        deadline = time.monotonic() + 30
-        while True:
-            samples = scrape(address)
-            figures = [
-                value(samples, f"omnirail_engine_{n}", stage="thinker")
-                for n in ("running_requests", "waiting_requests", "kv_cache_usage")
-            ]
-            if figures == [0, 0, 0]:
-                break
-            assert time.monotonic() < deadline, figures
-            time.sleep(0.2)
-        assert value(samples, "omnirail_engine_prefix_cache_queries_total", stage="thinker") > 0
+        samples = wait_engine_empty(client, "thinker")
+    assert value(samples, "omnirail_engine_prefix_cache_queries_total", stage="thinker") > 0

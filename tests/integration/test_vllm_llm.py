@@ -86,6 +86,27 @@ def client(mesh: Mesh) -> Iterator[Client]:
         yield c
 
 
+def wait_engine_empty(client: Client, stage: str) -> dict:
+    """Once nothing is in flight: the stage's /metrics samples with its engine's running and
+    waiting requests and KV cache use at 0 (and its held requests), waited for briefly."""
+    wait_nothing_in_flight(client, timeout=30)
+    address = Endpoints(client).stage(stage)
+    deadline = time.monotonic() + 30
+    while True:
+        samples = scrape(address)
+        figures = [
+            value(samples, f"omnirail_engine_{n}", stage=stage)
+            for n in ("running_requests", "waiting_requests", "kv_cache_usage")
+        ]
+        if (
+            figures == [0, 0, 0]
+            and value(samples, "omnirail_stage_held_requests", stage=stage) == 0
+        ):
+            return samples
+        assert time.monotonic() < deadline, figures
+        time.sleep(0.2)
+
+
 def ask(question: str, max_new: int = MAX_NEW) -> dict[str, object]:
     return {"question": question, "max_new_tokens": max_new}
 
@@ -116,22 +137,7 @@ def test_aborted_requests_leave_nothing_in_the_engine(client, mesh):
         assert isinstance(next(s), Chunk)
     for s in streams:
         s.close()  # closing a stream aborts its request everywhere
-    wait_nothing_in_flight(client)
-    address = Endpoints(client).stage("llm")
-    deadline = time.monotonic() + 30
-    while True:
-        samples = scrape(address)
-        figures = [
-            value(samples, f"omnirail_engine_{n}", stage="llm")
-            for n in ("running_requests", "waiting_requests", "kv_cache_usage")
-        ]
-        if (
-            figures == [0, 0, 0]
-            and value(samples, "omnirail_stage_held_requests", stage="llm") == 0
-        ):
-            break
-        assert time.monotonic() < deadline, figures
-        time.sleep(0.2)
+    samples = wait_engine_empty(client, "llm")
     # The engine's figures are live: they were non-zero while requests ran.
     assert value(samples, "omnirail_engine_prefix_cache_queries_total", stage="llm") > 0
     # And the stage still serves.

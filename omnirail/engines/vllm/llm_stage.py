@@ -21,7 +21,7 @@ from typing import Any
 
 import numpy as np
 
-from omnirail.engines.vllm.options import EngineOptionError, EngineOptions, Sampling
+from omnirail.engines.vllm.options import EngineOptionError, Sampling, stage_options
 from omnirail.engines.vllm.scheduler import Chunk, EngineRequest, VLLMScheduler
 from omnirail.stage import InputError, TensorParallel
 
@@ -37,14 +37,8 @@ def create_llm(
     **engine_options: Any,
 ) -> VLLMScheduler:
     """The stage's scheduler: a vLLM engine on `model_path` (a local directory)."""
-    stage = tp.stage if tp is not None else "llm"
-    options = EngineOptions.parse(stage, engine_options)
+    stage, options = stage_options(tp, "llm", engine_options)
     check_model_dir(stage, model_path)
-    if tp is not None and tp.size > 1:
-        raise EngineOptionError(
-            f"stages[{stage}].tp_size: {tp.size}; a vLLM stage runs as one process (tensor "
-            "parallelism inside vLLM is not wired up yet)"
-        )
     tokenizer = _Tokenizer(options.tokenizer or model_path)
 
     def prepare(payload: Any) -> EngineRequest:

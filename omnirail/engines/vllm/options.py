@@ -107,6 +107,21 @@ class EngineOptions(BaseModel):
         return args
 
 
+def stage_options(
+    tp: Any, default_stage: str, values: Mapping[str, Any]
+) -> tuple[str, EngineOptions]:
+    """A vLLM stage's name (from its `TensorParallel`, injected by the runtime) and its
+    checked options; refuses `tp_size` > 1, which vLLM stages do not take yet."""
+    stage = tp.stage if tp is not None else default_stage
+    options = EngineOptions.parse(stage, values)
+    if tp is not None and tp.size > 1:
+        raise EngineOptionError(
+            f"stages[{stage}].tp_size: {tp.size}; a vLLM stage runs as one process (tensor "
+            "parallelism inside vLLM is not wired up yet)"
+        )
+    return stage, options
+
+
 class Sampling(BaseModel):
     """A request's sampling options (the payload's `options`, or top-level fields)."""
 

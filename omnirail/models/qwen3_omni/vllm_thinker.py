@@ -35,10 +35,10 @@ import torch
 from omnirail.engines.vllm import (
     Chunk,
     EngineOptionError,
-    EngineOptions,
     EngineRequest,
     VLLMScheduler,
 )
+from omnirail.engines.vllm.options import stage_options
 from omnirail.stage import InputError, TensorParallel
 
 from .encoders import AudioEncoding, ImageEncoding
@@ -58,12 +58,7 @@ def create_vllm_thinker(
     """The thinker on a vLLM engine; `engine_options` are `EngineOptions`."""
     from . import vllm_model
 
-    stage = tp.stage if tp is not None else "thinker"
-    options = EngineOptions.parse(stage, engine_options)
-    if tp is not None and tp.size > 1:
-        raise EngineOptionError(
-            f"stages[{stage}].tp_size: {tp.size}; the vLLM thinker runs as one process for now"
-        )
+    stage, options = stage_options(tp, "thinker", engine_options)
     if options.engine_process:
         raise EngineOptionError(
             f"stages[{stage}].factory_args.engine_process: the vLLM thinker's model reads the "
