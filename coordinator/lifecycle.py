@@ -24,6 +24,7 @@ from omnirail.coordinator.failover import (
     can_redispatch,
     touched,
 )
+from omnirail.coordinator.input_stream import ChunkCredit, InputStream, empty_stream
 from omnirail.coordinator.outbox import ClientOutbox
 from omnirail.coordinator.registry import Replica, StageRegistry
 from omnirail.coordinator.requests import (
@@ -112,6 +113,11 @@ class RequestLifecycle:
         if len(self.requests.live) >= self._max_live:
             self.metrics.refused()
             raise Overloaded.live_limit(self._max_live)
+        if request.input_stream and self.pipeline.input_stream is None:
+            raise invalid(
+                "input_stream: this pipeline takes no input streams (its config sets no "
+                "input_stream)"
+            )
         inputs = parse_inputs(request, self._max_input)
         timeout = timeout_of(request, self.pipeline.default_timeout_s, time_remaining)
         terminals = resolve_terminals(self._terminals_fn, self._terminals, rid, inputs)
@@ -145,18 +151,43 @@ class RequestLifecycle:
             traceparent=traceparent,
             meta=mesh_pb2.RequestMeta(terminal_stages=terminals, deadline=rec.deadline),
         )
-        if self.pipeline.redispatch_attempts and possible <= self._retry_safe:
+        streams_in = self.pipeline.input_stream
+        if streams_in is not None and request.input_stream:
+            # Not re-dispatched: its chunks are consumed where it runs.
+            rec.input = InputStream(
+                streams_in.credits,
+                streams_in.credit_mb << 20,
+                self._max_input,
+                traceparent,
+                item.meta,
+            )
+        elif self.pipeline.redispatch_attempts and possible <= self._retry_safe:
             rec.retry_item = item
         rec.on_done.append(_unassign)
         self._dispatch(rec, item)
         return rec
+
+    def send_input(self, rec: RequestRecord, chunk: client_pb2.InputChunk) -> None:
+        """Forwards one input chunk (checked, with credit: the caller waited for
+        `rec.input.has_room`) to the entry replica that holds the request."""
+        stream: InputStream = rec.input
+        item = stream.item(rec.wire_id, self._entry, chunk)
+        nbytes = 0 if chunk.done else chunk.data.ByteSize()
+        credit = ChunkCredit(stream, nbytes) if not chunk.done else None
+        self._channel(rec.entry.address).send(item, credit)
+        if not chunk.done:
+            self.metrics.input_chunk(nbytes)
 
     def _dispatch(self, rec: RequestRecord, item: mesh_pb2.DeliverItem) -> None:
         """Sends the request's current attempt to a replica of the entry stage."""
         replica = self.registry.pick(self._entry, rec.wire_id)
         assert replica is not None  # callers checked that every possible stage is live
         item.request_id = rec.wire_id
-        self._channel(replica.address).send(item)
+        channel = self._channel(replica.address)
+        channel.send(item)
+        if self.pipeline.input_stream is not None and rec.input is None:
+            # A request that streams nothing in has an empty input stream.
+            channel.send(empty_stream(rec.wire_id, self._entry, item.traceparent, item.meta))
         replica.assigned += 1
         rec.entry = replica
 

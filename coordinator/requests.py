@@ -62,6 +62,8 @@ class RequestRecord:
     # others' went to their caller, and the table of ended requests keeps only their
     # state (10,000 results of streamed audio would be gigabytes).
     keep_result: bool = False
+    # The client's input stream into it (GenerateRequest.input_stream), None without one.
+    input: Any = None
 
     def __post_init__(self) -> None:
         self.wire_id = self.wire_id or self.request_id
@@ -177,6 +179,8 @@ class RequestTable:
             callback(record)
         record.on_done.clear()
         record.on_chunk.clear()
+        if record.input is not None:
+            record.input.close()
         record.retry_item = None
         record.outputs = {}  # its caller took them in `on_done`; Submit's are in Ended
         return True

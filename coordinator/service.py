@@ -14,7 +14,7 @@ from omnirail.coordinator.requests import Ended, RequestRecord, State
 from omnirail.coordinator.session import serve_session, stream_chunks, traceparent_of
 from omnirail.coordinator.stage_link import StageLink
 from omnirail.v1 import client_pb2, client_pb2_grpc
-from omnirail.wire.errors import Code, OmniError, internal
+from omnirail.wire.errors import Code, OmniError, internal, invalid
 
 __all__ = ["RETRY_AFTER_KEY", "Coordinator"]
 
@@ -121,6 +121,8 @@ class Coordinator(StageLink, client_pb2_grpc.OmnirailServicer):
         self, request: client_pb2.GenerateRequest, context: grpc.aio.ServicerContext
     ) -> RequestRecord:
         try:
+            if request.input_stream:
+                raise invalid("input_stream: input chunks are sent on a Session, not this call")
             return self.start(request, context.time_remaining(), traceparent_of(context))
         except OmniError as exc:
             await abort_call(context, exc)

@@ -7,12 +7,16 @@ requests": every request sent is answered, then the call ends OK. A cancel (the 
 close, a client that goes away) aborts those still live.
 
 What waits to be written to the client is bounded (coordinator/outbox.py): a Session
-whose client does not read stops reading its new requests.
+whose client does not read stops reading its new requests. Input chunks of its requests
+(coordinator/input_stream.py) are forwarded to the entry stage with credit per request: a
+request at its credit makes the Session stop reading until the entry stage takes a chunk.
 """
 
 from __future__ import annotations
 
 import asyncio
+import time
+from collections import OrderedDict
 from collections.abc import AsyncIterator
 from typing import TYPE_CHECKING
 
@@ -26,6 +30,10 @@ from omnirail.wire.errors import Code, OmniError, internal, invalid
 
 if TYPE_CHECKING:
     from omnirail.coordinator.service import Coordinator
+
+# How many ended input-streaming requests a Session remembers (their late chunks are
+# dropped quietly; an id it forgot gets NOT_FOUND).
+_ENDED_KEPT = 1024
 
 
 async def serve_session(
@@ -84,10 +92,57 @@ async def serve_session(
                     continue
                 mine.add(rec.request_id)
                 rec.on_done.append(on_done)
+                if rec.input is not None:
+                    rec.on_done.append(forget)
                 if request.stream:
                     rec.on_chunk.append(lambda chunk, r=rec: emit_chunk(r, chunk))
+            for chunk in msg.input:
+                await take_input(chunk)
             for abort in msg.abort:
                 coordinator.abort_soon(abort.request_id, abort.reason or "aborted by client")
+
+    # Requests this Session started that ended: their late input chunks are dropped quietly
+    # (a client streams on until it hears of the end). Bounded: older ids are forgotten.
+    ended_mine: OrderedDict[str, None] = OrderedDict()
+
+    def forget(rec: RequestRecord) -> None:
+        ended_mine[rec.request_id] = None
+        while len(ended_mine) > _ENDED_KEPT:
+            ended_mine.popitem(last=False)
+
+    async def take_input(chunk: client_pb2.InputChunk) -> None:
+        rid = chunk.request_id
+        rec = requests.live.get(rid) if rid in mine else None
+        if rec is None:
+            if rid not in ended_mine:
+                error = OmniError(
+                    Code.NOT_FOUND,
+                    f"input chunk for {rid[:128]!r}, which is not a live request of this Session",
+                )
+                outbox.push(client_pb2.SessionEvent(request_id=rid, error=error.to_proto()))
+            return
+        stream = rec.input
+        if stream is None:
+            coordinator.end(
+                rec,
+                State.FAILED,
+                invalid("input chunk for a request not started with input_stream"),
+            )
+            return
+        try:
+            stream.check(chunk)
+        except OmniError as exc:
+            coordinator.end(rec, State.FAILED, exc)
+            return
+        nbytes = 0 if chunk.done else chunk.data.ByteSize()
+        if not chunk.done and not stream.has_room(nbytes):
+            began = time.monotonic()
+            while not stream.has_room(nbytes) and not rec.finished:
+                stream.room.clear()
+                await stream.room.wait()
+            coordinator.metrics.input_waited(time.monotonic() - began)
+        if not rec.finished:
+            coordinator.send_input(rec, chunk)
 
     reader = asyncio.get_running_loop().create_task(read())
     try:

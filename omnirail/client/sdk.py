@@ -21,6 +21,7 @@ from typing import Any
 import grpc
 
 from omnirail.client.connect import client_channel
+from omnirail.client.input_stream import AsyncInputStream, InputStream
 from omnirail.client.readiness import not_ready
 from omnirail.client.session import AsyncSession, SyncSession
 from omnirail.client.span import ClientSpan
@@ -99,6 +100,7 @@ def build_request(
     timeout: float | None,
     traceparent: str | None,
     stream: bool = False,
+    input_stream: bool = False,
 ) -> client_pb2.GenerateRequest:
     if not isinstance(inputs, Mapping):
         raise invalid(f"inputs: expected a mapping of names to values, got {type(inputs).__name__}")
@@ -116,6 +118,7 @@ def build_request(
         timeout_s=timeout or 0.0,
         traceparent=traceparent or "",
         stream=stream,
+        input_stream=input_stream,
     )
 
 
@@ -345,6 +348,44 @@ class Client:
         finally:
             end_stream(session, rid, ended, error, span)
 
+    def input_stream(
+        self,
+        inputs: Mapping[str, Any],
+        *,
+        request_id: str | None = None,
+        timeout: float | None = None,
+        traceparent: str | None = None,
+    ) -> InputStream:
+        """Starts a request that takes input while it runs (its pipeline sets
+        `input_stream`): `send()` chunks into it from one thread, `end()` the input, and
+        iterate it for its events (each `Chunk`, then the `GenerateResult`), possibly from
+        another. Use it in a `with` block: leaving it before the request ended aborts it.
+
+            with client.input_stream({"rate": 16000}) as request:
+                for piece in pieces:
+                    request.send(piece)
+                request.end()
+                for event in request:
+                    ...
+        """
+        timeout = timeout if timeout is not None else self.timeout
+        rid = request_id or uuid.uuid4().hex
+        span = ClientSpan("input_stream", rid, traceparent)
+        try:
+            request = build_request(
+                inputs, rid, timeout, span.traceparent, stream=True, input_stream=True
+            )
+            session = self._session()
+        except BaseException as exc:
+            span.end(exc)
+            raise
+        events = session.send_stream(request)
+        deadline = None if timeout is None else time.monotonic() + _deadline(timeout)
+        return InputStream(
+            session, rid, events, deadline, timeout, span,
+            lambda event: stream_event(rid, event, self._numpy),
+        )  # fmt: skip
+
     def _session(self) -> SyncSession:
         self._check_open()
         with self._lock:
@@ -563,6 +604,41 @@ class AsyncClient:
             raise
         finally:
             end_stream(session, rid, ended, error, span)
+
+    def input_stream(
+        self,
+        inputs: Mapping[str, Any],
+        *,
+        request_id: str | None = None,
+        timeout: float | None = None,
+        traceparent: str | None = None,
+    ) -> AsyncInputStream:
+        """`Client.input_stream`, with `await send()`, `await end()` and `async for`:
+
+        async with client.input_stream({"rate": 16000}) as request:
+            for piece in pieces:
+                await request.send(piece)
+            await request.end()
+            async for event in request:
+                ...
+        """
+        timeout = timeout if timeout is not None else self.timeout
+        rid = request_id or uuid.uuid4().hex
+        span = ClientSpan("input_stream", rid, traceparent)
+        try:
+            request = build_request(
+                inputs, rid, timeout, span.traceparent, stream=True, input_stream=True
+            )
+            session = self._session()
+        except BaseException as exc:
+            span.end(exc)
+            raise
+        events = session.send_stream(request)
+        deadline = None if timeout is None else time.monotonic() + _deadline(timeout)
+        return AsyncInputStream(
+            session, rid, events, deadline, timeout, span,
+            lambda event: stream_event(rid, event, self._numpy),
+        )  # fmt: skip
 
     def _session(self) -> AsyncSession:
         self._check_open()

@@ -32,6 +32,10 @@ _MAX_BATCH = 64
 Metadata = tuple[tuple[str, str], ...]
 # Room for the batch's own framing next to its requests' bytes.
 _BATCH_SLACK = 1 << 10
+# Input chunk bytes a session queues before `send_input` waits for its writer: what the
+# coordinator does not read yet waits here, bounded (it holds back a request's chunks at
+# the pipeline's input_stream credit).
+_MAX_QUEUED_INPUT = 1 << 20
 
 
 def too_large(request: client_pb2.GenerateRequest, size: int, max_bytes: int) -> OmniError:
@@ -76,9 +80,12 @@ class SyncSession:
         # What waits for the writer (grpc's thread iterating `_requests`), each a request or
         # an abort; `_wake` is notified as something is queued or the session closes.
         # (message, its size: measured once, when it is queued).
-        self._outgoing: collections.deque[tuple[client_pb2.SessionRequest, int]] = (
+        self._outgoing: collections.deque[tuple[client_pb2.SessionRequest, int, int]] = (
             collections.deque()
         )
+        # Bytes of input chunks queued and not yet taken by the writer (`send_input` waits
+        # while they are at the bound).
+        self._queued_input = 0
         self._wake = threading.Condition()
         self._ended = False
         self._futures: dict[str, concurrent.futures.Future[client_pb2.SessionEvent]] = {}
@@ -98,11 +105,15 @@ class SyncSession:
             with self._wake:
                 self._wake.wait_for(lambda: self._outgoing or self._ended)
                 parts = take_batch(self._outgoing, _second, _MAX_BATCH, self._max_bytes)
+                taken_input = sum(part[2] for part in parts)
+                if taken_input:
+                    self._queued_input -= taken_input
+                    self._wake.notify_all()
             if not parts:
                 return  # closed, and everything queued went out
             batch = client_pb2.SessionRequest()
-            for part, _ in parts:
-                batch.MergeFrom(part)
+            for part, _, _ in parts:
+                batch.MergeFrom(part)  # requests before input chunks, as they were queued
             yield batch
 
     def _queue(self, message: client_pb2.SessionRequest | None, size: int = 0) -> None:
@@ -112,8 +123,26 @@ class SyncSession:
             if message is None:
                 self._ended = True
             else:
-                self._outgoing.append((message, size))
-            self._wake.notify()
+                self._outgoing.append((message, size, 0))
+            self._wake.notify_all()
+
+    def send_input(self, chunk: client_pb2.InputChunk, timeout: float | None = None) -> None:
+        """Queues an input chunk of a request this session started; blocks while the input
+        already queued is at the bound (the coordinator reads no faster than the entry
+        stage consumes). Raises OmniError when the session ended or `timeout` passed."""
+        if (size := chunk.ByteSize()) > self._max_bytes:
+            raise too_large_chunk(chunk, size, self._max_bytes)
+        with self._wake:
+            if not self._wake.wait_for(
+                lambda: self._queued_input < _MAX_QUEUED_INPUT or self._ended or self.broken,
+                timeout,
+            ):
+                raise OmniError(Code.DEADLINE_EXCEEDED, "input chunk not sent within its timeout")
+            if self.broken or self._ended:
+                raise self.failure or _broken(None)
+            self._queued_input += size
+            self._outgoing.append((client_pb2.SessionRequest(input=[chunk]), size, size))
+            self._wake.notify_all()
 
     def _read(self) -> None:
         error: BaseException | None = None
@@ -141,6 +170,8 @@ class SyncSession:
             self.broken = True
             waiting, self._futures = self._futures, {}
             streams, self._streams = self._streams, {}
+        with self._wake:
+            self._wake.notify_all()  # an input sender waiting for room sees the end
         # Closed here (`close`): what waits ends as cancelled, like the async client's.
         ended = OmniError(Code.CANCELLED, "the client was closed") if self._closing else None
         for future in waiting.values():
@@ -179,6 +210,11 @@ class SyncSession:
         self._queue(client_pb2.SessionRequest(generate=[request]), size)
         return events
 
+    def live(self, request_id: str) -> bool:
+        """Whether `request_id`, a streaming request sent here, has not ended yet."""
+        with self._lock:
+            return request_id in self._streams
+
     def abort(self, request_id: str, reason: str) -> None:
         with self._lock:
             self._streams.pop(request_id, None)
@@ -207,10 +243,15 @@ class AsyncSession:
     def __init__(self, stub: Any, max_bytes: int, metadata: Metadata = ()) -> None:
         self._max_bytes = max_bytes - _BATCH_SLACK
         self._call = stub.Session(metadata=metadata)
-        # What waits for the writer: requests with their sizes, and aborts.
-        self._outbox: collections.deque[tuple[client_pb2.GenerateRequest, int]] = (
-            collections.deque()
-        )
+        # What waits for the writer: requests and input chunks in the order they were
+        # sent, with their sizes; and aborts.
+        self._outbox: collections.deque[
+            tuple[client_pb2.GenerateRequest | client_pb2.InputChunk, int]
+        ] = collections.deque()
+        # Bytes of input chunks queued for the writer; `send_input` waits at the bound.
+        self._queued_input = 0
+        self._input_room = asyncio.Event()
+        self._input_room.set()
         self._aborts: list[client_pb2.AbortRequest] = []
         self._wake = asyncio.Event()
         self._futures: dict[str, asyncio.Future[client_pb2.SessionEvent]] = {}
@@ -230,8 +271,17 @@ class AsyncSession:
                 batch = client_pb2.SessionRequest(abort=self._aborts)
                 self._aborts = []
                 taken = take_batch(self._outbox, _second, _MAX_BATCH, self._max_bytes)
-                batch.generate.extend(request for request, _ in taken)
+                for part, size in taken:
+                    # Within one message the coordinator takes requests before input
+                    # chunks: a chunk never precedes its request, as they were queued.
+                    if isinstance(part, client_pb2.InputChunk):
+                        batch.input.append(part)
+                        self._queued_input -= size
+                    else:
+                        batch.generate.append(part)
                 await self._call.write(batch)
+                if self._queued_input < _MAX_QUEUED_INPUT:
+                    self._input_room.set()
         except (grpc.RpcError, asyncio.InvalidStateError):
             pass  # the reader sees the end of the call and fails what is waiting
 
@@ -261,6 +311,7 @@ class AsyncSession:
         self.failure = _broken(error)
         self.broken = True
         self._writer.cancel()
+        self._input_room.set()  # an input sender waiting for room sees the end
         waiting, self._futures = self._futures, {}
         streams, self._streams = self._streams, {}
         if self._closing:
@@ -302,6 +353,25 @@ class AsyncSession:
         self._wake.set()
         return events
 
+    async def send_input(self, chunk: client_pb2.InputChunk) -> None:
+        """Queues an input chunk of a request this session started; waits while the input
+        already queued is at the bound (the coordinator reads no faster than the entry
+        stage consumes). Raises OmniError when the session ended."""
+        if (size := chunk.ByteSize()) > self._max_bytes:
+            raise too_large_chunk(chunk, size, self._max_bytes)
+        while self._queued_input >= _MAX_QUEUED_INPUT and not self.broken:
+            self._input_room.clear()
+            await self._input_room.wait()
+        if self.broken:
+            raise self.failure or _broken(None)
+        self._queued_input += size
+        self._outbox.append((chunk, size))
+        self._wake.set()
+
+    def live(self, request_id: str) -> bool:
+        """Whether `request_id`, a streaming request sent here, has not ended yet."""
+        return request_id in self._streams
+
     def abort(self, request_id: str, reason: str) -> None:
         self._streams.pop(request_id, None)
         self._futures.pop(request_id, None)
@@ -320,5 +390,13 @@ class AsyncSession:
                 pass
 
 
-def _second(pair: tuple[object, int]) -> int:
+def _second(pair: tuple[object, int] | tuple[object, int, int]) -> int:
     return pair[1]
+
+
+def too_large_chunk(chunk: client_pb2.InputChunk, size: int, max_bytes: int) -> OmniError:
+    return OmniError(
+        Code.RESOURCE_EXHAUSTED,
+        f"input chunk {chunk.chunk_id} of {chunk.request_id[:80]!r}: {size} bytes exceed the "
+        f"client's message limit of {max_bytes} bytes (max_message_mb); send smaller chunks",
+    )

@@ -313,6 +313,27 @@ def _check_cpu_ids(text: str) -> None:
 CpuList = Annotated[list[int] | None, BeforeValidator(_cpu_list)]
 
 
+class InputStreamConfig(_Model):
+    """`input_stream:`: clients may send input chunks into running requests (the Session
+    call's `InputChunk`s); the entry stage takes them as a stream from source `"@client"`,
+    bounded per request like a stream edge."""
+
+    credits: int = Field(
+        8,
+        gt=0,
+        le=MAX_COUNT,
+        description="Input chunks of one request in flight (sent to the entry stage, not yet "
+        "taken by its scheduler) before the coordinator stops reading the client's Session.",
+    )
+    credit_mb: int = Field(
+        4,
+        gt=0,
+        le=MAX_MESSAGE_MB,
+        description="The same bound as `credits`, in MiB of chunk payloads; whichever comes "
+        "first applies.",
+    )
+
+
 class StageConfig(_Model):
     """One stage of a pipeline (`stages[]`): what it runs, where its results go, and where
     and how its process runs."""
@@ -597,6 +618,10 @@ class PipelineConfig(_Model):
         le=MAX_MESSAGE_MB,
         description="The same bound as `client_stream_buffer`, in MiB; whichever comes "
         "first applies.",
+    )
+    input_stream: InputStreamConfig | None = Field(
+        None,
+        description="Clients may stream input into running requests (unset: they may not).",
     )
     coordinator_cpus: CpuList = Field(
         None,

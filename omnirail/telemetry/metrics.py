@@ -181,6 +181,22 @@ class CoordinatorMetrics:
             ["call", "action"],
             registry=r,
         )
+        self._input_chunks = Counter(
+            "omnirail_input_chunks_total",
+            "Input chunks clients streamed into running requests (forwarded to the entry stage).",
+            registry=r,
+        )
+        self._input_bytes = Counter(
+            "omnirail_input_bytes_total",
+            "Payload bytes of the input chunks clients streamed into running requests.",
+            registry=r,
+        )
+        self._input_wait = Counter(
+            "omnirail_input_credit_wait_seconds_total",
+            "Time Sessions spent not reading because a request's input stream was at its "
+            "credit (input_stream.credits / credit_mb): clients held back.",
+            registry=r,
+        )
         self._ended = {
             state: (requests.labels(name), duration.labels(name))
             for state, name in _STATE_NAMES.items()
@@ -215,6 +231,13 @@ class CoordinatorMetrics:
 
     def replica_lost(self, stage: str) -> None:
         self._replicas_lost.labels(stage).inc()
+
+    def input_chunk(self, nbytes: int) -> None:
+        self._input_chunks.inc()
+        self._input_bytes.inc(nbytes)
+
+    def input_waited(self, seconds: float) -> None:
+        self._input_wait.inc(seconds)
 
 
 class StageMetrics:

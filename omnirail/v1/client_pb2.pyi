@@ -8,18 +8,20 @@ from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 DESCRIPTOR: _descriptor.FileDescriptor
 
 class GenerateRequest(_message.Message):
-    __slots__ = ("request_id", "inputs", "timeout_s", "traceparent", "stream")
+    __slots__ = ("request_id", "inputs", "timeout_s", "traceparent", "stream", "input_stream")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     INPUTS_FIELD_NUMBER: _ClassVar[int]
     TIMEOUT_S_FIELD_NUMBER: _ClassVar[int]
     TRACEPARENT_FIELD_NUMBER: _ClassVar[int]
     STREAM_FIELD_NUMBER: _ClassVar[int]
+    INPUT_STREAM_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     inputs: _common_pb2.Payload
     timeout_s: float
     traceparent: str
     stream: bool
-    def __init__(self, request_id: _Optional[str] = ..., inputs: _Optional[_Union[_common_pb2.Payload, _Mapping]] = ..., timeout_s: _Optional[float] = ..., traceparent: _Optional[str] = ..., stream: _Optional[bool] = ...) -> None: ...
+    input_stream: bool
+    def __init__(self, request_id: _Optional[str] = ..., inputs: _Optional[_Union[_common_pb2.Payload, _Mapping]] = ..., timeout_s: _Optional[float] = ..., traceparent: _Optional[str] = ..., stream: _Optional[bool] = ..., input_stream: _Optional[bool] = ...) -> None: ...
 
 class SubmitResponse(_message.Message):
     __slots__ = ("request_id",)
@@ -68,13 +70,29 @@ class GenerateEvent(_message.Message):
     result: Result
     def __init__(self, chunk: _Optional[_Union[Chunk, _Mapping]] = ..., result: _Optional[_Union[Result, _Mapping]] = ...) -> None: ...
 
+class InputChunk(_message.Message):
+    __slots__ = ("request_id", "chunk_id", "data", "done", "modality")
+    REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
+    CHUNK_ID_FIELD_NUMBER: _ClassVar[int]
+    DATA_FIELD_NUMBER: _ClassVar[int]
+    DONE_FIELD_NUMBER: _ClassVar[int]
+    MODALITY_FIELD_NUMBER: _ClassVar[int]
+    request_id: str
+    chunk_id: int
+    data: _common_pb2.Payload
+    done: bool
+    modality: str
+    def __init__(self, request_id: _Optional[str] = ..., chunk_id: _Optional[int] = ..., data: _Optional[_Union[_common_pb2.Payload, _Mapping]] = ..., done: _Optional[bool] = ..., modality: _Optional[str] = ...) -> None: ...
+
 class SessionRequest(_message.Message):
-    __slots__ = ("generate", "abort")
+    __slots__ = ("generate", "abort", "input")
     GENERATE_FIELD_NUMBER: _ClassVar[int]
     ABORT_FIELD_NUMBER: _ClassVar[int]
+    INPUT_FIELD_NUMBER: _ClassVar[int]
     generate: _containers.RepeatedCompositeFieldContainer[GenerateRequest]
     abort: _containers.RepeatedCompositeFieldContainer[AbortRequest]
-    def __init__(self, generate: _Optional[_Iterable[_Union[GenerateRequest, _Mapping]]] = ..., abort: _Optional[_Iterable[_Union[AbortRequest, _Mapping]]] = ...) -> None: ...
+    input: _containers.RepeatedCompositeFieldContainer[InputChunk]
+    def __init__(self, generate: _Optional[_Iterable[_Union[GenerateRequest, _Mapping]]] = ..., abort: _Optional[_Iterable[_Union[AbortRequest, _Mapping]]] = ..., input: _Optional[_Iterable[_Union[InputChunk, _Mapping]]] = ...) -> None: ...
 
 class SessionEvent(_message.Message):
     __slots__ = ("request_id", "result", "error", "chunk")

@@ -42,6 +42,9 @@ LABELS = {
     "omnirail_replicas_lost": {"stage"},
     "omnirail_deadline_overrun_seconds": set(),
     "omnirail_slow_client": {"call", "action"},
+    "omnirail_input_chunks": set(),
+    "omnirail_input_bytes": set(),
+    "omnirail_input_credit_wait_seconds": set(),
     "omnirail_stage_queue_depth": {"stage"},
     "omnirail_stage_inflight": {"stage"},
     "omnirail_stage_held_requests": {"stage"},
@@ -64,6 +67,9 @@ COORDINATOR_FAMILIES = {
     "omnirail_replicas_lost",
     "omnirail_deadline_overrun_seconds",
     "omnirail_slow_client",
+    "omnirail_input_chunks",
+    "omnirail_input_bytes",
+    "omnirail_input_credit_wait_seconds",
 }
 
 
