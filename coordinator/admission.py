@@ -24,6 +24,11 @@ def check_request_id(rid: str) -> None:
         raise invalid("request_id must be 1-128 characters of [A-Za-z0-9._:@-]")
 
 
+def check_conversation_id(conversation_id: str) -> None:
+    if not REQUEST_ID.fullmatch(conversation_id):
+        raise invalid("conversation_id must be 1-128 characters of [A-Za-z0-9._:@-]")
+
+
 def parse_inputs(request: client_pb2.GenerateRequest, max_bytes: int) -> dict[str, Any]:
     """The request's inputs as a mapping of names to values (views over its bytes)."""
     if not request.HasField("inputs"):

@@ -4,7 +4,7 @@ off). Decides which live requests it touched, and watches for the silent ones.
 
 Which requests a lost replica touched: at the entry stage, the one the coordinator sent
 the request to (it records it); at a later stage, the replica the stages route to,
-`replica_for(wire id, ...)` over that stage's replicas sorted by id (what every sender
+`route_index(wire id, conversation, ...)` over that stage's replicas sorted by id (what every sender
 computes: omnirail/wire/routing.py), under the topology from before the loss. A request that
 already went through that replica counts as touched, although it may have moved on: it
 is re-run or failed like the others, never left waiting. A stage hosted next to its
@@ -28,7 +28,7 @@ from collections.abc import Callable
 
 from omnirail.coordinator.registry import Replica, StageRegistry
 from omnirail.coordinator.requests import RequestRecord
-from omnirail.wire.routing import replica_for
+from omnirail.wire.routing import route_index
 
 log = logging.getLogger(__name__)
 
@@ -49,7 +49,8 @@ def touched(replica: Replica, before: list[Replica], rec: RequestRecord, entry: 
         return rec.entry is replica
     if replica not in before:
         return False
-    return replica_for(rec.wire_id, before) is replica
+    names = [r.address for r in before]
+    return before[route_index(rec.wire_id, rec.conversation, names)] is replica
 
 
 def can_redispatch(

@@ -13,6 +13,7 @@ from grpc_health.v1 import health
 
 from omnirail.config import PipelineConfig, dotted
 from omnirail.coordinator.admission import (
+    check_conversation_id,
     check_request_id,
     parse_inputs,
     resolve_terminals,
@@ -125,7 +126,12 @@ class RequestLifecycle:
         for stage in sorted(possible):
             if not self.registry.live(stage):
                 raise unavailable(f"stage {stage!r} has no live replica", stage)
-        rec = RequestRecord(rid, terminals, possible, deadline=time.time() + timeout)
+        conversation = request.conversation_id
+        if conversation:
+            check_conversation_id(conversation)
+        rec = RequestRecord(
+            rid, terminals, possible, deadline=time.time() + timeout, conversation=conversation
+        )
         if self.requests.get(rid) is not None:
             # The id of a request that ended: the stages remember ended ids (to drop
             # their late items), so this one travels under a wire id of its own.
@@ -149,7 +155,9 @@ class RequestLifecycle:
             to_stage=self._entry,
             payload=request.inputs,
             traceparent=traceparent,
-            meta=mesh_pb2.RequestMeta(terminal_stages=terminals, deadline=rec.deadline),
+            meta=mesh_pb2.RequestMeta(
+                terminal_stages=terminals, deadline=rec.deadline, conversation_id=conversation
+            ),
         )
         streams_in = self.pipeline.input_stream
         if streams_in is not None and request.input_stream:
@@ -180,7 +188,7 @@ class RequestLifecycle:
 
     def _dispatch(self, rec: RequestRecord, item: mesh_pb2.DeliverItem) -> None:
         """Sends the request's current attempt to a replica of the entry stage."""
-        replica = self.registry.pick(self._entry, rec.wire_id)
+        replica = self.registry.pick(self._entry, rec.wire_id, rec.conversation)
         assert replica is not None  # callers checked that every possible stage is live
         item.request_id = rec.wire_id
         channel = self._channel(replica.address)
@@ -317,6 +325,12 @@ class RequestLifecycle:
             self._broadcast_abort(rec.wire_id, error.message if error else "")
         if self._unreleased:
             self._unreleased = self.registry.release_drained(self.requests.live.values())
+
+    def close_conversation(self, conversation_id: str) -> None:
+        """Every stage drops what it keeps of the conversation (raises OmniError for a
+        malformed id)."""
+        check_conversation_id(conversation_id)
+        self.registry.broadcast(mesh_pb2.CoordinatorCommand(closed_conversations=[conversation_id]))
 
     def abort_soon(self, request_id: str, reason: str) -> None:
         """Aborts a live request without waiting for the stages' acks; one not known yet

@@ -10,7 +10,7 @@ from typing import Any
 
 from omnirail.config import PipelineConfig
 from omnirail.v1 import client_pb2, mesh_pb2
-from omnirail.wire.routing import replica_index
+from omnirail.wire.routing import conversation_index, replica_index
 
 
 @dataclass(eq=False)
@@ -102,10 +102,12 @@ class StageRegistry:
     def missing(self) -> list[str]:
         return [name for name in self._by_stage if not self.live(name)]
 
-    def pick(self, stage: str, request_id: str) -> Replica | None:
+    def pick(self, stage: str, request_id: str, conversation_id: str = "") -> Replica | None:
         replicas = self.replicas(stage)
         if not replicas:
             return None
+        if conversation_id:  # where the conversation's state is, whatever the balance
+            return replicas[conversation_index(conversation_id, [r.address for r in replicas])]
         n = len(replicas)
         if self._balance == "round_robin":
             self._turn += 1

@@ -64,6 +64,8 @@ class RequestRecord:
     keep_result: bool = False
     # The client's input stream into it (GenerateRequest.input_stream), None without one.
     input: Any = None
+    # The conversation it is a turn of ("" for none): every hop routes by it.
+    conversation: str = ""
 
     def __post_init__(self) -> None:
         self.wire_id = self.wire_id or self.request_id

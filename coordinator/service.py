@@ -101,6 +101,15 @@ class Coordinator(StageLink, client_pb2_grpc.OmnirailServicer):
         response.not_acknowledged.extend(missing)
         return response
 
+    async def CloseConversation(
+        self, request: client_pb2.ConversationRef, context: grpc.aio.ServicerContext
+    ) -> client_pb2.CloseConversationResponse:
+        try:
+            self.close_conversation(request.conversation_id)
+        except OmniError as exc:
+            await abort_call(context, exc)
+        return client_pb2.CloseConversationResponse()
+
     async def DescribePipeline(
         self, request: client_pb2.DescribePipelineRequest, context: grpc.aio.ServicerContext
     ) -> client_pb2.PipelineInfo:

@@ -305,6 +305,8 @@ class StageHost(mesh_pb2_grpc.StageServicer):
             for relay in self._relays.values():
                 relay.cleanup(abort.request_id)
             self._attach[stage_name].abort_ack(abort.request_id)
+        for conversation in cmd.closed_conversations:
+            self.stages[stage_name].scheduler.close_conversation(conversation)
         if cmd.released:
             self._released.add(stage_name)
         if cmd.HasField("shutdown"):

@@ -34,6 +34,7 @@ class StageObserver:
         fan_in: bool,
         held: Callable[[], int] | None = None,
         engine: Callable[[], object] | None = None,
+        conversations: Callable[[], object] | None = None,
     ) -> None:
         self._name = name
         self._fan_in = fan_in  # the stage waits for several producers: link them all
@@ -42,7 +43,12 @@ class StageObserver:
         # Whether requests get spans at all; checked before `open_span`.
         self.tracing = self._tracer.enabled
         self._metrics = (metrics or StageMetrics()).stage(
-            name, queue_depth=queue_depth, inflight=inflight, held=held, engine=engine
+            name,
+            queue_depth=queue_depth,
+            inflight=inflight,
+            held=held,
+            engine=engine,
+            conversations=conversations,
         )
 
     def open_span(

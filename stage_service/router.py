@@ -1,10 +1,11 @@
 """Where a stage process sends an item: to a stage it hosts (by reference, no gRPC, no
 relay), or to a replica elsewhere over a Deliver channel, one channel per address.
 
-Which replica: `replica_for` the request id (omnirail/wire/routing.py), what every
-producer computes, except that a stream stays on the replica its first chunk went to while
-that replica is in the topology. The topology is the coordinator's; a channel whose address
-lost its replica, or got a new one, is closed with what it still held.
+Which replica: `route_index` of the request, or of its conversation
+(omnirail/wire/routing.py), what every producer computes, except that a stream stays on
+the replica its first chunk went to while that replica is in the topology. The topology is
+the coordinator's; a channel whose address lost its replica, or got a new one, is closed
+with what it still held.
 """
 
 from __future__ import annotations
@@ -20,7 +21,7 @@ from omnirail.transport.deliver import DeliverChannel
 from omnirail.transport.security import MeshSecurity
 from omnirail.v1 import mesh_pb2
 from omnirail.wire.errors import OmniError
-from omnirail.wire.routing import replica_for
+from omnirail.wire.routing import route_index
 
 # Streams whose replica this process remembers (the oldest are forgotten first).
 MAX_STICKY_STREAMS = 8192
@@ -99,17 +100,18 @@ class ProcessRouter:
         channel.send(item, handle)
 
     def route(self, item: mesh_pb2.DeliverItem, endpoints: list[str]) -> str:
-        """The replica of `item.to_stage` for this item: `replica_for` its request id, what
-        every producer computes (a fan-in's producers agree without asking). A stream
+        """The replica of `item.to_stage` for this item: by its request id, or its
+        conversation's (`route_index`), what every producer computes (a fan-in's producers
+        agree without asking). A stream
         stays where its first chunk went while that replica is in the topology: when a
         replica joins, n changes, and a stream moved mid-way would reach a replica that
         never saw its start."""
         if not item.HasField("stream"):
-            return replica_for(item.request_id, endpoints)
+            return endpoints[route_index(item.request_id, item.meta.conversation_id, endpoints)]
         key = (item.request_id, item.to_stage)
         address = self._streams_to.get(key)
         if address is None or address not in endpoints:
-            address = replica_for(item.request_id, endpoints)
+            address = endpoints[route_index(item.request_id, item.meta.conversation_id, endpoints)]
         signal = item.stream
         if signal.done or signal.HasField("error"):  # the stream's last item
             self._streams_to.pop(key, None)

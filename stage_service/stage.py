@@ -93,6 +93,9 @@ class Stage:
             fan_in=bool(self._fan_in.wait_for),
             held=lambda: scheduler.held_requests,
             engine=scheduler.figures if scheduler.figures() is not None else None,
+            conversations=(
+                scheduler.conversations if scheduler.conversations() is not None else None
+            ),
         )
         self._stream_sources = frozenset(pipeline.stream_sources_of(name))
         # The entry stage of a pipeline with `input_stream` takes every request's input
@@ -265,7 +268,13 @@ class Stage:
             return
         req.submitted = True
         inbox = self.scheduler.inbox
-        msg = IncomingMessage(rid, "new_request", data, traceparent=req.traceparent)
+        msg = IncomingMessage(
+            rid,
+            "new_request",
+            data,
+            traceparent=req.traceparent,
+            conversation=req.meta.conversation_id,
+        )
         req.submitted_ns = time.time_ns()
         req.new_msg = msg
         inbox.put(msg)

@@ -101,6 +101,7 @@ def build_request(
     traceparent: str | None,
     stream: bool = False,
     input_stream: bool = False,
+    conversation_id: str | None = None,
 ) -> client_pb2.GenerateRequest:
     if not isinstance(inputs, Mapping):
         raise invalid(f"inputs: expected a mapping of names to values, got {type(inputs).__name__}")
@@ -119,7 +120,16 @@ def build_request(
         traceparent=traceparent or "",
         stream=stream,
         input_stream=input_stream,
+        conversation_id=_conversation(conversation_id),
     )
+
+
+def _conversation(conversation_id: str | None) -> str:
+    if conversation_id is None:
+        return ""
+    if not isinstance(conversation_id, str) or not conversation_id:
+        raise invalid(f"conversation_id: expected a non-empty string, got {conversation_id!r}")
+    return conversation_id
 
 
 def parse_result(result: client_pb2.Result, numpy: bool = False) -> GenerateResult:
@@ -282,12 +292,15 @@ class Client:
         request_id: str | None = None,
         timeout: float | None = None,
         traceparent: str | None = None,
+        conversation_id: str | None = None,
     ) -> GenerateResult:
-        """Runs one request over the client's Session stream and returns its result."""
+        """Runs one request over the client's Session stream and returns its result.
+        `conversation_id`: the conversation the request is a turn of (its inputs carry the
+        whole history; stages that keep state across turns reuse it)."""
         timeout = timeout if timeout is not None else self.timeout
         span = ClientSpan("generate", request_id := request_id or uuid.uuid4().hex, traceparent)
         try:
-            result = self._generate(inputs, request_id, timeout, span.traceparent)
+            result = self._generate(inputs, request_id, timeout, span.traceparent, conversation_id)
         except BaseException as exc:
             span.end(exc)
             raise
@@ -295,9 +308,14 @@ class Client:
         return result
 
     def _generate(
-        self, inputs: Mapping[str, Any], request_id: str, timeout: float | None, tp: str | None
+        self,
+        inputs: Mapping[str, Any],
+        request_id: str,
+        timeout: float | None,
+        tp: str | None,
+        conversation_id: str | None = None,
     ) -> GenerateResult:
-        request = build_request(inputs, request_id, timeout, tp)
+        request = build_request(inputs, request_id, timeout, tp, conversation_id=conversation_id)
         session = self._session()
         future = session.send(request)
         try:
@@ -318,6 +336,7 @@ class Client:
         request_id: str | None = None,
         timeout: float | None = None,
         traceparent: str | None = None,
+        conversation_id: str | None = None,
     ) -> Iterator[StreamEvent]:
         """Runs one request, yielding each `Chunk` as terminal stages make it, then the
         `GenerateResult`. Raises OmniError when the request fails. Closing the iterator
@@ -329,7 +348,9 @@ class Client:
         error: BaseException | None = None
         ended = False
         try:
-            request = build_request(inputs, rid, timeout, span.traceparent, stream=True)
+            request = build_request(
+                inputs, rid, timeout, span.traceparent, stream=True, conversation_id=conversation_id
+            )
             session = self._session()
             events = session.send_stream(request)
             deadline = None if timeout is None else time.monotonic() + _deadline(timeout)
@@ -355,6 +376,7 @@ class Client:
         request_id: str | None = None,
         timeout: float | None = None,
         traceparent: str | None = None,
+        conversation_id: str | None = None,
     ) -> InputStream:
         """Starts a request that takes input while it runs (its pipeline sets
         `input_stream`): `send()` chunks into it from one thread, `end()` the input, and
@@ -373,7 +395,13 @@ class Client:
         span = ClientSpan("input_stream", rid, traceparent)
         try:
             request = build_request(
-                inputs, rid, timeout, span.traceparent, stream=True, input_stream=True
+                inputs,
+                rid,
+                timeout,
+                span.traceparent,
+                stream=True,
+                input_stream=True,
+                conversation_id=conversation_id,
             )
             session = self._session()
         except BaseException as exc:
@@ -399,11 +427,14 @@ class Client:
         *,
         request_id: str | None = None,
         timeout: float | None = None,
+        conversation_id: str | None = None,
     ) -> str:
         """Starts a request and returns its id at once; `wait` or `status` fetch its result
         (the coordinator keeps the results of submitted requests)."""
         self._check_open()
-        request = build_request(inputs, request_id, timeout or self.timeout, None)
+        request = build_request(
+            inputs, request_id, timeout or self.timeout, None, conversation_id=conversation_id
+        )
         try:
             return self._stub.Submit(request, metadata=self._md).request_id
         except grpc.RpcError as err:
@@ -444,6 +475,17 @@ class Client:
         except grpc.RpcError as err:
             raise OmniError.from_rpc_error(err) from None
         return _abort_result(reply)
+
+    def close_conversation(self, conversation_id: str) -> None:
+        """Every stage drops what it keeps of the conversation now (its state is bounded
+        and expires anyway). Its requests (`conversation_id=` on `generate`, `stream`,
+        `input_stream`, `submit`) keep working: a later turn rebuilds the state."""
+        self._check_open()
+        ref = client_pb2.ConversationRef(conversation_id=_conversation(conversation_id))
+        try:
+            self._stub.CloseConversation(ref, metadata=self._md)
+        except grpc.RpcError as err:
+            raise OmniError.from_rpc_error(err) from None
 
     def describe(self) -> client_pb2.PipelineInfo:
         """The pipeline the coordinator serves: its stages, their live replicas and the
@@ -542,12 +584,17 @@ class AsyncClient:
         request_id: str | None = None,
         timeout: float | None = None,
         traceparent: str | None = None,
+        conversation_id: str | None = None,
     ) -> GenerateResult:
-        """Runs one request over the client's Session stream and returns its result."""
+        """Runs one request over the client's Session stream and returns its result.
+        `conversation_id`: the conversation the request is a turn of (its inputs carry the
+        whole history; stages that keep state across turns reuse it)."""
         timeout = timeout if timeout is not None else self.timeout
         span = ClientSpan("generate", request_id := request_id or uuid.uuid4().hex, traceparent)
         try:
-            result = await self._generate(inputs, request_id, timeout, span.traceparent)
+            result = await self._generate(
+                inputs, request_id, timeout, span.traceparent, conversation_id
+            )
         except BaseException as exc:
             span.end(exc)
             raise
@@ -555,9 +602,14 @@ class AsyncClient:
         return result
 
     async def _generate(
-        self, inputs: Mapping[str, Any], request_id: str, timeout: float | None, tp: str | None
+        self,
+        inputs: Mapping[str, Any],
+        request_id: str,
+        timeout: float | None,
+        tp: str | None,
+        conversation_id: str | None = None,
     ) -> GenerateResult:
-        request = build_request(inputs, request_id, timeout, tp)
+        request = build_request(inputs, request_id, timeout, tp, conversation_id=conversation_id)
         session = self._session()
         future = session.send(request)
         try:
@@ -577,6 +629,7 @@ class AsyncClient:
         request_id: str | None = None,
         timeout: float | None = None,
         traceparent: str | None = None,
+        conversation_id: str | None = None,
     ) -> AsyncIterator[StreamEvent]:
         """`Client.stream`, as an async iterator; cancelling or closing it aborts the request."""
         timeout = timeout if timeout is not None else self.timeout
@@ -586,7 +639,9 @@ class AsyncClient:
         error: BaseException | None = None
         ended = False
         try:
-            request = build_request(inputs, rid, timeout, span.traceparent, stream=True)
+            request = build_request(
+                inputs, rid, timeout, span.traceparent, stream=True, conversation_id=conversation_id
+            )
             session = self._session()
             events = session.send_stream(request)
             deadline = None if timeout is None else time.monotonic() + _deadline(timeout)
@@ -612,6 +667,7 @@ class AsyncClient:
         request_id: str | None = None,
         timeout: float | None = None,
         traceparent: str | None = None,
+        conversation_id: str | None = None,
     ) -> AsyncInputStream:
         """`Client.input_stream`, with `await send()`, `await end()` and `async for`:
 
@@ -627,7 +683,13 @@ class AsyncClient:
         span = ClientSpan("input_stream", rid, traceparent)
         try:
             request = build_request(
-                inputs, rid, timeout, span.traceparent, stream=True, input_stream=True
+                inputs,
+                rid,
+                timeout,
+                span.traceparent,
+                stream=True,
+                input_stream=True,
+                conversation_id=conversation_id,
             )
             session = self._session()
         except BaseException as exc:
@@ -652,11 +714,14 @@ class AsyncClient:
         *,
         request_id: str | None = None,
         timeout: float | None = None,
+        conversation_id: str | None = None,
     ) -> str:
         """Starts a request and returns its id at once; `wait` or `status` fetch its result
         (the coordinator keeps the results of submitted requests)."""
         self._check_open()
-        request = build_request(inputs, request_id, timeout or self.timeout, None)
+        request = build_request(
+            inputs, request_id, timeout or self.timeout, None, conversation_id=conversation_id
+        )
         try:
             return (await self._stub.Submit(request, metadata=self._md)).request_id
         except grpc.RpcError as err:
@@ -696,6 +761,15 @@ class AsyncClient:
         except grpc.RpcError as err:
             raise OmniError.from_rpc_error(err) from None
         return _abort_result(reply)
+
+    async def close_conversation(self, conversation_id: str) -> None:
+        """`Client.close_conversation`, awaited."""
+        self._check_open()
+        ref = client_pb2.ConversationRef(conversation_id=_conversation(conversation_id))
+        try:
+            await self._stub.CloseConversation(ref, metadata=self._md)
+        except grpc.RpcError as err:
+            raise OmniError.from_rpc_error(err) from None
 
     async def describe(self) -> client_pb2.PipelineInfo:
         """The pipeline the coordinator serves: its stages, their live replicas and the

@@ -14,6 +14,9 @@ INVALID_ARGUMENT and the stage keeps serving.
 - `ARScheduler` with `ARRequest` and `ARStep`: continuous batching of an autoregressive
   step across requests, streaming tokens or hidden states.
 - `EngineFigures`: what a scheduler running a serving engine reports (`Scheduler.figures`).
+- `ConversationStore`: state a stage keeps across a conversation's turns (KV caches),
+  bounded and expiring; `ConversationFigures` is what it reports
+  (`Scheduler.conversations`).
 - `TensorParallel`: the ranks of a `tp_size` stage, driven from rank 0.
 - `IncomingMessage` / `OutgoingMessage`: what a custom `Scheduler` takes from its inbox and
   puts in its outbox; `CLIENT` is the destination of a chunk for the client.
@@ -25,6 +28,7 @@ hosts a stage: gRPC, relays, routing), which an import-linter contract checks.
 from __future__ import annotations
 
 from omnirail.stage.ar import ARRequest, ARScheduler, ARStep
+from omnirail.stage.conversations import ConversationFigures, ConversationStore
 from omnirail.stage.scheduler import (
     CLIENT,
     EngineFigures,
@@ -43,6 +47,8 @@ __all__ = [
     "ARRequest",
     "ARScheduler",
     "ARStep",
+    "ConversationFigures",
+    "ConversationStore",
     "EngineFigures",
     "IncomingMessage",
     "InputError",

@@ -40,6 +40,8 @@ class ARRequest:
 
     request_id: str
     data: Any
+    # The conversation it is a turn of ("" for none): the key of state kept across turns.
+    conversation: str = ""
     inputs: list[Any] = field(default_factory=list)
     inputs_done: bool = False
     steps: int = 0
@@ -215,7 +217,7 @@ class ARScheduler(ThreadScheduler):
                 self._remove(rid)
                 self._fail([rid], RuntimeError(f"request {rid!r} is already running here"))
                 return
-            req = ARRequest(rid, msg.data)
+            req = ARRequest(rid, msg.data, msg.conversation)
             if self.hold_inputs:
                 req.release = self.inbox.taken
             self._live[rid] = req

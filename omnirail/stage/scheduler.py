@@ -17,6 +17,7 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from typing import Any, Literal
 
+from omnirail.stage.conversations import ConversationFigures
 from omnirail.telemetry.logs import request_context
 
 log = logging.getLogger(__name__)
@@ -52,6 +53,9 @@ class IncomingMessage:
     taken_ns: int = 0
     # The request's W3C traceparent: schedulers tag the logs of its compute with it.
     traceparent: str = ""
+    # The conversation the request is a turn of ("" for none; on `new_request`): a
+    # scheduler that keeps state across turns keys it by this (`ConversationStore`).
+    conversation: str = ""
 
 
 @dataclass(slots=True)
@@ -297,6 +301,16 @@ class Scheduler(abc.ABC):
     def figures(self) -> EngineFigures | None:
         """A serving engine's own counts (None: no engine). Read from another thread, at
         scrapes."""
+        return None
+
+    def conversations(self) -> ConversationFigures | None:
+        """The counts of the state this scheduler keeps across conversations' turns (None:
+        it keeps none). Read from another thread, at scrapes."""
+        return None
+
+    def close_conversation(self, conversation_id: str) -> None:
+        """The client closed the conversation: drop what is kept of it (called from the
+        stage's event loop thread; a scheduler that keeps none ignores it)."""
         return None
 
 

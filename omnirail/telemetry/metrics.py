@@ -313,11 +313,15 @@ class StageMetrics:
         inflight: Callable[[], int] | None = None,
         held: Callable[[], int] | None = None,
         engine: Callable[[], Any] | None = None,
+        conversations: Callable[[], Any] | None = None,
     ) -> StageRecorder:
         """Binds the stage's series; the callables are read at each scrape. `engine` returns
-        a serving engine's `EngineFigures` (or None: the stage runs no engine)."""
+        a serving engine's `EngineFigures` (or None: the stage runs no engine);
+        `conversations` the `ConversationFigures` of state kept across turns."""
         if engine is not None:
             self.registry.register(_EngineCollector(name, engine))
+        if conversations is not None:
+            self.registry.register(_ConversationCollector(name, conversations))
         if held is not None:
             self.held.labels(name).set_function(_scrape_safe(held))
         if queue_depth is not None:
@@ -425,3 +429,57 @@ class StageRecorder:
             )
         pair[0].inc(nbytes)
         pair[1].observe(seconds)
+
+
+class _ConversationCollector(Collector):
+    """`omnirail_conversation_*`: the state a stage keeps across conversations' turns, read
+    at each scrape (`ConversationFigures`)."""
+
+    def __init__(self, stage: str, figures: Callable[[], Any]) -> None:
+        self._stage = stage
+        self._figures = figures
+
+    def collect(self) -> Iterator[Metric]:
+        try:
+            f = self._figures()
+        except Exception:  # a scrape racing the stage's shutdown
+            f = None
+        if f is None:
+            return
+        stage = [self._stage]
+        for family, name, doc, value in (
+            (GaugeMetricFamily, "states", "Conversations whose state the stage keeps.", f.states),
+            (GaugeMetricFamily, "state_bytes", "Bytes of the state the stage keeps.", f.bytes),
+            (
+                CounterMetricFamily,
+                "prefill_tokens",
+                "Tokens conversation turns computed (what kept state did not cover).",
+                f.prefill_tokens,
+            ),
+            (
+                CounterMetricFamily,
+                "reused_tokens",
+                "Tokens conversation turns took from the state kept by earlier turns.",
+                f.reused_tokens,
+            ),
+        ):
+            metric = family(f"omnirail_conversation_{name}", doc, labels=["stage"])
+            metric.add_metric(stage, value)
+            yield metric
+        turns = CounterMetricFamily(
+            "omnirail_conversation_turns",
+            "Conversation turns by whether they found their state (reused) or rebuilt it.",
+            labels=["stage", "state"],
+        )
+        turns.add_metric([self._stage, "reused"], f.turns_reused)
+        turns.add_metric([self._stage, "rebuilt"], f.turns_rebuilt)
+        yield turns
+        evicted = CounterMetricFamily(
+            "omnirail_conversation_evictions",
+            "Conversation states dropped, by reason: budget (room for others), idle "
+            "(expired), closed (by the client).",
+            labels=["stage", "reason"],
+        )
+        for reason, count in f.evicted.items():
+            evicted.add_metric([self._stage, reason], count)
+        yield evicted

@@ -7,21 +7,33 @@ from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 
 DESCRIPTOR: _descriptor.FileDescriptor
 
+class ConversationRef(_message.Message):
+    __slots__ = ("conversation_id",)
+    CONVERSATION_ID_FIELD_NUMBER: _ClassVar[int]
+    conversation_id: str
+    def __init__(self, conversation_id: _Optional[str] = ...) -> None: ...
+
+class CloseConversationResponse(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
 class GenerateRequest(_message.Message):
-    __slots__ = ("request_id", "inputs", "timeout_s", "traceparent", "stream", "input_stream")
+    __slots__ = ("request_id", "inputs", "timeout_s", "traceparent", "stream", "input_stream", "conversation_id")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     INPUTS_FIELD_NUMBER: _ClassVar[int]
     TIMEOUT_S_FIELD_NUMBER: _ClassVar[int]
     TRACEPARENT_FIELD_NUMBER: _ClassVar[int]
     STREAM_FIELD_NUMBER: _ClassVar[int]
     INPUT_STREAM_FIELD_NUMBER: _ClassVar[int]
+    CONVERSATION_ID_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     inputs: _common_pb2.Payload
     timeout_s: float
     traceparent: str
     stream: bool
     input_stream: bool
-    def __init__(self, request_id: _Optional[str] = ..., inputs: _Optional[_Union[_common_pb2.Payload, _Mapping]] = ..., timeout_s: _Optional[float] = ..., traceparent: _Optional[str] = ..., stream: _Optional[bool] = ..., input_stream: _Optional[bool] = ...) -> None: ...
+    conversation_id: str
+    def __init__(self, request_id: _Optional[str] = ..., inputs: _Optional[_Union[_common_pb2.Payload, _Mapping]] = ..., timeout_s: _Optional[float] = ..., traceparent: _Optional[str] = ..., stream: _Optional[bool] = ..., input_stream: _Optional[bool] = ..., conversation_id: _Optional[str] = ...) -> None: ...
 
 class SubmitResponse(_message.Message):
     __slots__ = ("request_id",)

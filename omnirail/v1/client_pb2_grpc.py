@@ -70,6 +70,11 @@ class OmnirailStub:
                 request_serializer=omnirail_dot_v1_dot_client__pb2.DescribePipelineRequest.SerializeToString,
                 response_deserializer=omnirail_dot_v1_dot_client__pb2.PipelineInfo.FromString,
                 _registered_method=True)
+        self.CloseConversation = channel.unary_unary(
+                '/omnirail.v1.Omnirail/CloseConversation',
+                request_serializer=omnirail_dot_v1_dot_client__pb2.ConversationRef.SerializeToString,
+                response_deserializer=omnirail_dot_v1_dot_client__pb2.CloseConversationResponse.FromString,
+                _registered_method=True)
 
 
 class OmnirailServicer:
@@ -129,6 +134,14 @@ class OmnirailServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def CloseConversation(self, request, context):
+        """Drops what every stage keeps of a conversation (its state is bounded and expires
+        anyway; this frees it now). Unknown ids are not an error: state is a cache.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_OmnirailServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -166,6 +179,11 @@ def add_OmnirailServicer_to_server(servicer, server):
                     servicer.DescribePipeline,
                     request_deserializer=omnirail_dot_v1_dot_client__pb2.DescribePipelineRequest.FromString,
                     response_serializer=omnirail_dot_v1_dot_client__pb2.PipelineInfo.SerializeToString,
+            ),
+            'CloseConversation': grpc.unary_unary_rpc_method_handler(
+                    servicer.CloseConversation,
+                    request_deserializer=omnirail_dot_v1_dot_client__pb2.ConversationRef.FromString,
+                    response_serializer=omnirail_dot_v1_dot_client__pb2.CloseConversationResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -358,6 +376,33 @@ class Omnirail:
             '/omnirail.v1.Omnirail/DescribePipeline',
             omnirail_dot_v1_dot_client__pb2.DescribePipelineRequest.SerializeToString,
             omnirail_dot_v1_dot_client__pb2.PipelineInfo.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def CloseConversation(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/omnirail.v1.Omnirail/CloseConversation',
+            omnirail_dot_v1_dot_client__pb2.ConversationRef.SerializeToString,
+            omnirail_dot_v1_dot_client__pb2.CloseConversationResponse.FromString,
             options,
             channel_credentials,
             insecure,

@@ -131,24 +131,28 @@ class Shutdown(_message.Message):
     def __init__(self, reason: _Optional[str] = ...) -> None: ...
 
 class CoordinatorCommand(_message.Message):
-    __slots__ = ("topology", "aborts", "shutdown", "released")
+    __slots__ = ("topology", "aborts", "shutdown", "released", "closed_conversations")
     TOPOLOGY_FIELD_NUMBER: _ClassVar[int]
     ABORTS_FIELD_NUMBER: _ClassVar[int]
     SHUTDOWN_FIELD_NUMBER: _ClassVar[int]
     RELEASED_FIELD_NUMBER: _ClassVar[int]
+    CLOSED_CONVERSATIONS_FIELD_NUMBER: _ClassVar[int]
     topology: Topology
     aborts: _containers.RepeatedCompositeFieldContainer[Abort]
     shutdown: Shutdown
     released: bool
-    def __init__(self, topology: _Optional[_Union[Topology, _Mapping]] = ..., aborts: _Optional[_Iterable[_Union[Abort, _Mapping]]] = ..., shutdown: _Optional[_Union[Shutdown, _Mapping]] = ..., released: _Optional[bool] = ...) -> None: ...
+    closed_conversations: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, topology: _Optional[_Union[Topology, _Mapping]] = ..., aborts: _Optional[_Iterable[_Union[Abort, _Mapping]]] = ..., shutdown: _Optional[_Union[Shutdown, _Mapping]] = ..., released: _Optional[bool] = ..., closed_conversations: _Optional[_Iterable[str]] = ...) -> None: ...
 
 class RequestMeta(_message.Message):
-    __slots__ = ("terminal_stages", "deadline")
+    __slots__ = ("terminal_stages", "deadline", "conversation_id")
     TERMINAL_STAGES_FIELD_NUMBER: _ClassVar[int]
     DEADLINE_FIELD_NUMBER: _ClassVar[int]
+    CONVERSATION_ID_FIELD_NUMBER: _ClassVar[int]
     terminal_stages: _containers.RepeatedScalarFieldContainer[str]
     deadline: float
-    def __init__(self, terminal_stages: _Optional[_Iterable[str]] = ..., deadline: _Optional[float] = ...) -> None: ...
+    conversation_id: str
+    def __init__(self, terminal_stages: _Optional[_Iterable[str]] = ..., deadline: _Optional[float] = ..., conversation_id: _Optional[str] = ...) -> None: ...
 
 class StreamSignal(_message.Message):
     __slots__ = ("chunk_id", "done", "error", "modality")

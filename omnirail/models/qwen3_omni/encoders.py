@@ -18,6 +18,8 @@ Bad input raises `InputError` (a `ValueError`) whose message starts with the fie
 
 from __future__ import annotations
 
+import hashlib
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
@@ -41,6 +43,20 @@ def audio_output_lengths(feature_lengths: torch.Tensor, n_window: int) -> torch.
     return _get_feat_extract_output_lengths(feature_lengths, n_window)
 
 
+def media_keys(items: Sequence[torch.Tensor]) -> torch.Tensor:
+    """(len(items),) long: a 64-bit hash of each item's values (an audio's features, an
+    image's patches). A conversation's thinker reuses a kept turn's media positions only
+    where these agree, as vLLM keys its multimodal cache by the media's content: the
+    encoder's output for the same media may differ in rounding with what it was batched
+    with, its input does not."""
+    keys = []
+    for item in items:
+        data = item.detach().to("cpu", torch.float32).contiguous().numpy().tobytes()
+        digest = hashlib.blake2b(data, digest_size=8).digest()
+        keys.append(int.from_bytes(digest, "little", signed=True))
+    return torch.tensor(keys, dtype=torch.long)
+
+
 @dataclass
 class AudioEncoding:
     """One request's audio, encoded.
@@ -48,12 +64,15 @@ class AudioEncoding:
     `embeds`: (total tokens, thinker hidden) -- every audio's tokens, in order, as
     `get_audio_features(...).last_hidden_state`; `feature_lengths`: (num audios,) long, mel
     frames per audio (`feature_attention_mask.sum(1)`), which the thinker's 3D rope reads;
-    `token_lengths`: (num audios,) long, tokens per audio (rows of `embeds`).
+    `token_lengths`: (num audios,) long, tokens per audio (rows of `embeds`); `keys`: (num
+    audios,) long, a hash of each audio's features (`media_keys`): what tells a kept turn's
+    audio from another (None: not known, never taken as the same).
     """
 
     embeds: torch.Tensor
     feature_lengths: torch.Tensor
     token_lengths: torch.Tensor
+    keys: torch.Tensor | None = None
 
     def split(self) -> tuple[torch.Tensor, ...]:
         """Per-audio embeddings, (tokens_i, hidden) each."""
@@ -69,13 +88,15 @@ class ImageEncoding:
     `embeds` per deepstack level (the concatenated `deepstack_features`), added to the
     thinker's hidden states after its first `len(deepstack)` layers; `grid_thw`: (num images, 3)
     long, as the processor gave it (the thinker's 3D rope reads it); `token_lengths`:
-    (num images,) long, tokens per image.
+    (num images,) long, tokens per image; `keys`: (num images,) long, a hash of each image's
+    patches (`media_keys`; None: not known).
     """
 
     embeds: torch.Tensor
     deepstack: list[torch.Tensor]
     grid_thw: torch.Tensor
     token_lengths: torch.Tensor
+    keys: torch.Tensor | None = None
 
     def split(self) -> tuple[tuple[torch.Tensor, ...], list[tuple[torch.Tensor, ...]]]:
         """Per-image embeddings and per-level per-image deepstack features, as
@@ -129,6 +150,7 @@ class AudioEncoder:
             embeds=embeds.contiguous(),
             feature_lengths=feature_lengths.long(),
             token_lengths=token_lengths,
+            keys=media_keys(torch.split(flat, feature_lengths.tolist(), dim=1)),
         )
 
     def _check(
@@ -206,6 +228,7 @@ class ImageEncoder:
             deepstack=[f.contiguous() for f in out.deepstack_features],
             grid_thw=grid,
             token_lengths=token_lengths,
+            keys=media_keys(torch.split(pixel_values, grid.prod(-1).tolist())),
         )
 
     def _check(

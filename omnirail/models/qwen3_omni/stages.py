@@ -20,14 +20,22 @@ from typing import Any
 
 import torch
 
-from omnirail.stage import ARRequest, ARScheduler, ARStep, StreamingScheduler, StreamState
+from omnirail.stage import (
+    ARRequest,
+    ARScheduler,
+    ARStep,
+    ConversationFigures,
+    ConversationStore,
+    StreamingScheduler,
+    StreamState,
+)
 from omnirail.stage import InputError as RequestInputError
 
 from .code2wav import Code2WavStreamer, chunk_due
 from .encoders import AudioEncoder, AudioEncoding, ImageEncoder, ImageEncoding, InputError
 from .sizes import STAGE_SUBMODULES
 from .talker import TalkerRunner
-from .thinker import TalkerPrompt, ThinkerRunner
+from .thinker import KeptPrompt, TalkerPrompt, ThinkerRunner
 
 log = logging.getLogger(__name__)
 TEXT = {"modality": "text"}
@@ -57,6 +65,7 @@ def create_audio_encoder(model_path: str, device: str = "cpu") -> Any:
                 "embeds": out.embeds,
                 "feature_lengths": out.feature_lengths,
                 "token_lengths": out.token_lengths,
+                "keys": out.keys,
             }
         }
 
@@ -75,6 +84,7 @@ def create_image_encoder(model_path: str, device: str = "cpu") -> Any:
                 "deepstack": list(out.deepstack),
                 "grid_thw": out.grid_thw,
                 "token_lengths": out.token_lengths,
+                "keys": out.keys,
             }
         }
 
@@ -110,10 +120,18 @@ def create_thinker(
     max_batch_size: int = 8,
     engine: str = "native",
     tp: Any = None,
+    conversation_mb: int = 1024,
+    conversation_idle_s: float = 600.0,
     **engine_options: Any,
 ) -> Any:
     """The thinker: `engine: native` (the hand-written step machine below, exact) or
-    `engine: vllm` (`vllm_thinker.py`; `engine_options` are its `EngineOptions`)."""
+    `engine: vllm` (`vllm_thinker.py`; `engine_options` are its `EngineOptions`).
+
+    The native thinker keeps each conversation's KV cache between its turns
+    (`ConversationStore`: `conversation_mb` in all, dropped after `conversation_idle_s`
+    without a turn), so a turn prefills only what its prompt adds to the last one
+    (`ThinkerRunner.prefill(kept=...)`); its result says how much (`prefill_tokens`,
+    `reused_tokens`)."""
     if engine == "vllm":
         from .vllm_thinker import create_vllm_thinker
 
@@ -126,13 +144,36 @@ def create_thinker(
             f"stages[{stage}].factory_args.{sorted(engine_options)[0]}: an engine option; "
             "the native thinker takes none (set engine: vllm)"
         )
+    if (
+        isinstance(conversation_mb, bool)
+        or not isinstance(conversation_mb, int)
+        or (conversation_mb < 0)
+    ):
+        raise ValueError(
+            f"stages[{stage}].factory_args.conversation_mb: an int >= 0 (0 keeps no "
+            f"conversation state), got {conversation_mb!r}"
+        )
+    if (
+        isinstance(conversation_idle_s, bool)
+        or not isinstance(conversation_idle_s, int | float)
+        or not 0 < conversation_idle_s < float("inf")
+    ):
+        raise ValueError(
+            f"stages[{stage}].factory_args.conversation_idle_s: seconds above 0, got "
+            f"{conversation_idle_s!r}"
+        )
     runner = ThinkerRunner.from_pretrained(model_path, torch.device(device), slots=max_batch_size)
     _holds("thinker", runner.model, runner.lm_head)
+    kept: ConversationStore[KeptPrompt] = ConversationStore(
+        conversation_mb << 20, float(conversation_idle_s)
+    )
+    render = AnswerRenderer(model_path, runner.default_eos) if conversation_mb else None
 
     def init(req: ARRequest) -> None:
         data = req.data
         audio = AudioEncoding(**data["audio"]) if "audio" in data else None
         image = ImageEncoding(**data["image"]) if "image" in data else None
+        before = kept.take(req.conversation) if req.conversation else None
         try:
             prefill = runner.prefill(
                 data["input_ids"],
@@ -140,11 +181,20 @@ def create_thinker(
                 attention_mask=data.get("attention_mask"),
                 audio=audio,
                 image=image,
+                kept=before,
             )
         except InputError as exc:  # e.g. a prompt longer than the model's positions
             raise RequestInputError(str(exc)) from None
+        length = prefill.state.prompt_length
+        if req.conversation:
+            kept.record_turn(prefill.reused > 0, length - prefill.reused, prefill.reused)
         speak = bool(data["options"]["speak"])
-        req.state.update(thinker=prefill.state, speak=speak)
+        req.state.update(
+            thinker=prefill.state,
+            speak=speak,
+            prefill=length - prefill.reused,
+            reused=prefill.reused,
+        )
         if speak:
             req.emit(talker_prompt_chunk(prefill, data), target="talker")
         req.emit(prefill.first.token, target="decode", metadata={"modality": "token"})
@@ -163,14 +213,57 @@ def create_thinker(
                 steps.append(ARStep())
                 continue
             tokens = list(state.tokens)
+            if req.conversation and render is not None:
+                turn = runner.keep(state, render(tokens))
+                if turn is not None:
+                    kept.put(req.conversation, turn, turn.nbytes)
             runner.release(state)
-            steps.append(
-                ARStep(finished=True, result={"token_ids": tokens, "speak": req.state["speak"]})
-            )
+            result = {
+                "token_ids": tokens,
+                "speak": req.state["speak"],
+                "prefill_tokens": req.state["prefill"],
+                "reused_tokens": req.state["reused"],
+            }
+            steps.append(ARStep(finished=True, result=result))
         return steps
 
-    scheduler = ARScheduler(step, init_fn=init, max_batch_size=max_batch_size, name="thinker")
-    return scheduler
+    return _ConversationalAR(
+        kept, step, init_fn=init, max_batch_size=max_batch_size, name="thinker"
+    )
+
+
+class AnswerRenderer:
+    """An answer's tokens as the next turn's prompt will hold them: the text the client got
+    (`decode`'s: special tokens skipped) as the chat template renders an assistant turn,
+    `text<|im_end|>\n`, tokenized (special tokens split the text, so the parts tokenize
+    alone as they do in the whole prompt; the thinker checks the next prompt anyway)."""
+
+    def __init__(self, model_path: str, end_of_turn: int | None) -> None:
+        from transformers import AutoTokenizer
+
+        self._tokenizer = AutoTokenizer.from_pretrained(model_path, local_files_only=True)
+        self._end = [] if end_of_turn is None else [end_of_turn]
+        self._newline = self._tokenizer.encode("\n", add_special_tokens=False)
+
+    def __call__(self, tokens: list[int]) -> list[int]:
+        text = self._tokenizer.decode(tokens, skip_special_tokens=True)
+        ids = self._tokenizer.encode(text, add_special_tokens=False)
+        return [*ids, *self._end, *self._newline]
+
+
+class _ConversationalAR(ARScheduler):
+    """An `ARScheduler` whose step keeps conversations' state in `store`: reports it and
+    drops a closed conversation's."""
+
+    def __init__(self, store: ConversationStore[Any], *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self._store = store
+
+    def conversations(self) -> ConversationFigures:
+        return self._store.figures()
+
+    def close_conversation(self, conversation_id: str) -> None:
+        self._store.close(conversation_id)
 
 
 def thinker_done_to(request_id: str, output: Any) -> list[str]:

@@ -106,6 +106,38 @@ class StepOutput:
 
 
 @dataclass
+class KeptPrompt:
+    """What a conversation's thinker keeps for its next turn (`ThinkerRunner.keep`): the KV
+    cache of every position it fed (the turn's prompt, then its generated tokens but the
+    last, which is never fed), and for each of those positions what fed it: the token id,
+    the media's content key (`encoders.media_keys`; 0 for text), the 4 position rows, and
+    the talker's accept-layer hidden state (prompt positions; zeros where generated). The
+    next turn reuses the longest prefix of its own prompt on which all of these agree
+    (`ThinkerRunner.prefill(kept=...)`), so a changed history or other media is never
+    mistaken for the kept one."""
+
+    ids: torch.Tensor  # (Lc,) long
+    keys: torch.Tensor  # (Lc,) long
+    positions: torch.Tensor  # (4, 1, Lc)
+    accept: torch.Tensor | None  # (1, Lc, H)
+    cache: Any
+
+    @property
+    def length(self) -> int:
+        return int(self.ids.shape[0])
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes it holds: the cache's keys and values and the per-position rows."""
+        tensors = [self.ids, self.keys, self.positions]
+        if self.accept is not None:
+            tensors.append(self.accept)
+        for layer in getattr(self.cache, "layers", ()):
+            tensors.extend(t for t in (layer.keys, layer.values) if t is not None)
+        return sum(t.numel() * t.element_size() for t in tensors)
+
+
+@dataclass
 class ThinkerState:
     """One request's decoding state; touch it only through the runner."""
 
@@ -117,6 +149,9 @@ class ThinkerState:
     eos_token_ids: frozenset[int]
     tokens: list[int] = field(default_factory=list)
     finished: bool = False
+    # The prompt as fed (what `keep` keeps of it): ids (1, L), media keys (L,), position
+    # ids (4, 1, L), accept-layer hidden (1, L, H) or None.
+    prompt: tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | None] | None = None
 
     @property
     def last_token(self) -> int:
@@ -125,11 +160,13 @@ class ThinkerState:
 
 @dataclass
 class Prefill:
-    """`prefill`'s result: the request's state, its first token and its talker prompt."""
+    """`prefill`'s result: the request's state, its first token and its talker prompt;
+    `reused`: the prompt's leading tokens taken from a kept turn (not computed)."""
 
     state: ThinkerState
     first: StepOutput
     talker: TalkerPrompt
+    reused: int = 0
 
 
 @dataclass
@@ -252,9 +289,15 @@ class ThinkerRunner:
         audio: AudioEncoding | None = None,
         image: ImageEncoding | None = None,
         eos_token_id: int | Iterable[int] | object | None = _DEFAULT,
+        kept: KeptPrompt | None = None,
     ) -> Prefill:
         """Runs the prompt through the model into a new cache; returns the request's state,
         its first greedy token and its `TalkerPrompt`.
+
+        `kept`: a previous turn of the same conversation (`keep`); the longest prefix of
+        this prompt it covers (same ids, input rows and positions; never the whole prompt:
+        the last token is always computed) is taken from its cache, and only the rest runs
+        (`Prefill.reused` says how much was taken). `kept` is consumed either way.
 
         `input_ids`: (1, L) or (L,) long, the processor's ids with every audio/image pad
         token expanded; `attention_mask`: None or all ones (1, L) (one request, no padding);
@@ -271,17 +314,32 @@ class ThinkerRunner:
         embeds, position_ids, rope_deltas = inputs.embeds, inputs.position_ids, inputs.rope_deltas
         visual_pos_masks, deepstack = inputs.visual_pos_masks, inputs.deepstack
 
-        # 3. The prompt through the model, into this request's own cache.
+        # 3. The prompt through the model, into this request's own cache (what a kept turn
+        # covers of it is taken from that turn's cache instead).
         from transformers import DynamicCache
 
-        cache = DynamicCache(config=self.text_config)
+        keys = self.media_keys(ids, audio, image)
+        reused = self._reusable(kept, ids, keys, inputs) if kept is not None else 0
+        if reused:
+            assert kept is not None
+            cache = kept.cache
+            if kept.length > reused:
+                cache.crop(reused - kept.length)  # negative: drop that many from the end
+            if visual_pos_masks is not None:
+                fresh = int(visual_pos_masks[:, reused:].sum())
+                visual_pos_masks = visual_pos_masks[:, reused:]
+                deepstack = [f[f.shape[0] - fresh :] for f in deepstack] if deepstack else None
+                if not fresh:
+                    visual_pos_masks = deepstack = None
+        else:
+            cache = DynamicCache(config=self.text_config)
         kwargs: dict[str, Any] = {}
         if self.accept_hidden_layer is not None:
             kwargs["output_hidden_states"] = True
         out = self.model(
-            inputs_embeds=embeds,
+            inputs_embeds=embeds[:, reused:],
             attention_mask=None,
-            position_ids=position_ids,
+            position_ids=position_ids[..., reused:],
             past_key_values=cache,
             use_cache=True,
             visual_pos_masks=visual_pos_masks,
@@ -292,7 +350,11 @@ class ThinkerRunner:
 
         accept_hidden = None
         if self.accept_hidden_layer is not None:
-            accept_hidden = out.hidden_states[self.accept_hidden_layer].contiguous()
+            accept_hidden = out.hidden_states[self.accept_hidden_layer]
+            if reused:
+                assert kept is not None and kept.accept is not None
+                accept_hidden = torch.cat([kept.accept[:, :reused], accept_hidden], dim=1)
+            accept_hidden = accept_hidden.contiguous()
         state = ThinkerState(
             cache=cache,
             position=position_ids[..., -1:].clone(),
@@ -300,6 +362,7 @@ class ThinkerRunner:
             prompt_length=length,
             max_new_tokens=max_new_tokens,
             eos_token_ids=eos,
+            prompt=(ids, keys, position_ids, accept_hidden),
         )
         first = self._record(state, token, None)
         talker = TalkerPrompt(
@@ -308,7 +371,91 @@ class ThinkerRunner:
             accept_hidden=accept_hidden,
             multimodal_mask=inputs.multimodal_mask.contiguous(),
         )
-        return Prefill(state=state, first=first, talker=talker)
+        return Prefill(state=state, first=first, talker=talker, reused=reused)
+
+    @torch.inference_mode()
+    def keep(
+        self, state: ThinkerState, continuation: Sequence[int] | None = None
+    ) -> KeptPrompt | None:
+        """What the finished request `state` leaves for its conversation's next turn (its
+        cache moves into it; None when it holds none). Call instead of `release`.
+
+        `continuation`: the tokens the next turn's prompt will have after this one's (the
+        answer as the chat template renders it back: its text re-tokenized, then the
+        end-of-turn tokens). Where they part from the generated tokens, the cache is cut
+        and the rest of them computed now, at the end of this turn, so the next turn finds
+        its history kept whole and computes only what it adds."""
+        if state.cache is None or state.prompt is None:
+            return None
+        ids, keys, positions, accept = state.prompt
+        fed = state.tokens[:-1]  # the last token was never fed
+        cache, state.cache, state.prompt = state.cache, None, None
+        state.finished = True
+        ids = ids[0]
+        if continuation is not None:
+            agree = 0
+            for mine, theirs in zip(fed, continuation, strict=False):
+                if mine != theirs:
+                    break
+                agree += 1
+            if agree < len(fed):
+                cache.crop(agree - len(fed))
+            rest = list(continuation[agree:])
+            if rest:
+                start = positions[..., -1:] + agree + 1
+                steps = torch.arange(len(rest), device=positions.device, dtype=positions.dtype)
+                rest_ids = torch.tensor([rest], dtype=torch.long, device=self.device)
+                self.model(
+                    inputs_embeds=self.model.embed_tokens(rest_ids),
+                    attention_mask=None,
+                    position_ids=start + steps.view(1, 1, -1),
+                    past_key_values=cache,
+                    use_cache=True,
+                )
+            fed = list(continuation)
+        if fed:
+            fed_ids = torch.tensor(fed, dtype=torch.long, device=self.device)
+            steps = torch.arange(1, len(fed) + 1, device=positions.device, dtype=positions.dtype)
+            fed_positions = positions[..., -1:] + steps.view(1, 1, -1)
+            ids = torch.cat([ids, fed_ids])
+            keys = torch.cat([keys, keys.new_zeros(len(fed))])
+            positions = torch.cat([positions, fed_positions], dim=-1)
+            if accept is not None:
+                accept = torch.cat([accept, accept.new_zeros(1, len(fed), accept.shape[-1])], 1)
+        return KeptPrompt(ids.contiguous(), keys, positions, accept, cache)
+
+    def media_keys(
+        self, ids: torch.Tensor, audio: AudioEncoding | None, image: ImageEncoding | None
+    ) -> torch.Tensor:
+        """(L,) long: each prompt position's media content key (0 for text; -1 where the
+        encoding carries none: such a position is never reused)."""
+        keys = torch.zeros(ids.shape[1], dtype=torch.long, device=self.device)
+        for token, media in ((self.audio_token_id, audio), (self.image_token_id, image)):
+            if media is None:
+                continue
+            where = ids[0] == token
+            if media.keys is None:
+                keys[where] = -1
+            else:
+                rows = media.keys.to(self.device).repeat_interleave(
+                    media.token_lengths.to(self.device)
+                )
+                keys[where] = rows
+        return keys
+
+    def _reusable(
+        self, kept: KeptPrompt, ids: torch.Tensor, keys: torch.Tensor, inputs: PromptInputs
+    ) -> int:
+        """How many leading positions of the prompt `kept` covers exactly (at most all but
+        the last: its logits give the first token)."""
+        n = min(kept.length, ids.shape[1] - 1)
+        if n <= 0 or (self.accept_hidden_layer is not None and kept.accept is None):
+            return 0
+        same = kept.ids[:n] == ids[0, :n]
+        same &= (kept.keys[:n] == keys[:n]) & (keys[:n] != -1)
+        same &= (kept.positions[:, 0, :n] == inputs.position_ids[:, 0, :n]).all(0)
+        first_different = torch.nonzero(~same)
+        return int(first_different[0, 0]) if first_different.numel() else n
 
     def check_request(
         self,
@@ -404,6 +551,7 @@ class ThinkerRunner:
     def release(self, state: ThinkerState) -> None:
         """Drops the request's KV cache (a finished or aborted request)."""
         state.cache = None
+        state.prompt = None
         state.finished = True
 
     # ---- internals ----------------------------------------------------------------------
