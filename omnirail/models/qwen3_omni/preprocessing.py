@@ -3,9 +3,11 @@
 A request is a chat (`messages`, as in the chat template: roles and content parts) or the
 shorthand `text` (+ `image`, `audio`, `sample_rate`) for one user turn. Every field is
 checked and a bad one fails the request with a message naming it; the processor then
-applies the chat template, tokenizes, computes Whisper features for audio and patches for
-images. The stage routes a request to the encoders it needs and always to the thinker, so
-a text-only request never touches an encoder.
+applies the chat template, tokenizes, computes Whisper features for audio (each audio with
+silence up to a whole 10 ms frame, and its features as it alone gets them: the processor's
+batch would make a shorter audio's depend on the others) and patches for images. The stage
+routes a request to the encoders it needs and always to the thinker, so a text-only request
+never touches an encoder.
 
 Inputs:
 - `messages`: `[{"role": "system"|"user"|"assistant", "content": str | [part, ...]}]`,
@@ -98,7 +100,13 @@ def model_inputs(
     encoders the request needs."""
     text = processor.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
     images = [p["image"] for m in messages for p in m["content"] if p["type"] == "image"]
-    audio = [p["audio"] for m in messages for p in m["content"] if p["type"] == "audio"]
+    hop = processor.feature_extractor.hop_length
+    audio = [
+        _whole_frames(p["audio"], hop)
+        for m in messages
+        for p in m["content"]
+        if p["type"] == "audio"
+    ]
     batch = processor(
         text=text, images=images or None, audio=audio or None, return_tensors="pt", padding=True
     )
@@ -113,9 +121,55 @@ def model_inputs(
         out["pixel_values"] = batch["pixel_values"]
         out["image_grid_thw"] = batch["image_grid_thw"]
     if audio:
-        out["input_features"] = batch["input_features"]
-        out["feature_attention_mask"] = batch["feature_attention_mask"]
+        features, mask = batch["input_features"], batch["feature_attention_mask"]
+        if len(audio) > 1:
+            features, mask = _features_alone(processor, audio, features, mask)
+        out["input_features"] = features
+        out["feature_attention_mask"] = mask
     return out
+
+
+def _whole_frames(audio: Any, hop: int) -> Any:
+    """`audio` with silence up to a whole number of feature frames (`hop` samples, 10 ms):
+    alone, a partial last frame is dropped, beside a longer audio it is counted, so without
+    this an audio's frames, and tokens, would depend on the other audios of the prompt."""
+    extra = -len(audio) % hop
+    if not extra:
+        return audio
+    return np.concatenate([np.asarray(audio), np.zeros(extra, dtype=np.asarray(audio).dtype)])
+
+
+def _features_alone(
+    processor: Any, audio: list[Any], batched: torch.Tensor, batched_mask: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Each audio's Whisper features as it alone gets them, stacked as the processor stacks
+    them. The processor pads the waveforms to the longest before the STFT, so a shorter
+    audio's last frames see zeros where alone they see its own reflection: its features
+    would then depend on the other audios of the prompt, and a conversation's history audio
+    would change as turns are added (no kept turn would match it, `ThinkerRunner.keep`).
+    The frame counts, and so the prompt's tokens, are the batch's."""
+    extractor = processor.feature_extractor
+    rate = extractor.sampling_rate
+    alone = [
+        extractor(
+            [a],
+            sampling_rate=rate,
+            padding=True,
+            truncation=False,
+            return_attention_mask=True,
+            return_tensors="pt",
+        )
+        for a in audio
+    ]
+    features = torch.zeros_like(batched)
+    mask = torch.zeros_like(batched_mask)
+    for i, one in enumerate(alone):
+        frames = int(one["attention_mask"][0].sum())
+        if frames != int(batched_mask[i].sum()):  # not expected: keep the processor's
+            return batched, batched_mask
+        features[i, :, :frames] = one["input_features"][0, :, :frames]
+        mask[i, :frames] = 1
+    return features, mask
 
 
 # ---- checks ----------------------------------------------------------------------------

@@ -119,3 +119,34 @@ def test_bad_input_names_the_field(preprocess, request_, message: str) -> None:
         preprocess(request_)
     assert info.value.code == Code.INVALID_ARGUMENT
     assert info.value.message.startswith(message), info.value.message
+
+
+def test_an_audio_has_the_same_features_whatever_follows_it(tiny_dir) -> None:
+    """A conversation's history audio keeps its features as turns add audio after it (the
+    processor's batch would change its last frames: it pads the waveforms before the
+    STFT), so a kept turn can match it."""
+    processor = load_processor(tiny_dir)
+    # Lengths that are not whole 10 ms frames, as a microphone's turns are.
+    first = tiny_model.sample_audio(0, 1.19)[:-37]
+    second = tiny_model.sample_audio(1, 1.25)[:-5]
+
+    def user(audio: np.ndarray) -> dict:
+        part = {"type": "audio", "audio": audio, "sample_rate": tiny_model.SAMPLE_RATE}
+        return {"role": "user", "content": [part, {"type": "text", "text": "hi"}]}
+
+    alone = preprocessing.model_inputs(processor, [user(first)], {})
+    both = preprocessing.model_inputs(processor, [user(first), user(second)], {})
+    frames = int(alone["feature_attention_mask"][0].sum())
+    assert torch.equal(both["feature_attention_mask"].sum(1), torch.tensor([frames, 125]))
+    assert frames == 119  # its partial last frame padded with silence, alone as in the batch
+    assert torch.equal(
+        both["input_features"][0, :, :frames], alone["input_features"][0, :, :frames]
+    )
+    assert not both["input_features"][0, :, frames:].any()
+    batched = processor.feature_extractor(
+        [first, second], sampling_rate=16000, padding=True, return_attention_mask=True,
+        return_tensors="pt",
+    )  # fmt: skip
+    assert not torch.equal(
+        batched["input_features"][0, :, :frames], alone["input_features"][0, :, :frames]
+    )
