@@ -75,6 +75,17 @@ def _request(tiny_model: Any, kind: str, max_new_tokens: int) -> dict[str, Any]:
     return request
 
 
+def checkpoint(tmp: str, model_path: str | None, size: str, say: Callable[[str], None]) -> str:
+    """`model_path` resolved, or (None) a random Qwen3-Omni checkpoint of `size` made in
+    `tmp`."""
+    if model_path is not None:
+        return str(Path(model_path).resolve())
+    from omnirail.testing.tiny import qwen3_omni as tiny_model
+
+    say(f"making the {size} random Qwen3-Omni checkpoint")
+    return str(tiny_model.make_tiny_model(Path(tmp) / size, size=size))
+
+
 def write_pipeline(
     where: Path,
     model_path: str,
@@ -401,11 +412,7 @@ def run_omni_bench(
     from omnirail.testing.tiny import qwen3_omni as tiny_model
 
     with tempfile.TemporaryDirectory(prefix="omnirail-qwen3-omni-") as tmp:
-        if model_path is None:
-            say(f"making the {size} random Qwen3-Omni checkpoint")
-            path = str(tiny_model.make_tiny_model(Path(tmp) / size, size=size))
-        else:
-            path = str(Path(model_path).resolve())
+        path = checkpoint(tmp, model_path, size, say)
         base = None
         if baseline == "transformers":
             import torch

@@ -61,7 +61,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
 
     # Held by this process for the whole run: the bound is host-wide, so the mesh or the
     # relay's receiver it starts runs under it too. `host` measures with and without.
-    tuned = args.what in ("pipeline", "relay", "omni")
+    tuned = args.what in ("pipeline", "relay", "omni", "realtime")
     hold, wake = cpu_latency.report(args.cpu_wake_latency_us if tuned else None)
     try:
         report = _run(args)
@@ -136,6 +136,18 @@ def _run(args: argparse.Namespace) -> dict[str, Any]:
             torch_threads=args.torch_threads,
             thinkers=[t.strip() for t in args.thinker.split(",") if t.strip()],
             thinker_options=_parse_options(args.option),
+            size=args.size,
+            progress=progress(args.json),
+        )
+    elif args.what == "realtime":
+        from omnirail.bench.realtime_bench import run_realtime_bench
+
+        report = run_realtime_bench(
+            model_path=args.model_path,
+            sessions=args.sessions or [1, 8],
+            turns=args.turns,
+            max_new_tokens=args.max_new_tokens,
+            talker_max_new_tokens=args.talker_max_new_tokens,
             size=args.size,
             progress=progress(args.json),
         )
@@ -244,6 +256,7 @@ def add_bench_parser(sub: Any) -> None:
             "host",
             "omni",
             "llm",
+            "realtime",
             "chaos",
             "overload",
             "stop",
@@ -289,6 +302,19 @@ def add_bench_parser(sub: Any) -> None:
         metavar="N[,N...]",
         help="pipeline: requests in flight (default 64); demo: streams at once (default 1); "
         "omni: levels, comma-separated (default 1,8)",
+    )
+    b.add_argument(
+        "--sessions",
+        type=_levels,
+        default=None,
+        metavar="N[,N...]",
+        help="realtime: spoken sessions at once, levels comma-separated (default 1,8)",
+    )
+    b.add_argument(
+        "--turns",
+        type=_at_least(2),
+        default=3,
+        help="realtime: turns per conversation (the last one is barged in on; default 3)",
     )
     b.add_argument("--throughput-requests", type=_at_least(1), default=2048)
     b.add_argument(

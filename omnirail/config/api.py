@@ -16,6 +16,7 @@
         audio_output: audio
         sample_rate: 16000
         voices: {default: {}}         # voice -> extra inputs it sets
+        realtime: {max_sessions: 16}  # also the Realtime API (WebSocket /v1/realtime)
 
 An output takes a field of its stage's result (`result: FIELD`) and/or of each of its stream
 chunks (`chunks: FIELD`); "." is the whole value. A unary call answers with the result field,
@@ -145,6 +146,43 @@ class OutputSpec(TensorSpec):
         return f"api output {self.name!r}: the {what} of stage {self.stage!r}"
 
 
+class RealtimeConfig(_Model):
+    """`api.openai.realtime`: the OpenAI Realtime API (WebSocket `/v1/realtime`) over the
+    same mapping as the chat: each answer is one request whose `messages_input` holds the
+    whole conversation (user audio at `input_sample_rate`), with `speak_input`,
+    `max_tokens_input`, the voices, and text and audio from `text_output` and
+    `audio_output`. Unset: the gateway refuses `/v1/realtime` with 404."""
+
+    max_sessions: int = Field(
+        16,
+        ge=1,
+        le=100_000,
+        description="Realtime sessions (WebSocket connections) one gateway holds at once; "
+        "one more is told so in an `error` event and closed (1013, try again later).",
+    )
+    max_items: int = Field(
+        512,
+        ge=2,
+        le=100_000,
+        description="Conversation items one session holds; creating one more is an "
+        "`error` event (delete old ones).",
+    )
+    max_buffer_s: float = Field(
+        120.0,
+        gt=0,
+        le=3600,
+        description="Seconds of input audio a session buffers before a commit; appending "
+        "more is an `error` event.",
+    )
+    max_audio_s: float = Field(
+        1800.0,
+        gt=0,
+        le=86_400,
+        description="Seconds of audio a session keeps in its items; past it the oldest "
+        "items lose their audio (their user turns then leave the history the model gets).",
+    )
+
+
 class OpenAIConfig(_Model):
     """`api.openai`: how OpenAI requests map onto the pipeline's `api` inputs and outputs
     (exactly one of `messages_input` and `text_input`)."""
@@ -199,6 +237,11 @@ class OpenAIConfig(_Model):
     speech_template: str = Field(
         "{input}",
         description="`/v1/audio/speech`: the text to speak becomes this with {input} filled.",
+    )
+    realtime: RealtimeConfig | None = Field(
+        None,
+        description="The Realtime API (WebSocket `/v1/realtime`) over this mapping; "
+        "unset: not served.",
     )
 
     @model_validator(mode="after")
@@ -287,6 +330,8 @@ def api_problems(api: ApiConfig, terminals: set[str]) -> list[str]:
     text = api.output(oa.text_output) if oa.text_output else None
     if text is not None and text.datatype != "BYTES":
         out.append(f"pipeline.api.openai.text_output: {text.name} must be BYTES")
+    if oa.realtime is not None:
+        out += _realtime_problems(oa)
     for voice, extra in oa.voices.items():
         for key in extra:
             if api.input(key) is None:
@@ -294,6 +339,22 @@ def api_problems(api: ApiConfig, terminals: set[str]) -> list[str]:
                     f"pipeline.api.openai.voices[{short(voice)}]: {short(key)} is not one of "
                     "api.inputs"
                 )
+    return out
+
+
+def _realtime_problems(oa: OpenAIConfig) -> list[str]:
+    """What the Realtime API needs of the mapping: the conversation as messages (its audio
+    turns are audio parts) and answers in text and audio (transcript and speech)."""
+    where = "pipeline.api.openai.realtime"
+    out = []
+    if oa.messages_input is None:
+        out.append(
+            f"{where}: needs openai.messages_input (each answer gets the whole conversation, "
+            "its spoken turns as audio parts), not text_input"
+        )
+    for field in ("text_output", "audio_output"):
+        if getattr(oa, field) is None:
+            out.append(f"{where}: needs openai.{field} (answers are speech and its transcript)")
     return out
 
 

@@ -6,6 +6,10 @@ before the HTTP status is sent, so a request the mesh refuses gets a real 4xx/5x
 than a 200 with an error inside; from then on chunks go out as they come. A client that
 disconnects cancels its request through the mesh (the SDK aborts what its caller stopped
 reading), streamed or not.
+
+`/v1/realtime` is the OpenAI Realtime API over WebSocket (`realtime_mesh`: each response a
+mesh request, a turn of the session's conversation) where the pipeline declares
+`api.openai.realtime`; elsewhere its handshake is refused with 404 and OpenAI's error body.
 """
 
 from __future__ import annotations
@@ -19,13 +23,17 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from starlette.applications import Starlette
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
-from starlette.routing import Route
+from starlette.routing import Route, WebSocketRoute
+from starlette.websockets import WebSocket
 
 from omnirail.gateway.answers import chat_stream, chat_whole, end_span, speech_stream
 from omnirail.gateway.asgi import EventStream, read_json, until_disconnect
 from omnirail.gateway.audio import FORMATS
 from omnirail.gateway.errors import ApiError
 from omnirail.gateway.mesh import Gateway
+from omnirail.gateway.realtime.endpoint import deny, realtime_endpoint
+from omnirail.gateway.realtime.session import Limits
+from omnirail.gateway.realtime_mesh import responder_factory
 from omnirail.telemetry.tracer import KIND_SERVER, Span, Tracer, parse_traceparent
 from omnirail.wire.errors import OmniError
 
@@ -116,9 +124,40 @@ def create_app(gateway: Gateway) -> Starlette:
             Route("/v1/models/{model}", model),
             Route("/v1/chat/completions", chat, methods=["POST"]),
             Route("/v1/audio/speech", speech, methods=["POST"]),
+            WebSocketRoute("/v1/realtime", _realtime(gateway)),
         ],
         exception_handlers={ApiError: api_error, 404: not_found, 405: not_found},
         lifespan=lifespan,
+    )
+
+
+def _realtime(gateway: Gateway) -> Any:
+    """The `/v1/realtime` handler: the Realtime API as the pipeline declares it, or a
+    refusal of every handshake."""
+    config = gateway.realtime
+    if config is None:
+        message = (
+            f"The model {gateway.model!r} does not serve the Realtime API (its pipeline "
+            "declares no api.openai.realtime)"
+        )
+        body = ApiError(404, message, code="realtime_not_served").body()
+
+        async def not_served(websocket: WebSocket) -> None:
+            await deny(websocket, 404, body)
+
+        return not_served
+    limits = Limits(
+        max_items=config.max_items,
+        max_buffer_seconds=config.max_buffer_s,
+        max_item_audio_seconds=config.max_audio_s,
+    )
+    return realtime_endpoint(
+        responder_factory(gateway),
+        max_sessions=config.max_sessions,
+        model=gateway.model,
+        limits=limits,
+        vad_executor=gateway.vad_executor,
+        observer=gateway.metrics,
     )
 
 

@@ -115,13 +115,21 @@ class EventStream(Response):
 
 class CountRequests:
     """ASGI middleware counting answers by route and status (a pure ASGI layer: Starlette's
-    `BaseHTTPMiddleware` would relay every streamed chunk through a task of its own)."""
+    `BaseHTTPMiddleware` would relay every streamed chunk through a task of its own).
+
+    A WebSocket handshake counts as a request too: 101 when accepted, else the status of
+    its refusal (a denial response's, or 403 for a close before accepting); a refused
+    `/v1/realtime` handshake also counts as a refused realtime session (401:
+    unauthenticated, 404: not_served)."""
 
     def __init__(self, app: Any, metrics: GatewayMetrics) -> None:
         self.app = app
         self.metrics = metrics
 
     async def __call__(self, scope: dict[str, Any], receive: Any, send: Any) -> None:
+        if scope["type"] == "websocket":
+            await self._websocket(scope, receive, send)
+            return
         if scope["type"] != "http":
             await self.app(scope, receive, send)
             return
@@ -131,6 +139,27 @@ class CountRequests:
             if message["type"] == "http.response.start":
                 seconds = time.perf_counter() - start
                 self.metrics.request(scope["path"], message["status"], seconds)
+            await send(message)
+
+        await self.app(scope, receive, counted)
+
+    async def _websocket(self, scope: dict[str, Any], receive: Any, send: Any) -> None:
+        start = time.perf_counter()
+        answered = False
+
+        async def counted(message: dict[str, Any]) -> None:
+            nonlocal answered
+            if not answered:
+                kind = message["type"]
+                code = {"websocket.accept": 101, "websocket.close": 403}.get(kind)
+                if kind == "websocket.http.response.start":
+                    code = message["status"]
+                if code is not None:
+                    answered = True
+                    self.metrics.request(scope["path"], code, time.perf_counter() - start)
+                    if scope["path"] == "/v1/realtime" and code != 101:
+                        reason = {401: "unauthenticated", 404: "not_served"}.get(code, "other")
+                        self.metrics.session_refused(reason)
             await send(message)
 
         await self.app(scope, receive, counted)

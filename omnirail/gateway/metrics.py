@@ -3,11 +3,21 @@ same requests again as native ones at the coordinator."""
 
 from __future__ import annotations
 
-from prometheus_client import CollectorRegistry, Counter, Histogram
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
 from omnirail.telemetry.metrics import LATENCY_BUCKETS
 
-ROUTES = ("/v1/chat/completions", "/v1/audio/speech", "/v1/models", "/health", "/metrics")
+ROUTES = (
+    "/v1/chat/completions",
+    "/v1/audio/speech",
+    "/v1/realtime",
+    "/v1/models",
+    "/health",
+    "/metrics",
+)
+# Why a realtime connection was refused: at the handshake (no token, no Realtime API here)
+# or told in an `error` event once accepted (another model, the session limit).
+REFUSALS = ("unauthenticated", "not_served", "model_not_found", "session_limit_reached")
 
 
 class GatewayMetrics:
@@ -32,6 +42,39 @@ class GatewayMetrics:
             "Seconds of audio the gateway sent to clients.",
             registry=self.registry,
         )
+
+        self._sessions = Gauge(
+            "omnirail_gateway_realtime_sessions",
+            "Realtime API sessions (WebSocket connections) open now.",
+            registry=self.registry,
+        )
+        self._sessions_total = Counter(
+            "omnirail_gateway_realtime_sessions_opened",
+            "Realtime API sessions opened.",
+            registry=self.registry,
+        )
+        self._refused = Counter(
+            "omnirail_gateway_realtime_refused",
+            "Realtime API connections refused, by reason: unauthenticated (no valid token), "
+            "not_served (the pipeline declares no realtime API), model_not_found, "
+            "session_limit_reached.",
+            ["reason"],
+            registry=self.registry,
+        )
+        for reason in REFUSALS:
+            self._refused.labels(reason)
+
+    # -- the realtime endpoint's observer (omnirail.gateway.realtime.endpoint.Observer) --
+
+    def session_opened(self) -> None:
+        self._sessions.inc()
+        self._sessions_total.inc()
+
+    def session_closed(self) -> None:
+        self._sessions.dec()
+
+    def session_refused(self, reason: str) -> None:
+        self._refused.labels(reason if reason in REFUSALS else "other").inc()
 
     def request(self, path: str, code: int, seconds: float) -> None:
         # Unknown paths share one label: a scanner must not grow the label set.

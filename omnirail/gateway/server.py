@@ -13,6 +13,7 @@ from pathlib import Path
 from typing import Any
 
 import uvicorn
+from starlette.websockets import WebSocket
 
 from omnirail.client.connect import client_options
 from omnirail.client.sdk import AsyncClient
@@ -21,6 +22,7 @@ from omnirail.gateway.app import create_app
 from omnirail.gateway.asgi import CountRequests
 from omnirail.gateway.errors import ApiError
 from omnirail.gateway.mesh import Gateway
+from omnirail.gateway.realtime.endpoint import deny, offered_token
 from omnirail.telemetry import setup_tracing
 from omnirail.transport.security import SecretSet, mesh_security
 
@@ -32,28 +34,48 @@ OPEN_PATHS = frozenset({"/health", "/metrics"})
 
 class TokenAuth:
     """ASGI middleware: every route but OPEN_PATHS needs `Authorization: Bearer <token>`
-    naming one of the mesh's client tokens (compared as digests, never logged)."""
+    naming one of the mesh's client tokens (compared as digests, never logged).
+
+    WebSocket handshakes (`/v1/realtime`) need the same token, in the same header or, from
+    browsers (which cannot set headers), as the `openai-insecure-api-key.<token>`
+    subprotocol; a refused one gets the same 401 as an HTTP request, before any session
+    exists (403 on a server without WebSocket denial responses)."""
 
     def __init__(self, app: Any, tokens: SecretSet) -> None:
         self.app = app
         self.tokens = tokens
 
     async def __call__(self, scope: dict[str, Any], receive: Any, send: Any) -> None:
-        if scope["type"] != "http" or scope["path"] in OPEN_PATHS or not self.tokens:
+        kind = scope["type"]
+        if kind not in ("http", "websocket") or scope["path"] in OPEN_PATHS or not self.tokens:
             await self.app(scope, receive, send)
             return
         header = next((v for k, v in scope["headers"] if k == b"authorization"), b"")
-        scheme, _, token = header.partition(b" ")
-        if scheme.lower() != b"bearer" or not token.strip():
+        subprotocols = list(scope.get("subprotocols") or []) if kind == "websocket" else []
+        token = offered_token(header.decode("latin-1"), subprotocols)
+        if token is None:
             problem = "missing bearer token: send Authorization: Bearer <token>"
-        elif not self.tokens.matches(token.strip()):
+        elif not self.tokens.matches(_raw(token)):
             problem = "invalid bearer token"
         else:
             await self.app(scope, receive, send)
             return
-        response = ApiError(401, problem, code="invalid_api_key").response()
-        response.headers["www-authenticate"] = "Bearer"
+        error = ApiError(401, problem, code="invalid_api_key")
+        headers = {"www-authenticate": "Bearer"}
+        if kind == "websocket":
+            await deny(WebSocket(scope, receive, send), 401, error.body(), headers)
+            return
+        response = error.response()
+        response.headers.update(headers)
         await response(scope, receive, send)
+
+
+def _raw(token: str) -> bytes:
+    """The token's bytes as the client sent them (headers arrive as latin-1)."""
+    try:
+        return token.encode("latin-1")
+    except UnicodeEncodeError:
+        return token.encode()
 
 
 class _Server(uvicorn.Server):

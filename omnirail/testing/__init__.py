@@ -1,6 +1,7 @@
 """What users and tests need to test pipelines: tiny checkpoints with random weights made
 on the spot (`omnirail.testing.tiny`; nothing is downloaded), and `LocalMesh`, a
-pipeline's coordinator and stage hosts in one process (`omnirail.testing.local_mesh`)."""
+pipeline's coordinator and stage hosts in one process (`omnirail.testing.local_mesh`); and
+synthetic speech that voice activity detection takes for speech (`omnirail.testing.speech`)."""
 
 from __future__ import annotations
 

@@ -1,5 +1,5 @@
-"""Synthetic speech for VAD tests: no recording or TTS engine is installed here
-(espeak-ng is not), so the tests make their own.
+"""Synthetic speech for voice tests and `omnirail bench realtime`: nothing is recorded or
+downloaded, and no TTS engine is needed (espeak-ng is not installed here).
 
 What Silero VAD takes for speech (found by trying): vowel-like sounds, that is a glottal
 source (harmonics of a pitch of 110-150 Hz that drifts and falls through each syllable)

@@ -5,6 +5,7 @@ UNAVAILABLE; HTTP 401 in OpenAI's error shape, or no TLS handshake)."""
 
 from __future__ import annotations
 
+import json
 import queue
 import secrets
 import ssl
@@ -139,3 +140,23 @@ def test_the_gateway_needs_https_and_a_token(secured: Secured) -> None:
         _openai(secured, secured.token, verify=True).models.list()
     logs = "".join(p.read_text() for p in (secured.mesh.run_dir / "logs").glob("*.log"))
     assert secured.token not in logs
+
+
+def test_the_realtime_handshake_needs_wss_and_a_token(secured: Secured) -> None:
+    """`/v1/realtime` is behind the same TLS and tokens: refused with 401 without the
+    token; with it, the omni demo (no `api.openai.realtime`) answers 404 at the handshake."""
+    websockets_client = pytest.importorskip("websockets.sync.client")
+    from websockets.exceptions import InvalidStatus
+
+    url = (secured.mesh.http_address or "").replace("https://", "wss://", 1) + "/v1/realtime"
+    for headers, status, code in (
+        ({}, 401, "invalid_api_key"),
+        ({"Authorization": "Bearer not-the-token"}, 401, "invalid_api_key"),
+        ({"Authorization": f"Bearer {secured.token}"}, 404, "realtime_not_served"),
+    ):
+        with pytest.raises(InvalidStatus) as info:
+            with websockets_client.connect(url, additional_headers=headers, ssl=secured.trust):
+                pass
+        response = info.value.response
+        assert response.status_code == status
+        assert json.loads(response.body)["error"]["code"] == code

@@ -8,6 +8,10 @@
   once `flush()` has been called. It is a polyphase windowed-sinc filter (Kaiser window)
   in numpy: no resampling library is installed here (no scipy, soxr or torchaudio; see
   scripts/setup.sh for why torchaudio is removed).
+- `model_pcm16` is the audio a model that takes `rate` Hz hears for a user turn: the turn's
+  24 kHz pcm16 resampled and quantized back to 16-bit PCM, which is exactly what a 16-bit
+  WAV at `rate` in a chat API `input_audio` part carries (the gateway reads both as
+  int16 / 32768), so the same turn sent either way reaches the model bit for bit.
 - The filter is centred (zero phase): output sample n sits at input time n * src / dst
   exactly, so times in milliseconds mean the same in both rates. The price is latency: a
   sample is given out once `HALF_WIDTH` input samples after it have arrived (1 ms at 24 kHz
@@ -160,3 +164,11 @@ def resample(samples: np.ndarray, src_rate: int, dst_rate: int) -> np.ndarray:
     stream = Resampler(src_rate, dst_rate)
     head = stream.process(samples)
     return np.concatenate([head, stream.flush()])
+
+
+def model_pcm16(pcm: bytes, rate: int) -> bytes:
+    """A user turn's audio (pcm16 at 24 kHz) as the model at `rate` Hz hears it: 16-bit
+    PCM at `rate` (`float_to_pcm16(resample(pcm16_to_float(pcm), 24000, rate))`). The
+    model gets `pcm16_to_float` of it; a chat client that sends these samples as a 16-bit
+    WAV at `rate` gets the same floats to the model."""
+    return float_to_pcm16(resample(pcm16_to_float(pcm), WIRE_RATE, rate))

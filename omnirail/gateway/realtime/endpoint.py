@@ -16,7 +16,10 @@ What holds:
 - Otherwise `session.created` comes first; frames are handled in order; the session's
   events are written in order by one writer task.
 - When the client goes away (or the socket fails), a running response is cancelled, so
-  the responder aborts its work (the mesh request).
+  the responder aborts its work (the mesh request); then the responder's `aclose()` (if
+  it has one) is awaited, once per session.
+- An `observer` hears of every session opened and closed, and of every connection
+  refused after the handshake (`session_limit_reached`, `model_not_found`), for metrics.
 """
 
 from __future__ import annotations
@@ -29,7 +32,7 @@ import logging
 from collections.abc import Awaitable, Callable
 from concurrent.futures import Executor
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Protocol
 
 from starlette.responses import JSONResponse
 from starlette.websockets import WebSocket
@@ -63,6 +66,16 @@ Authenticate = Callable[[str | None], Any]  # token -> principal, None to refuse
 ResponderFactory = Callable[[Caller], Responder]
 
 
+class Observer(Protocol):
+    """What the endpoint reports (the gateway's metrics implement it)."""
+
+    def session_opened(self) -> None: ...
+
+    def session_closed(self) -> None: ...
+
+    def session_refused(self, reason: str) -> None: ...
+
+
 def realtime_endpoint(
     responder_factory: ResponderFactory,
     *,
@@ -73,6 +86,7 @@ def realtime_endpoint(
     vad_factory: VadFactory = silero_vad,
     vad_executor: Executor | None = None,
     max_frame_chars: int = ev.MAX_FRAME_CHARS,
+    observer: Observer | None = None,
 ) -> Callable[[WebSocket], Awaitable[None]]:
     """A Starlette WebSocket route handler (`WebSocketRoute("/v1/realtime", ...)`).
 
@@ -99,14 +113,20 @@ def realtime_endpoint(
         if wanted is not None and wanted != model:
             message = f"The model '{wanted[:64]}' does not exist; this server serves '{model}'."
             await _refuse(websocket, subprotocol, "model_not_found", message, CLOSE_POLICY)
+            if observer is not None:
+                observer.session_refused("model_not_found")
             return
         if active >= max_sessions:
             message = (
                 f"This server holds {max_sessions} realtime sessions at most; try again later."
             )
             await _refuse(websocket, subprotocol, "session_limit_reached", message, CLOSE_TRY_LATER)
+            if observer is not None:
+                observer.session_refused("session_limit_reached")
             return
         active += 1  # no await since the check: the count cannot be passed
+        if observer is not None:
+            observer.session_opened()
         try:
             await websocket.accept(subprotocol)
             responder = responder_factory(Caller(principal, model))
@@ -118,37 +138,54 @@ def realtime_endpoint(
                 vad_executor=vad_executor,
                 max_frame_chars=max_frame_chars,
             )
-            await _serve(websocket, session)
+            try:
+                await _serve(websocket, session)
+            finally:
+                await _close_responder(responder)
         finally:
             active -= 1
+            if observer is not None:
+                observer.session_closed()
 
     return endpoint
 
 
 def _token(websocket: WebSocket, offered: list[str]) -> str | None:
-    scheme, _, token = websocket.headers.get("authorization", "").partition(" ")
+    return offered_token(websocket.headers.get("authorization", ""), offered)
+
+
+def offered_token(authorization: str, subprotocols: list[str]) -> str | None:
+    """The token a WebSocket client shows: `Authorization: Bearer <token>`, or (browsers)
+    the `openai-insecure-api-key.<token>` subprotocol; None when it shows none."""
+    scheme, _, token = authorization.partition(" ")
     if scheme.lower() == "bearer" and token.strip():
         return token.strip()
-    for protocol in offered:
+    for protocol in subprotocols:
         if protocol.startswith(KEY_PROTOCOL):
             return protocol[len(KEY_PROTOCOL) :] or None
     return None
 
 
 async def _deny(websocket: WebSocket) -> None:
-    body = {
-        "error": {
-            "message": "missing or invalid bearer token: send Authorization: Bearer <token>",
-            "type": "authentication_error",
-            "param": None,
-            "code": "invalid_api_key",
-        }
-    }
+    message = "missing or invalid bearer token: send Authorization: Bearer <token>"
+    error = {"message": message, "type": "authentication_error", "param": None,
+             "code": "invalid_api_key"}  # fmt: skip
+    await deny(websocket, 401, {"error": error}, {"www-authenticate": "Bearer"})
+
+
+async def deny(
+    websocket: WebSocket,
+    status: int,
+    body: dict[str, Any],
+    headers: dict[str, str] | None = None,
+) -> None:
+    """Refuses the handshake with an HTTP answer (`status`, JSON `body`) where the server
+    can send one (uvicorn with `websockets` can); elsewhere closes before accepting, which
+    the server answers with 403."""
     if "websocket.http.response" in websocket.scope.get("extensions", {}):
-        headers = {"www-authenticate": "Bearer"}
-        await websocket.send_denial_response(JSONResponse(body, 401, headers=headers))
+        await websocket.send_denial_response(JSONResponse(body, status, headers=headers))
     else:
-        await websocket.close(CLOSE_POLICY)  # before accept: the server answers 403
+        await websocket.close(CLOSE_POLICY)
 
 
 async def _refuse(
@@ -160,6 +197,16 @@ async def _refuse(
     with contextlib.suppress(Exception):  # the client may be gone already
         await websocket.send_text(json.dumps(event))
         await websocket.close(close, reason=code)
+
+
+async def _close_responder(responder: Responder) -> None:
+    close = getattr(responder, "aclose", None)
+    if close is None:
+        return
+    try:
+        await close()
+    except Exception:  # the session is over either way; its state expires on its own
+        log.warning("realtime: closing the session's responder failed", exc_info=True)
 
 
 async def _serve(websocket: WebSocket, session: Session) -> None:

@@ -3,7 +3,10 @@
 The transport feeds it client frames (`receive`) and sends what it puts in its `outbox`
 (`Outbox.get`), in order. The model is a `Responder`: `respond(request)` yields `Delta`s
 (text, and float32 audio at any sample rate) and is cancelled as a task; the mesh's
-responder aborts its mesh request when cancelled.
+responder aborts its mesh request when cancelled. A responder that fails raises
+`ResponseFailed` (its type, code and message go to the client) or any exception (a bug:
+logged, and the client hears `server_error` / `response_failed`); either way the response
+ends with `response.done` status `failed`, and the session goes on.
 
 What holds:
 - Every client frame gets the API's answer or an `error` event; nothing a client sends
@@ -18,6 +21,10 @@ What holds:
   (barge-in, `response.done` status `cancelled`, reason `turn_detected`); on speech stop,
   the turn's audio (from `audio_start_ms` to `audio_end_ms`) is committed as a user item
   and, with `create_response`, a response starts.
+- Output audio is quantized as the gateway's HTTP routes quantize theirs
+  (`omnirail.gateway.audio.pcm16`: clipped to [-1, 1], times 32767, rounded), after
+  resampling to 24 kHz (none for a model that speaks at 24 kHz): the same model output
+  gives the same pcm16 samples here and from `/v1/chat/completions`.
 - Audio sent: an audio delta counts as sent when the transport takes it from the outbox.
   A cancelled response's deltas still queued are dropped, and its item keeps only the
   audio sent. Its transcript is cut by the same share (`items.truncate_transcript`): the
@@ -55,13 +62,13 @@ from typing import Any, Literal, Protocol
 
 import numpy as np
 
+from omnirail.gateway.audio import pcm16 as output_pcm16
 from omnirail.gateway.realtime import events as ev
 from omnirail.gateway.realtime.audio import (
     BYTES_PER_SAMPLE,
     VAD_RATE,
     WIRE_RATE,
     Resampler,
-    float_to_pcm16,
     ms_to_samples,
     pcm16_to_float,
     samples_to_ms,
@@ -96,7 +103,9 @@ class Delta:
 
 @dataclass(frozen=True)
 class ResponseRequest:
-    """What a responder answers: the conversation so far (copies) and the settings."""
+    """What a responder answers: the conversation so far (copies) and the settings;
+    `conversation_id` is the session's (one per session: every response of a session is a
+    turn of it)."""
 
     response_id: str
     items: tuple[Item, ...]
@@ -105,11 +114,25 @@ class ResponseRequest:
     voice: str | None
     speed: float
     max_output_tokens: int | None  # None: no limit
+    conversation_id: str = ""
+
+
+class ResponseFailed(Exception):
+    """A responder's refusal or failure the client should hear as it is (not a bug): the
+    response's `status_details.error` gets this type, code and message."""
+
+    def __init__(self, message: str, code: str = "response_failed", type: str = "server_error"):
+        super().__init__(message)
+        self.message = message
+        self.code = code
+        self.type = type
 
 
 class Responder(Protocol):
     """The model side of a session. `respond` is an async generator (or any async
-    iterator); cancelling the task that iterates it must stop the work behind it."""
+    iterator); cancelling the task that iterates it must stop the work behind it. A
+    responder may also have `async aclose()`: the endpoint awaits it once its session has
+    ended (the mesh's responder drops the conversation's state there)."""
 
     def respond(self, request: ResponseRequest) -> AsyncIterator[Delta]: ...
 
@@ -780,6 +803,7 @@ class Session:
             voice=voice,
             speed=config.speed,
             max_output_tokens=None if max_tokens == "inf" else int(max_tokens),
+            conversation_id=self.conversation_id,
         )
         metadata = params.metadata if params else None
         response = _Response(response_id, request, metadata, max_tokens)
@@ -796,6 +820,11 @@ class Session:
                 self._on_delta(response, delta)
         except asyncio.CancelledError:
             raise  # whoever cancelled ends the response
+        except ResponseFailed as exc:
+            log.info("realtime: response %s failed: %s", response.id, exc.message)
+            error = {"type": exc.type, "code": exc.code, "message": exc.message[:1000]}
+            self._finish(response, "failed", {"type": "failed", "error": error})
+            return
         except Exception as exc:
             log.exception("realtime: response %s failed", response.id)
             error = {"type": "server_error", "code": "response_failed", "message": str(exc)[:300]}
@@ -846,9 +875,9 @@ class Session:
         flushed = b""
         if response.resampler is None or response.resampler.src_rate != rate:
             if response.resampler is not None:
-                flushed = float_to_pcm16(response.resampler.flush())
+                flushed = output_pcm16(response.resampler.flush())
             response.resampler = Resampler(rate, WIRE_RATE)
-        return flushed + float_to_pcm16(response.resampler.process(audio))
+        return flushed + output_pcm16(response.resampler.process(audio))
 
     def _send_audio(self, response: _Response, pcm: bytes) -> None:
         part, ref = response.part, response.ref
@@ -885,7 +914,7 @@ class Session:
         item, part, ref = response.item, response.part, response.ref
         if item is not None and part is not None and ref is not None:
             if status == "completed" and response.resampler is not None:
-                tail = float_to_pcm16(response.resampler.flush())
+                tail = output_pcm16(response.resampler.flush())
                 if tail:
                     self._send_audio(response, tail)
             if status == "cancelled" and response.audio_out:

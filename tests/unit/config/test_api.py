@@ -265,6 +265,54 @@ def test_sample_rate_bounds(rate: int) -> None:
     assert "pipeline.api.openai.sample_rate" in _error(_openai_api(sample_rate=rate))
 
 
+def test_qwen3_declares_the_realtime_api() -> None:
+    api = load_pipeline(ROOT / "omnirail/models/qwen3_omni/pipeline.yaml", resolve=False).api
+    assert api.openai is not None and api.openai.realtime is not None
+    assert api.openai.realtime.max_sessions == 16
+    assert (api.openai.text_output, api.openai.audio_output) == ("text", "audio")
+
+
+def _realtime_api(realtime: Any, **openai: Any) -> dict[str, Any]:
+    api = _openai_api(**{"audio_output": "audio", "realtime": realtime, **openai})
+    api["inputs"].append(_in("messages", format="json", optional=True))
+    return api
+
+
+def test_realtime_defaults() -> None:
+    cfg = PipelineConfig.from_dict(
+        _pipe(_realtime_api({}, text_input=None, messages_input="messages"))
+    )
+    assert cfg.api.openai is not None and cfg.api.openai.realtime is not None
+    realtime = cfg.api.openai.realtime
+    assert (realtime.max_sessions, realtime.max_items) == (16, 512)
+    assert (realtime.max_buffer_s, realtime.max_audio_s) == (120.0, 1800.0)
+
+
+def test_realtime_needs_the_conversation_as_messages() -> None:
+    text = _error(_realtime_api({}))
+    assert "pipeline.api.openai.realtime: needs openai.messages_input" in text
+
+
+def test_realtime_needs_text_and_audio_out() -> None:
+    text = _error(_realtime_api({}, text_input=None, messages_input="messages", audio_output=None))
+    assert "pipeline.api.openai.realtime: needs openai.audio_output" in text
+
+
+@pytest.mark.parametrize(
+    ("realtime", "where"),
+    [
+        ({"max_sessions": 0}, "pipeline.api.openai.realtime.max_sessions"),
+        ({"max_items": 1}, "pipeline.api.openai.realtime.max_items"),
+        ({"max_buffer_s": 0}, "pipeline.api.openai.realtime.max_buffer_s"),
+        ({"max_audio_s": "long"}, "pipeline.api.openai.realtime.max_audio_s"),
+        ({"vad": "silero"}, "pipeline.api.openai.realtime.vad"),
+        ("yes", "pipeline.api.openai.realtime"),
+    ],
+)
+def test_realtime_fields_are_checked_by_name(realtime: Any, where: str) -> None:
+    assert where in _error(_realtime_api(realtime, text_input=None, messages_input="messages"))
+
+
 def test_every_problem_is_listed() -> None:
     api = _openai_api(seed_input="ghost", audio_output="nothing")
     api["outputs"].append(_out("late", stage="a"))

@@ -94,6 +94,70 @@ async def test_no_tokens_configured_passes_everything() -> None:
     assert (await _call(authorization=b"Bearer anything", tokens=SecretSet([])))[0] == 200
 
 
+async def _handshake(
+    headers: list[tuple[bytes, bytes]],
+    subprotocols: list[str] | None = None,
+    denials: bool = True,
+) -> list[dict[str, Any]]:
+    """What TokenAuth sends for a WebSocket handshake to `/v1/realtime` (the app accepts)."""
+    scope = {
+        "type": "websocket",
+        "path": "/v1/realtime",
+        "headers": [(b"host", b"gw"), *headers],
+        "subprotocols": subprotocols or [],
+        "extensions": {"websocket.http.response": {}} if denials else {},
+    }
+    sent: list[dict[str, Any]] = []
+
+    async def app(scope: dict[str, Any], receive: Any, send: Any) -> None:
+        await send({"type": "websocket.accept"})
+
+    async def receive() -> dict[str, Any]:
+        return {"type": "websocket.connect"}
+
+    async def send(message: dict[str, Any]) -> None:
+        sent.append(message)
+
+    await TokenAuth(app, TOKENS)(scope, receive, send)
+    return sent
+
+
+@pytest.mark.parametrize(
+    ("headers", "problem"),
+    [
+        ([], "missing bearer token"),
+        ([(b"authorization", b"Bearer nope")], "invalid bearer token"),
+    ],
+)
+async def test_websocket_handshakes_need_a_token(
+    headers: list[tuple[bytes, bytes]], problem: str
+) -> None:
+    start, body = await _handshake(headers)
+    assert start["type"] == "websocket.http.response.start" and start["status"] == 401
+    assert (b"www-authenticate", b"Bearer") in start["headers"]
+    assert _error(body["body"])["message"].startswith(problem)
+    assert _error(body["body"])["code"] == "invalid_api_key"
+
+
+async def test_websocket_refusal_without_denial_responses_closes() -> None:
+    (close,) = await _handshake([], denials=False)
+    assert close["type"] == "websocket.close"  # the server answers 403
+
+
+@pytest.mark.parametrize(
+    ("headers", "subprotocols"),
+    [
+        ([(b"authorization", b"Bearer s3cret")], []),
+        # Browsers cannot set headers: the key rides in a subprotocol.
+        ([], ["realtime", "openai-insecure-api-key.other-token"]),
+    ],
+)
+async def test_websocket_handshakes_with_a_token_pass(
+    headers: list[tuple[bytes, bytes]], subprotocols: list[str]
+) -> None:
+    assert await _handshake(headers, subprotocols) == [{"type": "websocket.accept"}]
+
+
 async def test_non_http_scopes_pass() -> None:
     seen: list[str] = []
 

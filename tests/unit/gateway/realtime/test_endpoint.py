@@ -21,12 +21,13 @@ from openai import AsyncOpenAI
 from starlette.applications import Starlette
 from starlette.routing import WebSocketRoute
 
+from omnirail.gateway.audio import pcm16
 from omnirail.gateway.realtime.audio import float_to_pcm16, resample
 from omnirail.gateway.realtime.endpoint import Caller, realtime_endpoint
 from omnirail.gateway.realtime.session import Delta
+from omnirail.testing.speech import silence, speech
 from tests.unit.gateway.realtime.fakes import WAIT, FakeResponder, scripted, tone
 from tests.unit.gateway.realtime.sdk_types import parse_server_event
-from tests.unit.gateway.realtime.speech import silence, speech
 
 MODEL = "omni-test"
 HAS_VAD = importlib.util.find_spec("silero_vad") is not None
@@ -152,7 +153,7 @@ async def test_a_spoken_turn_through_the_official_sdk() -> None:
         base64.b64decode(e["delta"]) for e in events if e["type"] == "response.output_audio.delta"
     )
     spoken = np.concatenate([d.audio for d in _answer() if d.audio is not None])
-    assert received == float_to_pcm16(resample(spoken, 16000, 24000))
+    assert received == pcm16(resample(spoken, 16000, 24000))
     response = events[-1]["response"]
     assert response["status"] == "completed"
     assert response["output"][0]["content"][0]["transcript"] == "Hello there."

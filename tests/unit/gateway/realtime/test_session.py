@@ -10,8 +10,9 @@ from concurrent.futures import ThreadPoolExecutor
 import numpy as np
 import pytest
 
-from omnirail.gateway.realtime.audio import float_to_pcm16, resample
-from omnirail.gateway.realtime.session import Delta, Limits, Session
+from omnirail.gateway.audio import pcm16
+from omnirail.gateway.realtime.audio import resample
+from omnirail.gateway.realtime.session import Delta, Limits, ResponseFailed, Session
 from tests.unit.gateway.realtime.fakes import (
     FakeResponder,
     append,
@@ -104,8 +105,9 @@ async def test_manual_commit_then_response() -> None:
     deltas = of(events, "response.output_audio_transcript.delta")
     assert "".join(e["delta"] for e in deltas) == "Hello"
     assert of(events, "response.output_audio_transcript.done")[0]["transcript"] == "Hello"
-    # The model's 16 kHz audio arrives at 24 kHz, resampled as one stream.
-    expected = float_to_pcm16(resample(np.concatenate(spoken), 16000, 24000))
+    # The model's 16 kHz audio arrives at 24 kHz, resampled as one stream, quantized as
+    # the HTTP routes quantize theirs.
+    expected = pcm16(resample(np.concatenate(spoken), 16000, 24000))
     assert _audio(events) == expected
     pieces = of(events, "response.output_audio.delta")
     assert all(len(base64.b64decode(e["delta"])) <= 4800 for e in pieces)  # 100 ms at most
@@ -396,6 +398,27 @@ async def test_a_failing_responder_fails_the_response() -> None:
     assert done["status_details"]["error"]["message"] == "the mesh fell over"
     assert done["output"][0]["status"] == "incomplete"
     assert session.active_response is None
+
+
+async def test_a_refusing_responder_names_its_error() -> None:
+    refusal = ResponseFailed(
+        "inputs.messages: too long", "invalid_argument", "invalid_request_error"
+    )
+    responder = FakeResponder([refusal])
+    session = await _manual(responder)
+    await send(session, type="response.create")
+    done = (await take_until(session, "response.done"))[-1]["response"]
+    assert done["status"] == "failed" and done["output"] == []
+    assert done["status_details"]["error"] == {
+        "type": "invalid_request_error",
+        "code": "invalid_argument",
+        "message": "inputs.messages: too long",
+    }
+    # Every response of a session is a turn of the session's one conversation.
+    await send(session, type="response.create")
+    await take_until(session, "response.done")
+    ids = {request.conversation_id for request in responder.requests}
+    assert ids == {session.conversation_id} and session.conversation_id.startswith("conv_")
 
 
 async def test_close_cancels_the_running_response() -> None:

@@ -1,7 +1,7 @@
 """Server VAD on Silero: one start and one stop per utterance at the right milliseconds,
 the API's parameters, determinism, and state kept per session over one shared model.
 
-The audio is synthetic (tests/unit/gateway/realtime/speech.py says what Silero takes for
+The audio is synthetic (omnirail/testing/speech.py says what Silero takes for
 speech). Window granularity is 32 ms, so times are checked to within one window."""
 
 from __future__ import annotations
@@ -22,7 +22,7 @@ from omnirail.gateway.realtime.vad import (
     available_backends,
     model_path,
 )
-from tests.unit.gateway.realtime.speech import silence, speech
+from omnirail.testing.speech import silence, speech
 
 pytestmark = pytest.mark.skipif(
     importlib.util.find_spec("silero_vad") is None, reason="needs the realtime extra (silero-vad)"
