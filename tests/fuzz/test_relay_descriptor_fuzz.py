@@ -22,6 +22,7 @@ import asyncio
 import contextlib
 import os
 import stat
+import time
 import uuid
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
@@ -568,6 +569,8 @@ class PullEnv:
     handle: Any
     regions: list[str]
     fds: int = 0
+    # The first case after which more descriptors were open than before the campaign.
+    fd_overshoot: str | None = None
     maps: MapsWatch = field(default_factory=MapsWatch)
     receive_segments: int = 0
     tally: Tally = field(default_factory=Tally)
@@ -600,7 +603,13 @@ class PullEnv:
             "a get left a receive segment behind"
         )
         assert all(seg.alloc.used == 0 for seg in pool.segments), "a receive extent leaked"
-        assert len(os.listdir("/proc/self/fd")) <= self.fds
+        # Over the count is noted, not failed: another thread of the test process (a grpc
+        # or event-loop thread left by an earlier module) may hold a descriptor for a
+        # moment, and hypothesis would call a replay that does not see it flaky. A leak
+        # stays: `finish` fails on it.
+        count = len(os.listdir("/proc/self/fd"))
+        if count > self.fds and self.fd_overshoot is None:
+            self.fd_overshoot = f"{count} descriptors open after case {case!r} ({self.fds} before)"
         self.maps.after(case)
 
     def finish(self) -> None:
@@ -614,6 +623,10 @@ class PullEnv:
         assert self.loop.run_until_complete(attempt(self.receiver, good)), LAST_REFUSAL
         self.tally.reaches_both()
         self.maps.verify()
+        deadline = time.monotonic() + 5.0
+        while len(os.listdir("/proc/self/fd")) > self.fds and time.monotonic() < deadline:
+            time.sleep(0.05)  # what another thread held for a moment is given back
+        assert len(os.listdir("/proc/self/fd")) <= self.fds, self.fd_overshoot
 
 
 def pull_regions(sender: PullRelay, receiver: PullRelay) -> list[str]:
