@@ -81,16 +81,15 @@ def _gone() -> OmniError:
     )
 
 
-class AsyncInputStream:
-    """A running request of `AsyncClient.input_stream`: `await send(x)`, `await end()`, and
-    `async for event in request` (each `Chunk`, then the `GenerateResult`; raises its
-    error)."""
+class _InputRequest:
+    """What both kinds share: the session, the request's events and deadline, its span,
+    its chunk ids, and how it ends here (read to its end, aborted, timed out)."""
 
     def __init__(
         self,
-        session: AsyncSession,
+        session: Any,
         request_id: str,
-        events: asyncio.Queue[SessionEvent],
+        events: Any,
         deadline: float | None,
         timeout: float | None,
         span: ClientSpan,
@@ -104,21 +103,7 @@ class AsyncInputStream:
         self._span = span
         self._parse = parse
         self._chunks = _Chunks(request_id)
-        self._finished = False  # its end event was read
-
-    async def send(self, data: Any, *, modality: str = "") -> None:
-        """Sends one input chunk (any value a payload holds: arrays, tensors, text, maps);
-        waits while the pipeline is behind. Raises OmniError(FAILED_PRECONDITION) once the
-        request ended."""
-        if self._finished or not self._session.live(self.request_id):
-            raise _gone()
-        await self._session.send_input(self._chunks.chunk(data, modality))
-
-    async def end(self) -> None:
-        """Marks the end of the input (the entry stage gets `stream_done`)."""
-        chunk = self._chunks.end()
-        if chunk is not None and not self._finished and self._session.live(self.request_id):
-            await self._session.send_input(chunk)
+        self._finished = False  # its end event was read, or it was aborted here
 
     def abort(self, reason: str = "aborted by the client") -> None:
         """Aborts the request everywhere (nothing of it is left in the mesh)."""
@@ -126,6 +111,43 @@ class AsyncInputStream:
             self._finished = True
             self._session.abort(self.request_id, reason)
             self._span.end(OmniError(Code.CANCELLED, reason))
+
+    def _live(self) -> bool:
+        return not self._finished and self._session.live(self.request_id)
+
+    def _taken(self, event: SessionEvent) -> StreamEvent:
+        """An event read: the caller's chunk or result (raises its error)."""
+        if _is_end(event):
+            self._finished = True
+            self._span.end(event if isinstance(event, OmniError) else None)
+        return self._parse(event)
+
+    def _too_late(self) -> OmniError:
+        self.abort("the client stopped waiting")
+        return OmniError(Code.DEADLINE_EXCEEDED, f"no answer within {self._timeout}s")
+
+
+class AsyncInputStream(_InputRequest):
+    """A running request of `AsyncClient.input_stream`: `await send(x)`, `await end()`, and
+    `async for event in request` (each `Chunk`, then the `GenerateResult`; raises its
+    error)."""
+
+    _session: AsyncSession
+    _events: asyncio.Queue[SessionEvent]
+
+    async def send(self, data: Any, *, modality: str = "") -> None:
+        """Sends one input chunk (any value a payload holds: arrays, tensors, text, maps);
+        waits while the pipeline is behind. Raises OmniError(FAILED_PRECONDITION) once the
+        request ended."""
+        if not self._live():
+            raise _gone()
+        await self._session.send_input(self._chunks.chunk(data, modality))
+
+    async def end(self) -> None:
+        """Marks the end of the input (the entry stage gets `stream_done`)."""
+        chunk = self._chunks.end()
+        if chunk is not None and self._live():
+            await self._session.send_input(chunk)
 
     async def __aenter__(self) -> AsyncInputStream:
         return self
@@ -141,59 +163,29 @@ class AsyncInputStream:
             try:
                 event = await asyncio.wait_for(self._events.get(), _remaining(self._deadline))
             except TimeoutError:
-                self.abort("the client stopped waiting")
-                raise OmniError(
-                    Code.DEADLINE_EXCEEDED, f"no answer within {self._timeout}s"
-                ) from None
-            if _is_end(event):
-                self._finished = True
-                self._span.end(event if isinstance(event, OmniError) else None)
-            yield self._parse(event)
+                raise self._too_late() from None
+            yield self._taken(event)
 
 
-class InputStream:
+class InputStream(_InputRequest):
     """A running request of `Client.input_stream`: `send(x)`, `end()`, and iteration over
     its events (each `Chunk`, then the `GenerateResult`; raises its error)."""
 
-    def __init__(
-        self,
-        session: SyncSession,
-        request_id: str,
-        events: queue.SimpleQueue[SessionEvent],
-        deadline: float | None,
-        timeout: float | None,
-        span: ClientSpan,
-        parse: Parse,
-    ) -> None:
-        self.request_id = request_id
-        self._session = session
-        self._events = events
-        self._deadline = deadline
-        self._timeout = timeout
-        self._span = span
-        self._parse = parse
-        self._chunks = _Chunks(request_id)
-        self._finished = False
+    _session: SyncSession
+    _events: queue.SimpleQueue[SessionEvent]
 
     def send(self, data: Any, *, modality: str = "") -> None:
         """Sends one input chunk; blocks while the pipeline is behind. Raises
         OmniError(FAILED_PRECONDITION) once the request ended."""
-        if self._finished or not self._session.live(self.request_id):
+        if not self._live():
             raise _gone()
         self._session.send_input(self._chunks.chunk(data, modality), _remaining(self._deadline))
 
     def end(self) -> None:
         """Marks the end of the input (the entry stage gets `stream_done`)."""
         chunk = self._chunks.end()
-        if chunk is not None and not self._finished and self._session.live(self.request_id):
+        if chunk is not None and self._live():
             self._session.send_input(chunk, _remaining(self._deadline))
-
-    def abort(self, reason: str = "aborted by the client") -> None:
-        """Aborts the request everywhere (nothing of it is left in the mesh)."""
-        if not self._finished:
-            self._finished = True
-            self._session.abort(self.request_id, reason)
-            self._span.end(OmniError(Code.CANCELLED, reason))
 
     def __enter__(self) -> InputStream:
         return self
@@ -206,11 +198,5 @@ class InputStream:
             try:
                 event = self._events.get(timeout=_remaining(self._deadline))
             except queue.Empty:
-                self.abort("the client stopped waiting")
-                raise OmniError(
-                    Code.DEADLINE_EXCEEDED, f"no answer within {self._timeout}s"
-                ) from None
-            if _is_end(event):
-                self._finished = True
-                self._span.end(event if isinstance(event, OmniError) else None)
-            yield self._parse(event)
+                raise self._too_late() from None
+            yield self._taken(event)
