@@ -16,7 +16,7 @@ import time
 import uuid
 from collections.abc import AsyncIterator, Callable, Iterator, Mapping
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, TypeVar
 
 import grpc
 
@@ -29,6 +29,8 @@ from omnirail.config.limits import MAX_MESSAGE_MB
 from omnirail.v1 import client_pb2, client_pb2_grpc, common_pb2
 from omnirail.wire.errors import Code, OmniError, invalid
 from omnirail.wire.payload import PayloadError, decode_inline, encode_inline
+
+InputT = TypeVar("InputT", InputStream, AsyncInputStream)
 
 # Extra seconds on the gRPC deadline so the coordinator's own deadline error wins.
 _DEADLINE_SLACK_S = 2.0
@@ -159,6 +161,42 @@ def end_stream(
         session.abort(request_id, "the client stopped reading the stream")
     # The caller closing the iterator is an abort, not a failure of the request.
     span.end(None if isinstance(error, GeneratorExit) else error)
+
+
+def open_input_stream(
+    kind: type[InputT],
+    session_of: Callable[[], Any],
+    inputs: Mapping[str, Any],
+    request_id: str | None,
+    timeout: float | None,
+    traceparent: str | None,
+    conversation_id: str | None,
+    numpy: bool,
+) -> InputT:
+    """Starts an input-streaming request on the client's session (`session_of`) and returns
+    its `kind` (`InputStream` or `AsyncInputStream`)."""
+    rid = request_id or uuid.uuid4().hex
+    span = ClientSpan("input_stream", rid, traceparent)
+    try:
+        request = build_request(
+            inputs,
+            rid,
+            timeout,
+            span.traceparent,
+            stream=True,
+            input_stream=True,
+            conversation_id=conversation_id,
+        )
+        session = session_of()
+    except BaseException as exc:
+        span.end(exc)
+        raise
+    events = session.send_stream(request)
+    deadline = None if timeout is None else time.monotonic() + _deadline(timeout)
+    return kind(
+        session, rid, events, deadline, timeout, span,
+        lambda event: stream_event(rid, event, numpy),
+    )  # fmt: skip
 
 
 def _remaining(deadline: float | None) -> float | None:
@@ -391,28 +429,16 @@ class Client:
                     ...
         """
         timeout = timeout if timeout is not None else self.timeout
-        rid = request_id or uuid.uuid4().hex
-        span = ClientSpan("input_stream", rid, traceparent)
-        try:
-            request = build_request(
-                inputs,
-                rid,
-                timeout,
-                span.traceparent,
-                stream=True,
-                input_stream=True,
-                conversation_id=conversation_id,
-            )
-            session = self._session()
-        except BaseException as exc:
-            span.end(exc)
-            raise
-        events = session.send_stream(request)
-        deadline = None if timeout is None else time.monotonic() + _deadline(timeout)
-        return InputStream(
-            session, rid, events, deadline, timeout, span,
-            lambda event: stream_event(rid, event, self._numpy),
-        )  # fmt: skip
+        return open_input_stream(
+            InputStream,
+            self._session,
+            inputs,
+            request_id,
+            timeout,
+            traceparent,
+            conversation_id,
+            self._numpy,
+        )
 
     def _session(self) -> SyncSession:
         self._check_open()
@@ -679,28 +705,16 @@ class AsyncClient:
                 ...
         """
         timeout = timeout if timeout is not None else self.timeout
-        rid = request_id or uuid.uuid4().hex
-        span = ClientSpan("input_stream", rid, traceparent)
-        try:
-            request = build_request(
-                inputs,
-                rid,
-                timeout,
-                span.traceparent,
-                stream=True,
-                input_stream=True,
-                conversation_id=conversation_id,
-            )
-            session = self._session()
-        except BaseException as exc:
-            span.end(exc)
-            raise
-        events = session.send_stream(request)
-        deadline = None if timeout is None else time.monotonic() + _deadline(timeout)
-        return AsyncInputStream(
-            session, rid, events, deadline, timeout, span,
-            lambda event: stream_event(rid, event, self._numpy),
-        )  # fmt: skip
+        return open_input_stream(
+            AsyncInputStream,
+            self._session,
+            inputs,
+            request_id,
+            timeout,
+            traceparent,
+            conversation_id,
+            self._numpy,
+        )
 
     def _session(self) -> AsyncSession:
         self._check_open()

@@ -331,8 +331,9 @@ class StageMetrics:
         return StageRecorder(self, name)
 
 
-class _EngineCollector(Collector):
-    """`omnirail_engine_*`: a stage's serving engine's own counts, read at each scrape."""
+class _FiguresCollector(Collector):
+    """A stage's figures (`figures()`: a dataclass, or None for none), read at each scrape
+    and turned into metric families by `families`."""
 
     def __init__(self, stage: str, figures: Callable[[], Any]) -> None:
         self._stage = stage
@@ -343,8 +344,17 @@ class _EngineCollector(Collector):
             f = self._figures()
         except Exception:  # a scrape racing the stage's shutdown
             f = None
-        if f is None:
-            return
+        if f is not None:
+            yield from self.families(f)
+
+    def families(self, f: Any) -> Iterator[Metric]:
+        raise NotImplementedError
+
+
+class _EngineCollector(_FiguresCollector):
+    """`omnirail_engine_*`: a stage's serving engine's own counts, read at each scrape."""
+
+    def families(self, f: Any) -> Iterator[Metric]:
         labels = [self._stage]
         for family, name, doc, value in (
             (
@@ -431,21 +441,11 @@ class StageRecorder:
         pair[1].observe(seconds)
 
 
-class _ConversationCollector(Collector):
+class _ConversationCollector(_FiguresCollector):
     """`omnirail_conversation_*`: the state a stage keeps across conversations' turns, read
     at each scrape (`ConversationFigures`)."""
 
-    def __init__(self, stage: str, figures: Callable[[], Any]) -> None:
-        self._stage = stage
-        self._figures = figures
-
-    def collect(self) -> Iterator[Metric]:
-        try:
-            f = self._figures()
-        except Exception:  # a scrape racing the stage's shutdown
-            f = None
-        if f is None:
-            return
+    def families(self, f: Any) -> Iterator[Metric]:
         stage = [self._stage]
         for family, name, doc, value in (
             (GaugeMetricFamily, "states", "Conversations whose state the stage keeps.", f.states),

@@ -182,6 +182,7 @@ def create_thinker(
                 audio=audio,
                 image=image,
                 kept=before,
+                keepable=bool(req.conversation) and render is not None,
             )
         except InputError as exc:  # e.g. a prompt longer than the model's positions
             raise RequestInputError(str(exc)) from None

@@ -290,14 +290,17 @@ class ThinkerRunner:
         image: ImageEncoding | None = None,
         eos_token_id: int | Iterable[int] | object | None = _DEFAULT,
         kept: KeptPrompt | None = None,
+        keepable: bool = False,
     ) -> Prefill:
         """Runs the prompt through the model into a new cache; returns the request's state,
         its first greedy token and its `TalkerPrompt`.
 
         `kept`: a previous turn of the same conversation (`keep`); the longest prefix of
-        this prompt it covers (same ids, input rows and positions; never the whole prompt:
+        this prompt it covers (same ids, media keys and positions; never the whole prompt:
         the last token is always computed) is taken from its cache, and only the rest runs
         (`Prefill.reused` says how much was taken). `kept` is consumed either way.
+        `keepable`: the request's state may be kept for a next turn (`keep`); only then does
+        it hold on to its prompt's rows while it decodes.
 
         `input_ids`: (1, L) or (L,) long, the processor's ids with every audio/image pad
         token expanded; `attention_mask`: None or all ones (1, L) (one request, no padding);
@@ -318,8 +321,10 @@ class ThinkerRunner:
         # covers of it is taken from that turn's cache instead).
         from transformers import DynamicCache
 
-        keys = self.media_keys(ids, audio, image)
-        reused = self._reusable(kept, ids, keys, inputs) if kept is not None else 0
+        keys = self.media_keys(ids, audio, image) if kept is not None or keepable else None
+        reused = (
+            self._reusable(kept, ids, keys, inputs) if kept is not None and keys is not None else 0
+        )
         if reused:
             assert kept is not None
             cache = kept.cache
@@ -362,7 +367,9 @@ class ThinkerRunner:
             prompt_length=length,
             max_new_tokens=max_new_tokens,
             eos_token_ids=eos,
-            prompt=(ids, keys, position_ids, accept_hidden),
+            prompt=(ids, keys, position_ids, accept_hidden)
+            if keys is not None and keepable
+            else None,
         )
         first = self._record(state, token, None)
         talker = TalkerPrompt(

@@ -44,7 +44,9 @@ def _turn(runner, audio_encoder, processor, conversation, kept=None, render=None
     audio = None
     if "input_features" in inputs:
         audio = audio_encoder.encode(inputs["input_features"], inputs["feature_attention_mask"])
-    pre = runner.prefill(inputs["input_ids"], max_new_tokens=MAX_NEW, audio=audio, kept=kept)
+    pre = runner.prefill(
+        inputs["input_ids"], max_new_tokens=MAX_NEW, audio=audio, kept=kept, keepable=True
+    )
     tokens = [pre.first.token]
     while not pre.state.finished:
         tokens.append(runner.step(pre.state).token)
