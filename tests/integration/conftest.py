@@ -69,16 +69,43 @@ def collect_stream(events: Iterable[Any]) -> tuple[list[Chunk], GenerateResult]:
 def read_openai_stream(stream: Iterable[Any]) -> tuple[str, bytes]:
     """A streamed chat completion from the `openai` SDK: its text, and its audio's bytes
     (the base64 `audio.data` of each delta, decoded)."""
-    import base64
-
     pieces, audio = [], bytearray()
     for chunk in stream:
-        delta = chunk.choices[0].delta
-        pieces.append(delta.content or "")
-        extra = (delta.model_extra or {}).get("audio") or getattr(delta, "audio", None)
-        if extra:
-            audio += base64.b64decode(extra["data"] if isinstance(extra, dict) else extra.data)
+        text, data = delta_pieces(chunk)
+        pieces.append(text)
+        audio += data
     return "".join(pieces), bytes(audio)
+
+
+def delta_pieces(chunk: Any) -> tuple[str, bytes]:
+    """One streamed chat completion chunk's text and audio bytes (its base64 `audio.data`)."""
+    import base64
+
+    delta = chunk.choices[0].delta
+    extra = (delta.model_extra or {}).get("audio") or getattr(delta, "audio", None)
+    audio = b""
+    if extra:
+        audio = base64.b64decode(extra["data"] if isinstance(extra, dict) else extra.data)
+    return delta.content or "", audio
+
+
+# Prometheus samples by (name, sorted labels).
+Samples = dict[tuple[str, tuple[tuple[str, str], ...]], float]
+
+
+def scrape(address: str) -> Samples:
+    """Every sample a `/metrics` endpoint (host:port) serves now."""
+    import urllib.request
+
+    from prometheus_client.parser import text_string_to_metric_families
+
+    with urllib.request.urlopen(f"http://{address}/metrics", timeout=10) as resp:
+        text = resp.read().decode()
+    return {
+        (s.name, tuple(sorted(s.labels.items()))): s.value
+        for family in text_string_to_metric_families(text)
+        for s in family.samples
+    }
 
 
 def wait_nothing_in_flight(client: Client, timeout: float = 15.0) -> None:

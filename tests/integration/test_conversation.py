@@ -16,7 +16,6 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 import signal
 import time
-import urllib.request
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -32,7 +31,7 @@ from omnirail.models.qwen3_omni.processor import load_processor
 from omnirail.ops.launcher import Mesh
 from omnirail.testing.tiny import qwen3_omni as tiny_model
 from omnirail.wire.routing import conversation_index
-from tests.integration.conftest import shm_names
+from tests.integration.conftest import scrape, shm_names
 
 pytestmark = pytest.mark.slow
 
@@ -78,22 +77,18 @@ def _ask(client: Client, history: list[dict[str, Any]], conversation: str | None
 
 
 def _figures(client: Client) -> dict[str, dict[str, float]]:
-    """The thinker replicas' conversation counters, by replica address."""
+    """The thinker replicas' conversation counters, by replica address (names with their
+    labels but the stage, as the exposition writes them)."""
     out = {}
     info = next(s for s in client.describe().stages if s.name == "thinker")
     for replica in info.replicas:
-        text = (
-            urllib.request.urlopen(f"http://{replica.metrics_address}/metrics", timeout=10)
-            .read()
-            .decode()
-        )
         values: dict[str, float] = {}
-        for line in text.splitlines():
-            if line.startswith("omnirail_conversation_") and 'stage="thinker"' in line:
-                name, value = line.rsplit(" ", 1)
-                values[name.replace('stage="thinker",', "").replace('{stage="thinker"}', "")] = (
-                    float(value)
-                )
+        for (name, pairs), value in scrape(replica.metrics_address).items():
+            labels = dict(pairs)
+            if not name.startswith("omnirail_conversation_") or labels.pop("stage") != "thinker":
+                continue
+            shown = ",".join(f'{k}="{v}"' for k, v in labels.items())
+            values[f"{name}{{{shown}}}" if shown else name] = value
         out[replica.address] = values
     return out
 

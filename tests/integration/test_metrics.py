@@ -8,31 +8,17 @@ stage processes report asynchronously, so expectations are polled.
 from __future__ import annotations
 
 import time
-import urllib.request
 import uuid
 from collections.abc import Callable, Iterator
 
 import pytest
-from prometheus_client.parser import text_string_to_metric_families
 
 from omnirail.client.sdk import Chunk, Client
 from omnirail.ops.launcher import Mesh
 from omnirail.wire.errors import Code, OmniError
-from tests.integration.conftest import start_mesh
+from tests.integration.conftest import Samples, scrape, start_mesh
 
 TIMEOUT = 60.0  # generous: only reached when something is broken
-
-Samples = dict[tuple[str, tuple[tuple[str, str], ...]], float]
-
-
-def scrape(address: str) -> Samples:
-    with urllib.request.urlopen(f"http://{address}/metrics", timeout=10) as resp:
-        text = resp.read().decode()
-    return {
-        (s.name, tuple(sorted(s.labels.items()))): s.value
-        for family in text_string_to_metric_families(text)
-        for s in family.samples
-    }
 
 
 def value(samples: Samples, name: str, **labels: str) -> float:

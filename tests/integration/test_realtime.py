@@ -27,7 +27,6 @@ import secrets
 import subprocess
 import sys
 import time
-import urllib.request
 from collections.abc import AsyncIterator, Iterator
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
@@ -46,7 +45,6 @@ if importlib.util.find_spec("silero_vad") is None:  # found, not imported: its i
 pytest.importorskip("websockets")
 openai = pytest.importorskip("openai")
 
-from prometheus_client.parser import text_string_to_metric_families  # noqa: E402
 from websockets.exceptions import ConnectionClosed, InvalidStatus  # noqa: E402
 
 from omnirail.client.sdk import Client  # noqa: E402
@@ -55,7 +53,7 @@ from omnirail.gateway.realtime.audio import float_to_pcm16, model_pcm16, ms_to_s
 from omnirail.gateway.realtime.items import truncate_transcript  # noqa: E402
 from omnirail.ops.launcher import read_states  # noqa: E402
 from omnirail.testing.speech import silence, speech  # noqa: E402
-from tests.integration.conftest import explain, omnirail  # noqa: E402
+from tests.integration.conftest import delta_pieces, explain, omnirail, scrape  # noqa: E402
 from tests.unit.gateway.realtime.sdk_types import parse_server_event  # noqa: E402
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(900)]
@@ -284,22 +282,10 @@ async def chat(served: Served, messages: list[dict[str, Any]]) -> tuple[str, byt
             stream=True,
         )
         async for chunk in stream:
-            delta = chunk.choices[0].delta
-            text.append(delta.content or "")
-            extra = (delta.model_extra or {}).get("audio") or getattr(delta, "audio", None)
-            if extra:
-                audio += base64.b64decode(extra["data"] if isinstance(extra, dict) else extra.data)
+            piece, data = delta_pieces(chunk)
+            text.append(piece)
+            audio += data
     return "".join(text), bytes(audio)
-
-
-def scrape(address: str) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
-    with urllib.request.urlopen(f"http://{address}/metrics", timeout=10) as resp:
-        text = resp.read().decode()
-    return {
-        (s.name, tuple(sorted(s.labels.items()))): s.value
-        for family in text_string_to_metric_families(text)
-        for s in family.samples
-    }
 
 
 class Mesh:
