@@ -21,6 +21,7 @@ from typing import TYPE_CHECKING, Any
 import grpc
 
 from omnirail.config.api import ApiConfig, OutputSpec
+from omnirail.coordinator.calls import abort_call, principal_of
 from omnirail.coordinator.kserve_tensors import (
     add_output,
     concat,
@@ -117,9 +118,14 @@ class KServe(pb_grpc.GRPCInferenceServiceServicer):
         self, request: pb.ModelInferRequest, context: grpc.aio.ServicerContext
     ) -> pb.ModelInferResponse:
         try:
-            call = self._start(request, context.time_remaining(), traceparent_of(context))
+            call = self._start(
+                request,
+                context.time_remaining(),
+                traceparent_of(context),
+                principal_of(self.coordinator.security, context),
+            )
         except OmniError as exc:
-            await context.abort(exc.grpc_status, exc.message)
+            await abort_call(context, exc)  # with the retry hint of a refusal
             raise  # unreachable: abort raises
         try:
             await call.rec.done.wait()
@@ -129,7 +135,7 @@ class KServe(pb_grpc.GRPCInferenceServiceServicer):
             )
             raise
         if isinstance(call.answer, OmniError):
-            await context.abort(call.answer.grpc_status, call.answer.message)
+            await abort_call(context, call.answer)
         assert call.answer is not None  # unary calls always have an answer
         return call.answer
 
@@ -141,6 +147,7 @@ class KServe(pb_grpc.GRPCInferenceServiceServicer):
         )
         live: dict[str, _Call] = {}
         caller_traceparent = traceparent_of(context)
+        principal = principal_of(self.coordinator.security, context)
         malformed: list[str] = []
 
         def failed(request: pb.ModelInferRequest, error: OmniError) -> None:
@@ -176,7 +183,9 @@ class KServe(pb_grpc.GRPCInferenceServiceServicer):
                     )
                     return
                 try:
-                    call = self._start(msg, None, caller_traceparent, stream_to=stream_to)
+                    call = self._start(
+                        msg, None, caller_traceparent, principal, stream_to=stream_to
+                    )
                 except OmniError as exc:
                     failed(msg, exc)
                     continue
@@ -202,6 +211,7 @@ class KServe(pb_grpc.GRPCInferenceServiceServicer):
         request: pb.ModelInferRequest,
         time_remaining: float | None,
         traceparent: str,
+        principal: str,
         stream_to: Any = None,
     ) -> _Call:
         problem = self._model_problem(request.model_name, request.model_version)
@@ -224,7 +234,7 @@ class KServe(pb_grpc.GRPCInferenceServiceServicer):
             inputs=payload,
             timeout_s=_timeout(request),
         )
-        rec = coordinator.start(generate, time_remaining, traceparent)
+        rec = coordinator.start(generate, time_remaining, traceparent, principal)
         call = _Call(self, request, rec, outputs, stream_to)
         rec.on_chunk.append(call.on_chunk)
         # First in line: the request's outputs are gone once its on_done callbacks ran.

@@ -12,6 +12,7 @@ from typing import Any
 from grpc_health.v1 import health
 
 from omnirail.config import PipelineConfig, dotted
+from omnirail.config.security import ANONYMOUS
 from omnirail.coordinator.admission import (
     check_conversation_id,
     check_request_id,
@@ -30,11 +31,11 @@ from omnirail.coordinator.outbox import ClientOutbox
 from omnirail.coordinator.registry import Replica, StageRegistry
 from omnirail.coordinator.requests import (
     EarlyAborts,
-    Overloaded,
     RequestRecord,
     RequestTable,
     State,
 )
+from omnirail.coordinator.tenants import Admission
 from omnirail.telemetry.logs import ids
 from omnirail.telemetry.metrics import CoordinatorMetrics
 from omnirail.telemetry.tracer import KIND_SERVER, Tracer, parse_traceparent
@@ -83,6 +84,9 @@ class RequestLifecycle:
         )
         self._max_input = pipeline.max_input_mb << 20
         self._max_live = pipeline.max_live_requests
+        # Who may start a request now: the mesh's limit, and per principal its quota and
+        # its share of a full mesh (security.quotas).
+        self.admission = Admission(self._max_live, self.security.quotas, self.metrics)
         self.client_buffer = pipeline.client_stream_buffer
         self.client_buffer_bytes = pipeline.client_buffer_mb << 20
         self._max_message = pipeline.endpoints.max_message_mb << 20
@@ -100,8 +104,10 @@ class RequestLifecycle:
         request: client_pb2.GenerateRequest,
         time_remaining: float | None,
         caller_traceparent: str = "",
+        principal: str = ANONYMOUS,
     ) -> RequestRecord:
-        """Validates a request and delivers it to the entry stage; raises OmniError."""
+        """Validates a request of `principal`, admits it (coordinator/tenants.py) and
+        delivers it to the entry stage; raises OmniError."""
         rid = request.request_id or uuid.uuid4().hex
         check_request_id(rid)
         if self.draining:
@@ -111,9 +117,6 @@ class RequestLifecycle:
         aborted = self._early_aborts.take(rid)
         if aborted is not None:
             raise OmniError(Code.CANCELLED, f"aborted before it started: {aborted}")
-        if len(self.requests.live) >= self._max_live:
-            self.metrics.refused()
-            raise Overloaded.live_limit(self._max_live)
         if request.input_stream and self.pipeline.input_stream is None:
             raise invalid(
                 "input_stream: this pipeline takes no input streams (its config sets no "
@@ -129,8 +132,16 @@ class RequestLifecycle:
         conversation = request.conversation_id
         if conversation:
             check_conversation_id(conversation)
+        # Last of the checks, and nothing after it fails: a refused request counts nowhere,
+        # an admitted one is released as its record ends.
+        tenant = self.admission.admit(principal)
         rec = RequestRecord(
-            rid, terminals, possible, deadline=time.time() + timeout, conversation=conversation
+            rid,
+            terminals,
+            possible,
+            deadline=time.time() + timeout,
+            conversation=conversation,
+            tenant=tenant,
         )
         if self.requests.get(rid) is not None:
             # The id of a request that ended: the stages remember ended ids (to drop
@@ -142,7 +153,11 @@ class RequestLifecycle:
             rec.span = self._tracer.start(
                 "omnirail.request",
                 parse_traceparent(traceparent),
-                {"omnirail.request_id": rid, "omnirail.pipeline": self.pipeline.name or ""},
+                {
+                    "omnirail.request_id": rid,
+                    "omnirail.pipeline": self.pipeline.name or "",
+                    "omnirail.principal": principal,
+                },
                 kind=KIND_SERVER,
                 root=True,
             )
@@ -215,7 +230,7 @@ class RequestLifecycle:
             "re-dispatching (attempt %d) after: %s",
             rec.attempt,
             error.message,
-            extra=ids(rec.request_id, rec.span.traceparent if rec.span else None),
+            extra=ids(rec.request_id, rec.span.traceparent if rec.span else None, rec.principal),
         )
         if rec.span is not None:
             rec.span.event("redispatched", {"omnirail.attempt": rec.attempt, "why": error.message})
@@ -304,7 +319,11 @@ class RequestLifecycle:
     def _expire(self, rec: RequestRecord, timeout: float) -> None:
         self.metrics.deadline_overrun(time.time() - rec.deadline)
         tp = rec.span.traceparent if rec.span is not None else None
-        log.info("request exceeded its %gs deadline", timeout, extra=ids(rec.request_id, tp))
+        log.info(
+            "request exceeded its %gs deadline",
+            timeout,
+            extra=ids(rec.request_id, tp, rec.principal),
+        )
         # Naming the terminal stages without a result points at where the request stalled.
         missing = [t for t in rec.terminals if t not in rec.outputs]
         waiting = f" (no result yet from {', '.join(missing)})" if missing else ""

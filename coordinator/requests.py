@@ -66,6 +66,12 @@ class RequestRecord:
     input: Any = None
     # The conversation it is a turn of ("" for none): every hop routes by it.
     conversation: str = ""
+    # Who it is for (coordinator/tenants.py): its principal's running count and share.
+    tenant: Any = None
+
+    @property
+    def principal(self) -> str:
+        return self.tenant.principal if self.tenant is not None else ""
 
     def __post_init__(self) -> None:
         self.wire_id = self.wire_id or self.request_id
@@ -151,7 +157,11 @@ class RequestTable:
         record.error = error
         record.ended = time.monotonic()
         if self._metrics is not None:
-            self._metrics.request_ended(state, error, record.ended - record.started)
+            self._metrics.request_ended(
+                state, error, record.ended - record.started, record.principal
+            )
+        if record.tenant is not None:
+            record.tenant.release()
         if record.timer is not None:
             record.timer.cancel()
         self.live.pop(record.request_id, None)
@@ -229,8 +239,11 @@ class Overloaded(OmniError):
 
     retry_after_ms = 200
 
-    def __init__(self, message: str, stage: str = "") -> None:
+    def __init__(self, message: str, stage: str = "", retry_after_ms: int | None = None) -> None:
         super().__init__(Code.RESOURCE_EXHAUSTED, message, stage)
+        if retry_after_ms is not None:
+            # A quota knows better: the time its rate bucket needs for the next request.
+            self.retry_after_ms = retry_after_ms
 
     @classmethod
     def live_limit(cls, limit: int) -> Overloaded:

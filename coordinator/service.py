@@ -8,7 +8,7 @@ from collections.abc import AsyncIterator
 import grpc
 
 from omnirail.coordinator.admission import REQUEST_ID
-from omnirail.coordinator.calls import RETRY_AFTER_KEY, abort_call
+from omnirail.coordinator.calls import RETRY_AFTER_KEY, abort_call, principal_of
 from omnirail.coordinator.registry import describe
 from omnirail.coordinator.requests import Ended, RequestRecord, State
 from omnirail.coordinator.session import serve_session, stream_chunks, traceparent_of
@@ -132,7 +132,8 @@ class Coordinator(StageLink, client_pb2_grpc.OmnirailServicer):
         try:
             if request.input_stream:
                 raise invalid("input_stream: input chunks are sent on a Session, not this call")
-            return self.start(request, context.time_remaining(), traceparent_of(context))
+            principal = principal_of(self.security, context, request.on_behalf_of)
+            return self.start(request, context.time_remaining(), traceparent_of(context), principal)
         except OmniError as exc:
             await abort_call(context, exc)
             raise  # unreachable: abort raises

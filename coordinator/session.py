@@ -22,6 +22,7 @@ from typing import TYPE_CHECKING
 
 import grpc
 
+from omnirail.coordinator.calls import principal_of
 from omnirail.coordinator.outbox import ClientOutbox
 from omnirail.coordinator.requests import RequestRecord, State
 from omnirail.transport.malformed import is_malformed, malformed_message
@@ -84,7 +85,8 @@ async def serve_session(
                     outbox.push(client_pb2.SessionEvent(error=error.to_proto()))
                     continue
                 try:
-                    rec = coordinator.start(request, None, caller_traceparent)
+                    principal = principal_of(coordinator.security, context, request.on_behalf_of)
+                    rec = coordinator.start(request, None, caller_traceparent, principal)
                 except OmniError as exc:
                     outbox.push(
                         client_pb2.SessionEvent(request_id=request.request_id, error=exc.to_proto())

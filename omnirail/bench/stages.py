@@ -91,3 +91,22 @@ def stream_forward() -> Any:
     return StreamingScheduler(
         lambda state, chunks, final: chunks[0], window=1, metadata={"modality": "audio"}
     )
+
+
+# ---- `omnirail bench tenants` ---------------------------------------------------------
+
+
+def tenant_work(steps: int = 20, step_ms: float = 10.0, max_batch: int = 32) -> Any:
+    """Each request takes `steps` steps; a step takes `step_ms` whatever the batch holds
+    (a decode step on an accelerator: a sleep releases the GIL as a kernel would), so up
+    to `max_batch` requests run at the speed of one, and a new one joins at the next step."""
+    from omnirail.stage import ARRequest, ARScheduler, ARStep
+
+    def step(batch: list[ARRequest]) -> list[ARStep]:
+        time.sleep(step_ms / 1000.0)
+        return [
+            ARStep(finished=req.steps + 1 >= steps, result={"steps": req.steps + 1})
+            for req in batch
+        ]
+
+    return ARScheduler(step, max_batch_size=max_batch, name="tenant-work")

@@ -177,9 +177,22 @@ def _run(args: argparse.Namespace) -> dict[str, Any]:
 
         report = run_overload_bench(
             factor=args.factor,
-            live=args.live,
+            live=args.live or 64,
             stage_ms=args.stage_ms or 5.0,
             waves=args.rounds if args.rounds >= 3 else 10,
+            progress=progress(args.json),
+        )
+    elif args.what == "tenants":
+        from omnirail.bench.tenant_bench import run_tenant_bench
+
+        report = run_tenant_bench(
+            live=args.live or 8,
+            steps=args.steps,
+            step_ms=args.step_ms,
+            flood_x=args.flood_x,
+            quiet_x=args.quiet_x,
+            seconds=args.seconds,
+            baseline=args.compare_fcfs,
             progress=progress(args.json),
         )
     elif args.what == "chaos":
@@ -260,6 +273,7 @@ def add_bench_parser(sub: Any) -> None:
             "chaos",
             "overload",
             "stop",
+            "tenants",
         ],
     )
     b.add_argument("--json", action="store_true", help="one line of JSON, no progress")
@@ -443,7 +457,31 @@ def add_bench_parser(sub: Any) -> None:
         "--factor", type=int, default=10, help="overload: waves of FACTOR x --live at once"
     )
     chaos.add_argument(
-        "--live", type=int, default=64, help="overload: the mesh's max_live_requests"
+        "--live",
+        type=_at_least(1),
+        default=None,
+        help="overload, tenants: the mesh's max_live_requests (default 64; tenants 8)",
+    )
+    tenants = b.add_argument_group("tenants")
+    tenants.add_argument(
+        "--steps", type=_at_least(1), default=20, help="tenants: steps per request"
+    )
+    tenants.add_argument(
+        "--step-ms", type=_duration, default=10.0, help="tenants: ms per step (any batch)"
+    )
+    tenants.add_argument(
+        "--flood-x", type=float, default=10.0, help="tenants: the flooder's rate, x capacity"
+    )
+    tenants.add_argument(
+        "--quiet-x", type=float, default=0.2, help="tenants: the quiet caller's rate, x capacity"
+    )
+    tenants.add_argument(
+        "--seconds", type=_duration, default=10.0, help="tenants: seconds per phase"
+    )
+    tenants.add_argument(
+        "--compare-fcfs",
+        action="store_true",
+        help="tenants: also run the flooded phase without quotas (first come first served)",
     )
     b.add_argument(
         "--tls",

@@ -104,7 +104,8 @@ def client_options(args: argparse.Namespace) -> dict[str, Any]:
     tls: bool | str | None = args.tls_ca or (True if args.tls else None)
     token = None  # None: the SDK falls back to $OMNIRAIL_TOKEN
     if args.token_file:
-        from omnirail.transport.security import secret_lines  # grpc: only when used
+        # grpc: only when used
+        from omnirail.transport.security import SecurityError, secret_lines, token_entry
 
         try:
             lines = secret_lines(Path(args.token_file).read_bytes())
@@ -112,7 +113,10 @@ def client_options(args: argparse.Namespace) -> dict[str, Any]:
             raise ValueError(f"--token-file {args.token_file}: {exc.strerror}") from None
         if not lines:
             raise ValueError(f"--token-file {args.token_file}: no token in it")
-        token = lines[0].decode()
+        try:  # a line of a mesh's tokens file may name its principal after a comma
+            token = token_entry(lines[0], f"--token-file {args.token_file}")[0].decode()
+        except (SecurityError, UnicodeDecodeError) as exc:
+            raise ValueError(str(exc)) from None
     return {
         "tls": tls,
         "token": token,

@@ -14,7 +14,7 @@ import queue
 import threading
 import time
 import uuid
-from collections.abc import AsyncIterator, Callable, Iterator, Mapping
+from collections.abc import AsyncIterator, Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
@@ -104,6 +104,7 @@ def build_request(
     stream: bool = False,
     input_stream: bool = False,
     conversation_id: str | None = None,
+    on_behalf_of: str | None = None,
 ) -> client_pb2.GenerateRequest:
     if not isinstance(inputs, Mapping):
         raise invalid(f"inputs: expected a mapping of names to values, got {type(inputs).__name__}")
@@ -123,7 +124,16 @@ def build_request(
         stream=stream,
         input_stream=input_stream,
         conversation_id=_conversation(conversation_id),
+        on_behalf_of=_principal(on_behalf_of),
     )
+
+
+def _principal(on_behalf_of: str | None) -> str:
+    if on_behalf_of is None:
+        return ""
+    if not isinstance(on_behalf_of, str) or not on_behalf_of:
+        raise invalid(f"on_behalf_of: expected a principal's name, got {on_behalf_of!r}")
+    return on_behalf_of
 
 
 def _conversation(conversation_id: str | None) -> str:
@@ -566,7 +576,10 @@ class AsyncClient:
         tls: bool | str | None = None,
         token: str | None = None,
         server_name: str | None = None,
+        metadata: Sequence[tuple[str, str]] = (),
     ) -> None:
+        """`metadata`: more call metadata on every call (a front door of the mesh shows the
+        mesh secret with it, to name the principal of each request: `on_behalf_of`)."""
         _check_client(address, timeout, max_message_mb)
         self.address = address
         self.timeout = timeout
@@ -580,6 +593,7 @@ class AsyncClient:
             max_message_bytes=self._max_bytes,
             aio=True,
         )
+        self._md = (*self._md, *metadata)
         self._stub = client_pb2_grpc.OmnirailStub(self._channel)
         self._sess: AsyncSession | None = None
         self._closed = False
@@ -611,15 +625,18 @@ class AsyncClient:
         timeout: float | None = None,
         traceparent: str | None = None,
         conversation_id: str | None = None,
+        on_behalf_of: str | None = None,
     ) -> GenerateResult:
         """Runs one request over the client's Session stream and returns its result.
         `conversation_id`: the conversation the request is a turn of (its inputs carry the
-        whole history; stages that keep state across turns reuse it)."""
+        whole history; stages that keep state across turns reuse it). `on_behalf_of`: the
+        principal the request is for, for front doors that show the mesh secret
+        (`metadata`); others' requests are their token's."""
         timeout = timeout if timeout is not None else self.timeout
         span = ClientSpan("generate", request_id := request_id or uuid.uuid4().hex, traceparent)
         try:
             result = await self._generate(
-                inputs, request_id, timeout, span.traceparent, conversation_id
+                inputs, request_id, timeout, span.traceparent, conversation_id, on_behalf_of
             )
         except BaseException as exc:
             span.end(exc)
@@ -634,8 +651,16 @@ class AsyncClient:
         timeout: float | None,
         tp: str | None,
         conversation_id: str | None = None,
+        on_behalf_of: str | None = None,
     ) -> GenerateResult:
-        request = build_request(inputs, request_id, timeout, tp, conversation_id=conversation_id)
+        request = build_request(
+            inputs,
+            request_id,
+            timeout,
+            tp,
+            conversation_id=conversation_id,
+            on_behalf_of=on_behalf_of,
+        )
         session = self._session()
         future = session.send(request)
         try:
@@ -656,8 +681,10 @@ class AsyncClient:
         timeout: float | None = None,
         traceparent: str | None = None,
         conversation_id: str | None = None,
+        on_behalf_of: str | None = None,
     ) -> AsyncIterator[StreamEvent]:
-        """`Client.stream`, as an async iterator; cancelling or closing it aborts the request."""
+        """`Client.stream`, as an async iterator; cancelling or closing it aborts the request.
+        `on_behalf_of`: as in `generate`."""
         timeout = timeout if timeout is not None else self.timeout
         rid = request_id or uuid.uuid4().hex
         span = ClientSpan("stream", rid, traceparent)
@@ -666,7 +693,13 @@ class AsyncClient:
         ended = False
         try:
             request = build_request(
-                inputs, rid, timeout, span.traceparent, stream=True, conversation_id=conversation_id
+                inputs,
+                rid,
+                timeout,
+                span.traceparent,
+                stream=True,
+                conversation_id=conversation_id,
+                on_behalf_of=on_behalf_of,
             )
             session = self._session()
             events = session.send_stream(request)

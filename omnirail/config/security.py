@@ -6,8 +6,13 @@
         key: certs/mesh.key
         ca: certs/ca.pem            # what peers are verified against
         mutual: true                # stages' servers require a certificate from `ca`
-      tokens_file: secrets/tokens   # bearer tokens the client API accepts, one per line
+      tokens_file: secrets/tokens   # bearer tokens the client API accepts, one per line:
+                                    # "TOKEN" or "TOKEN,PRINCIPAL" (the caller's name)
       mesh_secret_file: secrets/mesh  # what a stage shows to Attach and Deliver
+      quotas:                       # per principal: limits, and shares under overload
+        default: {weight: 1, max_live_requests: 64}
+        principals:
+          web: {weight: 4, requests_per_s: 50}
 
 Relative paths are relative to the config file. Every field can be set (or overridden) by
 the environment the services start with, which is how `omnirail up --tls auto` and
@@ -21,10 +26,11 @@ secrets themselves never do, so the config can be logged and shared.
 from __future__ import annotations
 
 import os
+import re
 from collections.abc import Mapping
 from pathlib import Path
 
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 ENV_CERT = "OMNIRAIL_TLS_CERT"
 ENV_KEY = "OMNIRAIL_TLS_KEY"
@@ -108,13 +114,97 @@ class TLSConfig(_Model):
         return self
 
 
+# A principal's name: what a tokens-file line calls its caller; it shows in spans, logs and
+# metric labels, so it is short and plain.
+PRINCIPAL_RE = re.compile(r"[A-Za-z0-9][A-Za-z0-9._@-]{0,63}")
+# The principal of calls without a token (a mesh that configures none).
+ANONYMOUS = "anonymous"
+
+
+class Quota(_Model):
+    """One principal's limits and its share of the mesh under overload. Every limit is
+    optional; a request over one is refused with RESOURCE_EXHAUSTED and a retry hint."""
+
+    weight: float = Field(
+        1.0,
+        ge=0,
+        allow_inf_nan=False,
+        description="Its share of `max_live_requests` when the mesh is full, against the "
+        "weights of the other principals with requests running (0: none guaranteed; it "
+        "gets in only while the mesh has room).",
+    )
+    max_live_requests: int | None = Field(
+        None, ge=1, description="Requests of this principal running at once."
+    )
+    requests_per_s: float | None = Field(
+        None,
+        gt=0,
+        allow_inf_nan=False,
+        description="Requests started per second, on average (a token bucket).",
+    )
+    burst: int | None = Field(
+        None,
+        ge=1,
+        description="Requests that may start at once above `requests_per_s` (the bucket's "
+        "size); unset: one second's worth, at least 1.",
+    )
+
+    @model_validator(mode="after")
+    def _burst_needs_rate(self) -> Quota:
+        if self.burst is not None and self.requests_per_s is None:
+            raise ValueError("burst: needs requests_per_s (the rate the bucket refills at)")
+        return self
+
+
+class QuotasConfig(_Model):
+    """`security.quotas`: limits per principal, and how a full mesh is shared among them.
+
+    Principals are the names the tokens file gives its tokens; a principal not listed in
+    `principals` has the `default` quota. When `max_live_requests` requests are running, a
+    principal below its weighted share (of the principals with requests running) is still
+    let in, up to that share, and one at or above it is refused: a caller sending far more
+    than the mesh serves is refused before a quiet one is."""
+
+    default: Quota = Field(
+        default_factory=Quota, description="The quota of every principal not listed."
+    )
+    principals: dict[str, Quota] = Field(
+        default_factory=dict,
+        description="Quotas by principal name (each must be named by a token).",
+    )
+
+    @field_validator("principals")
+    @classmethod
+    def _names(cls, principals: dict[str, Quota]) -> dict[str, Quota]:
+        for name in principals:
+            if not PRINCIPAL_RE.fullmatch(name):
+                raise ValueError(
+                    f"{name[:80]!r}: a principal is 1-64 characters of [A-Za-z0-9._@-], "
+                    "starting with a letter or digit"
+                )
+        return principals
+
+    @model_validator(mode="after")
+    def _some_weight(self) -> QuotasConfig:
+        if self.default.weight == 0 and all(q.weight == 0 for q in self.principals.values()):
+            raise ValueError(
+                "weight: the weights (default.weight and every principals.*.weight) sum to "
+                "zero: no principal would get any share of a full mesh"
+            )
+        return self
+
+    def of(self, principal: str) -> Quota:
+        """The quota `principal` has."""
+        return self.principals.get(principal, self.default)
+
+
 class SecurityConfig(_Model):
     """`security:`: TLS, client tokens and mesh membership (off when empty)."""
 
     tls: TLSConfig | None = Field(None, description="TLS on every hop; unset: plaintext.")
     tokens_file: str | None = _path(
-        "A file of bearer tokens the client API accepts, one per line (# comments) (env "
-        "`OMNIRAIL_TOKENS_FILE`)."
+        "A file of bearer tokens the client API accepts, one per line (# comments): `TOKEN`, "
+        "or `TOKEN,PRINCIPAL` to name the caller it identifies (env `OMNIRAIL_TOKENS_FILE`)."
     )
     tokens_env: str | None = Field(
         None,
@@ -125,6 +215,11 @@ class SecurityConfig(_Model):
     mesh_secret_file: str | None = _path(
         "A file holding the mesh's membership secret, which stages present when they Attach "
         "and Deliver (env `OMNIRAIL_MESH_SECRET_FILE`)."
+    )
+    quotas: QuotasConfig | None = Field(
+        None,
+        description="Limits per principal and fair shares under overload; unset: one "
+        "mesh-wide `max_live_requests`, first come first served.",
     )
 
     @property

@@ -31,7 +31,7 @@ from omnirail.gateway.asgi import EventStream, read_json, until_disconnect
 from omnirail.gateway.audio import FORMATS
 from omnirail.gateway.errors import ApiError
 from omnirail.gateway.mesh import Gateway
-from omnirail.gateway.realtime.endpoint import deny, realtime_endpoint
+from omnirail.gateway.realtime.endpoint import PRINCIPAL_SCOPE_KEY, deny, realtime_endpoint
 from omnirail.gateway.realtime.session import Limits
 from omnirail.gateway.realtime_mesh import responder_factory
 from omnirail.telemetry.tracer import KIND_SERVER, Span, Tracer, parse_traceparent
@@ -84,7 +84,9 @@ def create_app(gateway: Gateway) -> Starlette:
         plan = gateway.mapper.chat(await read_json(request))
         rid = uuid.uuid4().hex
         span = _span(gateway.tracer, request, "POST /v1/chat/completions", rid)
-        events = gateway.events(plan, rid, span.traceparent if span else _tp(request))
+        events = gateway.events(
+            plan, rid, span.traceparent if span else _tp(request), _principal(request)
+        )
         headers = {"x-request-id": rid, "cache-control": "no-cache"}
         if plan.stream:
             body = chat_stream(gateway, plan, rid, events, span)
@@ -103,7 +105,9 @@ def create_app(gateway: Gateway) -> Starlette:
         plan = gateway.mapper.speech(await read_json(request))
         rid = uuid.uuid4().hex
         span = _span(gateway.tracer, request, "POST /v1/audio/speech", rid)
-        events = gateway.events(plan, rid, span.traceparent if span else _tp(request))
+        events = gateway.events(
+            plan, rid, span.traceparent if span else _tp(request), _principal(request)
+        )
         body = speech_stream(gateway, plan, events, span)
         media = "text/event-stream" if plan.sse else FORMATS[plan.audio_format]
         return EventStream(body, media, {"x-request-id": rid})
@@ -165,6 +169,11 @@ def _tp(request: Request) -> str | None:
     return request.headers.get("traceparent")
 
 
+def _principal(request: Request) -> str | None:
+    """The caller's principal, as the token middleware found it (None without tokens)."""
+    return request.scope.get(PRINCIPAL_SCOPE_KEY)
+
+
 def _span(tracer: Tracer, request: Request, name: str, rid: str) -> Span | None:
     return tracer.start(
         name,
@@ -173,6 +182,7 @@ def _span(tracer: Tracer, request: Request, name: str, rid: str) -> Span | None:
             "omnirail.request_id": rid,
             "http.route": request.url.path,
             "omnirail.front_door": "openai",
+            "omnirail.principal": _principal(request) or "",
         },
         kind=KIND_SERVER,
     )

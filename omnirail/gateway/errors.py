@@ -12,13 +12,20 @@ from omnirail.wire.errors import Code, OmniError
 
 class ApiError(Exception):
     def __init__(
-        self, status: int, message: str, param: str | None = None, code: str | None = None
+        self,
+        status: int,
+        message: str,
+        param: str | None = None,
+        code: str | None = None,
+        retry_after_s: int | None = None,
     ) -> None:
         super().__init__(message)
         self.status = status
         self.message = message
         self.param = param
         self.code = code
+        # A 429's `Retry-After` (whole seconds, as HTTP has it).
+        self.retry_after_s = retry_after_s
 
     @property
     def kind(self) -> str:
@@ -30,7 +37,8 @@ class ApiError(Exception):
         return {"error": {**error, "code": self.code}}
 
     def response(self) -> JSONResponse:
-        return JSONResponse(self.body(), status_code=self.status)
+        headers = {"retry-after": str(self.retry_after_s)} if self.retry_after_s else None
+        return JSONResponse(self.body(), status_code=self.status, headers=headers)
 
 
 _TYPES = {
@@ -45,6 +53,7 @@ _STATUS = {
     Code.FAILED_PRECONDITION: 400,
     Code.NOT_FOUND: 404,
     Code.UNAUTHENTICATED: 401,
+    Code.PERMISSION_DENIED: 403,
     Code.RESOURCE_EXHAUSTED: 429,
     Code.UNAVAILABLE: 503,
     Code.DEADLINE_EXCEEDED: 504,
@@ -55,8 +64,12 @@ _STATUS = {
 
 def from_mesh(error: OmniError) -> ApiError:
     where = f" (stage {error.stage})" if error.stage else ""
+    retry = -(-error.retry_after_ms // 1000) if error.retry_after_ms else None
     return ApiError(
-        _STATUS.get(error.code, 500), f"{error.message}{where}", code=error.code_name.lower()
+        _STATUS.get(error.code, 500),
+        f"{error.message}{where}",
+        code=error.code_name.lower(),
+        retry_after_s=retry,
     )
 
 

@@ -34,8 +34,12 @@ class Gateway:
         connect: Callable[[], AsyncClient],
         tracer: Tracer | None = None,
         metrics: GatewayMetrics | None = None,
+        forward_principals: bool = False,
     ) -> None:
         self.pipeline = pipeline
+        # Requests name their HTTP caller's principal to the coordinator (the client shows
+        # the mesh secret); False: they are the gateway's own token's.
+        self.forward_principals = forward_principals
         self.model = pipeline.model_name
         self.api = pipeline.api
         self.mapper = RequestMapper(pipeline.api, self.model)
@@ -116,11 +120,23 @@ class Gateway:
 
     # ---- one request ------------------------------------------------------------------
 
-    def events(self, plan: Plan, rid: str, traceparent: str | None) -> AsyncGenerator[Event]:
+    def events(
+        self, plan: Plan, rid: str, traceparent: str | None, principal: str | None = None
+    ) -> AsyncGenerator[Event]:
         """The request's chunks, then its result. Closing it (or cancelling a read) aborts
-        the request through the mesh, so every consumer closes it when done."""
+        the request through the mesh, so every consumer closes it when done. `principal`:
+        the HTTP caller's, which the request is attributed to."""
         assert self.client is not None
-        return self.client.stream(plan.inputs, request_id=rid, traceparent=traceparent)
+        return self.client.stream(
+            plan.inputs,
+            request_id=rid,
+            traceparent=traceparent,
+            on_behalf_of=self.on_behalf_of(principal),
+        )
+
+    def on_behalf_of(self, principal: str | None) -> str | None:
+        """What a request names as its principal: the caller's, where the gateway forwards."""
+        return principal if self.forward_principals and principal else None
 
 
 def _text(value: Any) -> str:

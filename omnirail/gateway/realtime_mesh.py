@@ -113,9 +113,11 @@ class MeshResponder:
     """One session's model: `respond` runs each response as a mesh request (see the
     module); `aclose` closes the session's conversation in the mesh."""
 
-    def __init__(self, gateway: Gateway) -> None:
+    def __init__(self, gateway: Gateway, principal: str | None = None) -> None:
         self._gateway = gateway
         self._conversations: set[str] = set()
+        # The caller's principal (the token middleware's): each response is attributed to it.
+        self._principal = principal
 
     async def respond(self, request: ResponseRequest) -> AsyncIterator[Delta]:
         gateway = self._gateway
@@ -140,6 +142,7 @@ class MeshResponder:
             request_id=rid,
             traceparent=span.traceparent if span else None,
             conversation_id=conversation,
+            on_behalf_of=gateway.on_behalf_of(self._principal),
         )
         error: BaseException | None = None
         try:
@@ -210,4 +213,6 @@ def _floats(samples: Any) -> np.ndarray:
 
 def responder_factory(gateway: Gateway) -> Any:
     """The endpoint's `responder_factory`: a `MeshResponder` per session."""
-    return lambda caller: MeshResponder(gateway)
+    return lambda caller: MeshResponder(
+        gateway, caller.principal if isinstance(caller.principal, str) else None
+    )

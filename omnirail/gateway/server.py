@@ -22,7 +22,7 @@ from omnirail.gateway.app import create_app
 from omnirail.gateway.asgi import CountRequests
 from omnirail.gateway.errors import ApiError
 from omnirail.gateway.mesh import Gateway
-from omnirail.gateway.realtime.endpoint import deny, offered_token
+from omnirail.gateway.realtime.endpoint import PRINCIPAL_SCOPE_KEY, deny, offered_token
 from omnirail.telemetry import setup_tracing
 from omnirail.transport.security import SecretSet, mesh_security
 
@@ -34,7 +34,8 @@ OPEN_PATHS = frozenset({"/health", "/metrics"})
 
 class TokenAuth:
     """ASGI middleware: every route but OPEN_PATHS needs `Authorization: Bearer <token>`
-    naming one of the mesh's client tokens (compared as digests, never logged).
+    naming one of the mesh's client tokens (compared as digests, never logged); the
+    token's principal goes to the routes in the scope (`PRINCIPAL_SCOPE_KEY`).
 
     WebSocket handshakes (`/v1/realtime`) need the same token, in the same header or, from
     browsers (which cannot set headers), as the `openai-insecure-api-key.<token>`
@@ -53,12 +54,14 @@ class TokenAuth:
         header = next((v for k, v in scope["headers"] if k == b"authorization"), b"")
         subprotocols = list(scope.get("subprotocols") or []) if kind == "websocket" else []
         token = offered_token(header.decode("latin-1"), subprotocols)
+        principal = self.tokens.lookup(_raw(token)) if token is not None else None
         if token is None:
             problem = "missing bearer token: send Authorization: Bearer <token>"
-        elif not self.tokens.matches(_raw(token)):
+        elif principal is None:
             problem = "invalid bearer token"
         else:
-            await self.app(scope, receive, send)
+            # The routes forward it to the coordinator with each request (on_behalf_of).
+            await self.app({**scope, PRINCIPAL_SCOPE_KEY: principal}, receive, send)
             return
         error = ApiError(401, problem, code="invalid_api_key")
         headers = {"www-authenticate": "Bearer"}
@@ -109,10 +112,20 @@ async def serve(
     security = mesh_security(pipeline)
     telemetry = setup_tracing("omnirail-gateway")
     options = client_options(security)
+    # The coordinator attributes each request to the HTTP caller's principal, which it takes
+    # from a call that shows the mesh secret; without one, requests are the gateway's own.
+    forward = bool(security.tokens) and bool(security.mesh_metadata())
+    if security.tokens and not forward:
+        log.warning(
+            "security: no mesh_secret_file: the coordinator counts every HTTP caller's "
+            "requests as the gateway's own principal (quotas cannot tell them apart)"
+        )
+    metadata = security.mesh_metadata() if forward else ()
     gateway = Gateway(
         pipeline,
-        lambda: AsyncClient(coordinator, tensors="numpy", **options),
+        lambda: AsyncClient(coordinator, tensors="numpy", metadata=metadata, **options),
         tracer=telemetry.tracer,
+        forward_principals=forward,
     )
     # Outermost: refusals are counted too.
     app = CountRequests(TokenAuth(create_app(gateway), security.tokens), gateway.metrics)

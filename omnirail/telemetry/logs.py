@@ -4,7 +4,8 @@ Code that handles one request sets `request_context(request_id, traceparent)` (t
 loop around its per-request work, schedulers around user compute); every record logged
 inside gets `request_id` and `trace_id` attributes, which the services' format prints, so
 a log line can be found from a trace and the other way round. Records logged with
-`extra={"request_id": ..., "trace_id": ...}` keep their own values.
+`extra={"request_id": ..., "trace_id": ...}` keep their own values. The coordinator's
+records about a request also carry its `principal` (the caller; "-" elsewhere).
 """
 
 from __future__ import annotations
@@ -23,7 +24,7 @@ _trace_id: contextvars.ContextVar[str] = contextvars.ContextVar("omnirail_trace_
 
 FORMAT = (
     "%(asctime)s %(levelname)s %(process)d %(name)s "
-    "[request=%(request_id)s trace=%(trace_id)s]: %(message)s"
+    "[request=%(request_id)s trace=%(trace_id)s principal=%(principal)s]: %(message)s"
 )
 
 
@@ -35,9 +36,13 @@ def trace_id_of(traceparent: str | None) -> str:
     return f"{ctx.trace_id:032x}" if ctx is not None else "-"
 
 
-def ids(request_id: str, traceparent: str | None) -> dict[str, str]:
+def ids(request_id: str, traceparent: str | None, principal: str = "") -> dict[str, str]:
     """`extra=` for a record about one request logged outside its context."""
-    return {"request_id": request_id or "-", "trace_id": trace_id_of(traceparent)}
+    return {
+        "request_id": request_id or "-",
+        "trace_id": trace_id_of(traceparent),
+        "principal": principal or "-",
+    }
 
 
 @contextmanager
@@ -60,6 +65,8 @@ class ContextFilter(logging.Filter):
             record.request_id = _request_id.get()
         if not hasattr(record, "trace_id"):
             record.trace_id = _trace_id.get()
+        if not hasattr(record, "principal"):
+            record.principal = "-"
         return True
 
 

@@ -159,6 +159,29 @@ class CoordinatorMetrics:
             "Requests refused at once because max_live_requests were running (overload).",
             registry=r,
         )
+        # Per principal (security.quotas): the names come from the tokens file, so the
+        # label's values are few.
+        self._principal_requests = Counter(
+            "omnirail_principal_requests_total",
+            "Requests that ended, by principal (the caller a token names; `anonymous` "
+            "without tokens) and final state.",
+            ["principal", "state"],
+            registry=r,
+        )
+        self._principal_refused = Counter(
+            "omnirail_principal_refused_total",
+            "Requests refused at admission, by principal and reason: live_limit and rate "
+            "(its own quota), share (the mesh full and the principal at its weighted "
+            "share), mesh_full (max_live_requests, without quotas).",
+            ["principal", "reason"],
+            registry=r,
+        )
+        self._principal_running = Gauge(
+            "omnirail_principal_requests_running",
+            "Requests in flight in the mesh, by principal.",
+            ["principal"],
+            registry=r,
+        )
         self._redispatched = Counter(
             "omnirail_requests_redispatched_total",
             "Requests dispatched again after losing a replica before any output reached "
@@ -207,18 +230,30 @@ class CoordinatorMetrics:
         """`count()` is read at each scrape for `omnirail_requests_running`."""
         self._running.set_function(_scrape_safe(count))
 
-    def request_ended(self, state: int, error: OmniError | None, seconds: float) -> None:
+    def request_ended(
+        self, state: int, error: OmniError | None, seconds: float, principal: str = ""
+    ) -> None:
         counter, duration = self._ended[state]
         counter.inc()
         duration.observe(seconds)
         if state != _COMPLETED:
             self._aborts[abort_reason(error)].inc()
+        if principal:
+            self._principal_requests.labels(principal, _STATE_NAMES[state]).inc()
 
     def first_chunk(self, seconds: float) -> None:
         self._first_chunk.observe(seconds)
 
-    def refused(self) -> None:
-        self._refused.inc()
+    def refused(self, principal: str = "", reason: str = "mesh_full") -> None:
+        """A request refused at admission; `mesh_full` and `share` are overload refusals
+        (`omnirail_requests_refused_total`), the others a principal's own quota."""
+        if reason in ("mesh_full", "share"):
+            self._refused.inc()
+        if principal:
+            self._principal_refused.labels(principal, reason).inc()
+
+    def principal_running(self, principal: str, running: int) -> None:
+        self._principal_running.labels(principal).set(running)
 
     def slow_client(self, call: str, action: str) -> None:
         self._slow_clients.labels(call, action).inc()

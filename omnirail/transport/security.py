@@ -15,6 +15,13 @@ Who must prove what, by method:
 Secrets are compared as SHA-256 digests with `hmac.compare_digest` against every accepted
 value, so neither a token's content nor its length shows in the time an answer takes, and
 they never appear in a log line or an error.
+
+Principals: a tokens-file line `TOKEN,NAME` names the caller its token identifies; a bare
+`TOKEN` line is the principal `token-<8 hex digits of its SHA-256>` (stable, and saying
+nothing usable about the token). Without tokens every caller is `anonymous`. A front door
+that verified its own callers (the HTTP gateway) names the principal of each request in
+`GenerateRequest.on_behalf_of`; the coordinator takes it only from a call that also shows
+the mesh secret (`MeshSecurity.caller`).
 """
 
 from __future__ import annotations
@@ -31,7 +38,8 @@ from typing import Any
 import grpc
 
 from omnirail.config import PipelineConfig
-from omnirail.config.security import SecurityConfig
+from omnirail.config.security import ANONYMOUS, PRINCIPAL_RE, SecurityConfig
+from omnirail.wire.errors import Code, OmniError
 
 log = logging.getLogger(__name__)
 
@@ -85,20 +93,60 @@ def _secrets(path: str, what: str) -> list[bytes]:
     return _lines(_read(path, what), what, path)
 
 
-class SecretSet:
-    """Accepted secrets, kept as digests; `matches` takes the same time whichever matches."""
+def unnamed_principal(token: bytes) -> str:
+    """The principal of a token whose line names none."""
+    return "token-" + hashlib.sha256(token).hexdigest()[:8]
 
-    def __init__(self, secrets: Sequence[bytes]) -> None:
+
+def token_entry(line: bytes, where: str) -> tuple[bytes, str]:
+    """A tokens-file line as (token, principal): `TOKEN` or `TOKEN,PRINCIPAL`. SecurityError
+    names `where` (the file and line) for a bad principal, and never shows the token."""
+    token, comma, name = line.partition(b",")
+    token = token.strip()
+    if not token:
+        raise SecurityError(f"{where}: no token before the comma")
+    if not comma:
+        return token, unnamed_principal(token)
+    try:
+        principal = name.strip().decode("ascii")
+    except UnicodeDecodeError:
+        principal = ""
+    if not PRINCIPAL_RE.fullmatch(principal):
+        raise SecurityError(
+            f"{where}: the principal after the comma must be 1-64 characters of "
+            "[A-Za-z0-9._@-], starting with a letter or digit"
+        )
+    return token, principal
+
+
+class SecretSet:
+    """Accepted secrets, kept as digests, each with the principal it identifies; `matches`
+    and `lookup` take the same time whichever matches."""
+
+    def __init__(self, secrets: Sequence[bytes], names: Sequence[str] | None = None) -> None:
         self._digests = [_digest(s) for s in secrets]
+        self._names = list(names) if names is not None else [""] * len(self._digests)
+        if len(self._names) != len(self._digests):
+            raise ValueError("SecretSet: one name per secret")
 
     def __bool__(self) -> bool:
         return bool(self._digests)
 
+    @property
+    def principals(self) -> frozenset[str]:
+        return frozenset(self._names)
+
     def matches(self, presented: str | bytes) -> bool:
+        return self.lookup(presented) is not None
+
+    def lookup(self, presented: str | bytes) -> str | None:
+        """The principal of the secret `presented` is, None when it is none of them."""
         digest = _digest(presented)
-        found = False
-        for accepted in self._digests:  # no early exit: every entry is compared
-            found |= hmac.compare_digest(digest, accepted)
+        found: str | None = None
+        for accepted, name in zip(self._digests, self._names, strict=True):
+            # No early exit: every entry is compared.
+            if hmac.compare_digest(digest, accepted):
+                found = name
         return found
 
 
@@ -116,17 +164,23 @@ class MeshSecurity:
         self._key = _read(tls.key, "tls.key") if tls else None
         self._ca = _read(tls.ca, "tls.ca") if tls and tls.ca else None
         self.server_name = tls.server_name if tls else None
-        tokens: list[bytes] = []
+        entries: list[tuple[bytes, str]] = []
         if config.tokens_file:
-            tokens += _secrets(config.tokens_file, "tokens_file")
+            lines = _secrets(config.tokens_file, "tokens_file")
+            entries += [
+                token_entry(line, f"tokens_file {config.tokens_file!r}, token {i}")
+                for i, line in enumerate(lines, 1)
+            ]
         # This process's own client calls (the CLI's) use the file's first token.
-        self._client_token = tokens[0].decode() if tokens else None
+        self._client_token = entries[0][0].decode() if entries else None
         if config.tokens_env:
             value = environ.get(config.tokens_env, "").strip()
             if not value:
                 raise SecurityError(f"tokens_env: ${config.tokens_env} is not set or empty")
-            tokens.append(value.encode())
-        self.tokens = SecretSet(tokens)
+            entries.append(token_entry(value.encode(), f"tokens_env ${config.tokens_env}"))
+        self.tokens = SecretSet([t for t, _ in entries], [n for _, n in entries])
+        self.quotas = config.quotas
+        self._check_quota_principals()
         secret = None
         if config.mesh_secret_file:
             secret = _secrets(config.mesh_secret_file, "mesh_secret_file")[0]
@@ -136,6 +190,54 @@ class MeshSecurity:
     @property
     def enabled(self) -> bool:
         return self.tls or bool(self.tokens) or self._mesh_secret is not None
+
+    @property
+    def principals(self) -> frozenset[str]:
+        """Every principal a caller can be."""
+        return self.tokens.principals if self.tokens else frozenset((ANONYMOUS,))
+
+    def _check_quota_principals(self) -> None:
+        """Quotas name principals the tokens do: a quota for a name no token carries would
+        limit nobody (a typo, or a token file of another mesh)."""
+        if self.quotas is None:
+            return
+        known = self.principals
+        for name in self.quotas.principals:
+            if name not in known:
+                source = "tokens_file or tokens_env" if self.tokens else "any token (none set)"
+                raise SecurityError(
+                    f"security.quotas.principals.{name}: unknown principal: no token of "
+                    f"{source} names it"
+                )
+
+    def caller(self, metadata: Sequence[tuple[str, str | bytes]], on_behalf_of: str = "") -> str:
+        """The principal of a client call with `metadata` (its bearer token's, checked by
+        the interceptor already), or `on_behalf_of` where the call shows the mesh secret
+        (a front door of this mesh forwarding the principal it verified). OmniError
+        PERMISSION_DENIED for `on_behalf_of` from anyone else, INVALID_ARGUMENT for a
+        malformed one."""
+        if on_behalf_of:
+            if not PRINCIPAL_RE.fullmatch(on_behalf_of):
+                raise OmniError(
+                    Code.INVALID_ARGUMENT,
+                    "on_behalf_of: a principal is 1-64 characters of [A-Za-z0-9._@-]",
+                )
+            secret = _value(metadata, MESH_SECRET_KEY)
+            if not self.mesh_secrets or secret is None or not self.mesh_secrets.matches(secret):
+                raise OmniError(
+                    Code.PERMISSION_DENIED,
+                    "on_behalf_of: only a front door of this mesh (showing the mesh secret) "
+                    "may name the principal a request is for",
+                )
+            return on_behalf_of
+        if not self.tokens:
+            return ANONYMOUS
+        header = _value(metadata, AUTHORIZATION_KEY)
+        scheme, _, token = (header or "").partition(" ")
+        principal = self.tokens.lookup(token.strip()) if scheme.lower() == "bearer" else None
+        # The interceptor refused calls without a valid token; reaching here without one
+        # means a server built without it (tests): treat the call as nobody's.
+        return principal or ANONYMOUS
 
     def warnings(self, listen: str) -> list[str]:
         """What this configuration leaves open, for the coordinator to say at start."""
@@ -264,11 +366,15 @@ class _Throttled:
         log.warning(message + suffix, *args)
 
 
-def _metadata(details: grpc.HandlerCallDetails, key: str) -> str | None:
-    for k, v in details.invocation_metadata or ():  # type: ignore[attr-defined]
+def _value(metadata: Sequence[tuple[str, str | bytes]] | None, key: str) -> str | None:
+    for k, v in metadata or ():
         if k == key:
             return v if isinstance(v, str) else None
     return None
+
+
+def _metadata(details: grpc.HandlerCallDetails, key: str) -> str | None:
+    return _value(details.invocation_metadata, key)  # type: ignore[attr-defined]
 
 
 def _refuse(

@@ -18,7 +18,7 @@ class CloseConversationResponse(_message.Message):
     def __init__(self) -> None: ...
 
 class GenerateRequest(_message.Message):
-    __slots__ = ("request_id", "inputs", "timeout_s", "traceparent", "stream", "input_stream", "conversation_id")
+    __slots__ = ("request_id", "inputs", "timeout_s", "traceparent", "stream", "input_stream", "conversation_id", "on_behalf_of")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     INPUTS_FIELD_NUMBER: _ClassVar[int]
     TIMEOUT_S_FIELD_NUMBER: _ClassVar[int]
@@ -26,6 +26,7 @@ class GenerateRequest(_message.Message):
     STREAM_FIELD_NUMBER: _ClassVar[int]
     INPUT_STREAM_FIELD_NUMBER: _ClassVar[int]
     CONVERSATION_ID_FIELD_NUMBER: _ClassVar[int]
+    ON_BEHALF_OF_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     inputs: _common_pb2.Payload
     timeout_s: float
@@ -33,7 +34,8 @@ class GenerateRequest(_message.Message):
     stream: bool
     input_stream: bool
     conversation_id: str
-    def __init__(self, request_id: _Optional[str] = ..., inputs: _Optional[_Union[_common_pb2.Payload, _Mapping]] = ..., timeout_s: _Optional[float] = ..., traceparent: _Optional[str] = ..., stream: _Optional[bool] = ..., input_stream: _Optional[bool] = ..., conversation_id: _Optional[str] = ...) -> None: ...
+    on_behalf_of: str
+    def __init__(self, request_id: _Optional[str] = ..., inputs: _Optional[_Union[_common_pb2.Payload, _Mapping]] = ..., timeout_s: _Optional[float] = ..., traceparent: _Optional[str] = ..., stream: _Optional[bool] = ..., input_stream: _Optional[bool] = ..., conversation_id: _Optional[str] = ..., on_behalf_of: _Optional[str] = ...) -> None: ...
 
 class SubmitResponse(_message.Message):
     __slots__ = ("request_id",)

@@ -24,21 +24,21 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x18omnirail/v1/common.proto\x12\x0bomnirail.v1\"M\n\x05\x45rror\x12$\n\x04\x63ode\x18\x01 \x01(\x0e\x32\x16.omnirail.v1.ErrorCode\x12\x0f\n\x07message\x18\x02 \x01(\t\x12\r\n\x05stage\x18\x03 \x01(\t\"v\n\x0fRelayDescriptor\x12\x0f\n\x07\x62\x61\x63kend\x18\x01 \x01(\t\x12\x0e\n\x06region\x18\x02 \x01(\t\x12\x0e\n\x06offset\x18\x03 \x01(\x04\x12\x0e\n\x06nbytes\x18\x04 \x01(\x04\x12\x13\n\x0btransfer_id\x18\x05 \x01(\x04\x12\r\n\x05\x65xtra\x18\x06 \x01(\x0c\"g\n\x07Payload\x12\x0e\n\x06header\x18\x01 \x01(\x0c\x12\x15\n\x0binline_data\x18\x02 \x01(\x0cH\x00\x12-\n\x05relay\x18\x03 \x01(\x0b\x32\x1c.omnirail.v1.RelayDescriptorH\x00\x42\x06\n\x04\x62ody*\xd7\x01\n\tErrorCode\x12\x1a\n\x16\x45RROR_CODE_UNSPECIFIED\x10\x00\x12\x14\n\x10INVALID_ARGUMENT\x10\x01\x12\x16\n\x12RESOURCE_EXHAUSTED\x10\x02\x12\x15\n\x11\x44\x45\x41\x44LINE_EXCEEDED\x10\x03\x12\r\n\tCANCELLED\x10\x04\x12\x0f\n\x0bUNAVAILABLE\x10\x05\x12\r\n\tNOT_FOUND\x10\x06\x12\x0c\n\x08INTERNAL\x10\x07\x12\x17\n\x13\x46\x41ILED_PRECONDITION\x10\x08\x12\x13\n\x0fUNAUTHENTICATED\x10\t*o\n\x0cRequestState\x12\x1d\n\x19REQUEST_STATE_UNSPECIFIED\x10\x00\x12\x0b\n\x07PENDING\x10\x01\x12\x0b\n\x07RUNNING\x10\x02\x12\r\n\tCOMPLETED\x10\x03\x12\n\n\x06\x46\x41ILED\x10\x04\x12\x0b\n\x07\x41\x42ORTED\x10\x05\x62\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x18omnirail/v1/common.proto\x12\x0bomnirail.v1\"e\n\x05\x45rror\x12$\n\x04\x63ode\x18\x01 \x01(\x0e\x32\x16.omnirail.v1.ErrorCode\x12\x0f\n\x07message\x18\x02 \x01(\t\x12\r\n\x05stage\x18\x03 \x01(\t\x12\x16\n\x0eretry_after_ms\x18\x04 \x01(\r\"v\n\x0fRelayDescriptor\x12\x0f\n\x07\x62\x61\x63kend\x18\x01 \x01(\t\x12\x0e\n\x06region\x18\x02 \x01(\t\x12\x0e\n\x06offset\x18\x03 \x01(\x04\x12\x0e\n\x06nbytes\x18\x04 \x01(\x04\x12\x13\n\x0btransfer_id\x18\x05 \x01(\x04\x12\r\n\x05\x65xtra\x18\x06 \x01(\x0c\"g\n\x07Payload\x12\x0e\n\x06header\x18\x01 \x01(\x0c\x12\x15\n\x0binline_data\x18\x02 \x01(\x0cH\x00\x12-\n\x05relay\x18\x03 \x01(\x0b\x32\x1c.omnirail.v1.RelayDescriptorH\x00\x42\x06\n\x04\x62ody*\xee\x01\n\tErrorCode\x12\x1a\n\x16\x45RROR_CODE_UNSPECIFIED\x10\x00\x12\x14\n\x10INVALID_ARGUMENT\x10\x01\x12\x16\n\x12RESOURCE_EXHAUSTED\x10\x02\x12\x15\n\x11\x44\x45\x41\x44LINE_EXCEEDED\x10\x03\x12\r\n\tCANCELLED\x10\x04\x12\x0f\n\x0bUNAVAILABLE\x10\x05\x12\r\n\tNOT_FOUND\x10\x06\x12\x0c\n\x08INTERNAL\x10\x07\x12\x17\n\x13\x46\x41ILED_PRECONDITION\x10\x08\x12\x13\n\x0fUNAUTHENTICATED\x10\t\x12\x15\n\x11PERMISSION_DENIED\x10\n*o\n\x0cRequestState\x12\x1d\n\x19REQUEST_STATE_UNSPECIFIED\x10\x00\x12\x0b\n\x07PENDING\x10\x01\x12\x0b\n\x07RUNNING\x10\x02\x12\r\n\tCOMPLETED\x10\x03\x12\n\n\x06\x46\x41ILED\x10\x04\x12\x0b\n\x07\x41\x42ORTED\x10\x05\x62\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
 _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'omnirail.v1.common_pb2', _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
-  _globals['_ERRORCODE']._serialized_start=346
-  _globals['_ERRORCODE']._serialized_end=561
-  _globals['_REQUESTSTATE']._serialized_start=563
-  _globals['_REQUESTSTATE']._serialized_end=674
+  _globals['_ERRORCODE']._serialized_start=370
+  _globals['_ERRORCODE']._serialized_end=608
+  _globals['_REQUESTSTATE']._serialized_start=610
+  _globals['_REQUESTSTATE']._serialized_end=721
   _globals['_ERROR']._serialized_start=41
-  _globals['_ERROR']._serialized_end=118
-  _globals['_RELAYDESCRIPTOR']._serialized_start=120
-  _globals['_RELAYDESCRIPTOR']._serialized_end=238
-  _globals['_PAYLOAD']._serialized_start=240
-  _globals['_PAYLOAD']._serialized_end=343
+  _globals['_ERROR']._serialized_end=142
+  _globals['_RELAYDESCRIPTOR']._serialized_start=144
+  _globals['_RELAYDESCRIPTOR']._serialized_end=262
+  _globals['_PAYLOAD']._serialized_start=264
+  _globals['_PAYLOAD']._serialized_end=367
 # @@protoc_insertion_point(module_scope)

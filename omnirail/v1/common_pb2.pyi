@@ -18,6 +18,7 @@ class ErrorCode(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     INTERNAL: _ClassVar[ErrorCode]
     FAILED_PRECONDITION: _ClassVar[ErrorCode]
     UNAUTHENTICATED: _ClassVar[ErrorCode]
+    PERMISSION_DENIED: _ClassVar[ErrorCode]
 
 class RequestState(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     __slots__ = ()
@@ -37,6 +38,7 @@ NOT_FOUND: ErrorCode
 INTERNAL: ErrorCode
 FAILED_PRECONDITION: ErrorCode
 UNAUTHENTICATED: ErrorCode
+PERMISSION_DENIED: ErrorCode
 REQUEST_STATE_UNSPECIFIED: RequestState
 PENDING: RequestState
 RUNNING: RequestState
@@ -45,14 +47,16 @@ FAILED: RequestState
 ABORTED: RequestState
 
 class Error(_message.Message):
-    __slots__ = ("code", "message", "stage")
+    __slots__ = ("code", "message", "stage", "retry_after_ms")
     CODE_FIELD_NUMBER: _ClassVar[int]
     MESSAGE_FIELD_NUMBER: _ClassVar[int]
     STAGE_FIELD_NUMBER: _ClassVar[int]
+    RETRY_AFTER_MS_FIELD_NUMBER: _ClassVar[int]
     code: ErrorCode
     message: str
     stage: str
-    def __init__(self, code: _Optional[_Union[ErrorCode, str]] = ..., message: _Optional[str] = ..., stage: _Optional[str] = ...) -> None: ...
+    retry_after_ms: int
+    def __init__(self, code: _Optional[_Union[ErrorCode, str]] = ..., message: _Optional[str] = ..., stage: _Optional[str] = ..., retry_after_ms: _Optional[int] = ...) -> None: ...
 
 class RelayDescriptor(_message.Message):
     __slots__ = ("backend", "region", "offset", "nbytes", "transfer_id", "extra")

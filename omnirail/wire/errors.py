@@ -22,14 +22,20 @@ _TO_GRPC: dict[int, grpc.StatusCode] = {
     Code.INTERNAL: grpc.StatusCode.INTERNAL,
     Code.FAILED_PRECONDITION: grpc.StatusCode.FAILED_PRECONDITION,
     Code.UNAUTHENTICATED: grpc.StatusCode.UNAUTHENTICATED,
+    Code.PERMISSION_DENIED: grpc.StatusCode.PERMISSION_DENIED,
 }
 _FROM_GRPC = {v: k for k, v in _TO_GRPC.items()}
 # Trailing metadata key that names the stage an error came from on the client API.
 STAGE_METADATA_KEY = "omnirail-stage"
+# Trailing metadata carrying a refusal's retry hint in milliseconds (`retry_after_ms`).
+RETRY_AFTER_KEY = "retry-after-ms"
 
 
 class OmniError(Exception):
-    """An error with a contract code; `stage` is empty when not raised by a stage."""
+    """An error with a contract code; `stage` is empty when not raised by a stage.
+    `retry_after_ms`: for RESOURCE_EXHAUSTED, when the caller may try again (0: no hint)."""
+
+    retry_after_ms: int = 0
 
     def __init__(self, code: int, message: str, stage: str = "") -> None:
         super().__init__(message)
@@ -46,11 +52,19 @@ class OmniError(Exception):
         return _TO_GRPC.get(self.code, grpc.StatusCode.UNKNOWN)
 
     def to_proto(self) -> common_pb2.Error:
-        return common_pb2.Error(code=self.code, message=self.message, stage=self.stage)
+        return common_pb2.Error(
+            code=self.code,
+            message=self.message,
+            stage=self.stage,
+            retry_after_ms=max(0, min(int(self.retry_after_ms), 0xFFFFFFFF)),
+        )
 
     @classmethod
     def from_proto(cls, err: common_pb2.Error) -> OmniError:
-        return cls(err.code or Code.INTERNAL, err.message, err.stage)
+        error = cls(err.code or Code.INTERNAL, err.message, err.stage)
+        if err.retry_after_ms:
+            error.retry_after_ms = err.retry_after_ms
+        return error
 
     @classmethod
     def from_rpc_error(cls, err: grpc.RpcError) -> OmniError:
@@ -62,6 +76,8 @@ class OmniError(Exception):
         for key, value in trailing:
             if key == STAGE_METADATA_KEY:
                 error.stage = value
+            elif key == RETRY_AFTER_KEY and isinstance(value, str) and value.isdigit():
+                error.retry_after_ms = min(int(value[:10]), 0xFFFFFFFF)
         return error
 
     def __str__(self) -> str:

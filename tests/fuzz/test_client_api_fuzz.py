@@ -30,6 +30,8 @@ pytestmark = pytest.mark.timeout(1200)
 
 ALLOWED = {Code.INVALID_ARGUMENT, Code.RESOURCE_EXHAUSTED, Code.DEADLINE_EXCEEDED}
 ALLOWED_GRPC = {
+    # A request naming a principal (`on_behalf_of`) without being a front door of the mesh.
+    grpc.StatusCode.PERMISSION_DENIED,
     grpc.StatusCode.INVALID_ARGUMENT,
     grpc.StatusCode.RESOURCE_EXHAUSTED,
     grpc.StatusCode.DEADLINE_EXCEEDED,
@@ -114,6 +116,8 @@ def raw_requests(draw: st.DrawFn) -> client_pb2.GenerateRequest:
         ),
         traceparent=draw(st.one_of(st.just(""), st.text(max_size=60))),
         stream=draw(st.booleans()),
+        conversation_id=draw(st.one_of(st.just(""), st.text(max_size=40))),
+        on_behalf_of=draw(st.one_of(st.just(""), st.just("web"), st.text(max_size=70))),
     )
 
 

@@ -42,6 +42,7 @@ from hypothesis import strategies as st
 from omnirail.config import ConfigError, PipelineConfig, load_pipeline
 from omnirail.config.errors import MAX_LINE, MAX_PROBLEMS, short
 from omnirail.config.models import EndpointsConfig, RelayConfig, StageConfig, StreamConfig
+from omnirail.config.security import Quota, QuotasConfig
 from tests.unit.config.helpers import F, T, demo
 
 # A small input is loaded in milliseconds of CPU (the largest here, at the bounds, in a
@@ -249,6 +250,7 @@ NESTED_KEYS = {
     "stream": tuple(StreamConfig.model_fields),
     "relay": RELAY_KEYS,
     "options": ("peer_wait_s", "fetch_timeout_s", "copy_threads", "init_method", "ucx_config"),
+    "quotas": (*QuotasConfig.model_fields, *Quota.model_fields),
 }
 ALL_KEYS = tuple(
     dict.fromkeys(PIPELINE_KEYS + STAGE_KEYS + RELAY_KEYS + sum(NESTED_KEYS.values(), ()))
@@ -593,6 +595,12 @@ def _knobs() -> dict[str, Any]:
         "endpoints": {"max_message_mb": 64},
         "default_timeout_s": 30.0,
         "coordinator_cpus": "0-1",
+        "security": {
+            "quotas": {
+                "default": {"weight": 1, "max_live_requests": 8},
+                "principals": {"web": {"weight": 2.5, "requests_per_s": 4, "burst": 8}},
+            }
+        },
         "stages": [
             {
                 "name": "a",

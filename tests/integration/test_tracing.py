@@ -137,7 +137,8 @@ def test_failing_stage_sets_error_status(receiver: OtlpReceiver) -> None:
     spans = _of_request(receiver.spans(), "traced-fail")
     # The stage's log line about the failure names the request and its trace.
     [line] = [ln for ln in log_text.splitlines() if "request failed" in ln]
-    assert f"[request=traced-fail trace={spans[0]['trace_id']}]" in line, line
+    # (A stage knows no principal: only the coordinator's records name one.)
+    assert f"[request=traced-fail trace={spans[0]['trace_id']} principal=-]" in line, line
     assert "stage double" in line and "asked to fail: boom" in line
     double = _one(spans, "stage double")
     assert double["status"] == "error" and "asked to fail: boom" in double["status_message"]

@@ -63,6 +63,9 @@ class Caller:
 
 
 Authenticate = Callable[[str | None], Any]  # token -> principal, None to refuse (may be async)
+# The ASGI scope key where a middleware that authenticated the caller puts its principal
+# (the gateway's TokenAuth); sessions take it when the endpoint authenticates nobody itself.
+PRINCIPAL_SCOPE_KEY = "omnirail.principal"
 ResponderFactory = Callable[[Caller], Responder]
 
 
@@ -92,7 +95,8 @@ def realtime_endpoint(
 
     `responder_factory` makes each session's responder; `authenticate(token)` (sync or
     async) returns the caller's principal or None to refuse; without it every caller is
-    let in with principal None. `vad_executor` runs the VAD off the event loop (one
+    let in, with the principal a middleware put at `PRINCIPAL_SCOPE_KEY` (else None).
+    `vad_executor` runs the VAD off the event loop (one
     thread is plenty: 0.13 ms of CPU per 32 ms of audio per session with onnxruntime).
     """
     active = 0
@@ -101,7 +105,7 @@ def realtime_endpoint(
         nonlocal active
         offered = list(websocket.scope.get("subprotocols") or [])
         subprotocol = "realtime" if "realtime" in offered else None
-        principal = None
+        principal = websocket.scope.get(PRINCIPAL_SCOPE_KEY)
         if authenticate is not None:
             principal = authenticate(_token(websocket, offered))
             if inspect.isawaitable(principal):

@@ -30,10 +30,12 @@ def test_records_inside_a_request_context_carry_its_ids() -> None:
     with request_context("r-1", TP):
         logger.info("inside")
     logger.info("after", extra=ids("r-2", None))
+    logger.info("theirs", extra=ids("r-3", None, "team-a"))
     lines = out.getvalue().splitlines()
-    assert "[request=- trace=-]: before" in lines[0]
-    assert "[request=r-1 trace=0af7651916cd43dd8448eb211c80319c]: inside" in lines[1]
-    assert "[request=r-2 trace=-]: after" in lines[2]
+    assert "[request=- trace=- principal=-]: before" in lines[0]
+    assert "[request=r-1 trace=0af7651916cd43dd8448eb211c80319c principal=-]: inside" in lines[1]
+    assert "[request=r-2 trace=- principal=-]: after" in lines[2]
+    assert "[request=r-3 trace=- principal=team-a]: theirs" in lines[3]
 
 
 def test_trace_id_of_rejects_garbage() -> None:
@@ -57,4 +59,5 @@ def test_simple_scheduler_tags_the_logs_of_stage_functions() -> None:
         assert done.wait(30)
     finally:
         sched.stop()
-    assert "[request=r-9 trace=0af7651916cd43dd8448eb211c80319c]: computing" in out.getvalue()
+    line = "[request=r-9 trace=0af7651916cd43dd8448eb211c80319c principal=-]: computing"
+    assert line in out.getvalue()

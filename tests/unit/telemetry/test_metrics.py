@@ -45,6 +45,9 @@ LABELS = {
     "omnirail_input_chunks": set(),
     "omnirail_input_bytes": set(),
     "omnirail_input_credit_wait_seconds": set(),
+    "omnirail_principal_requests": {"principal", "state"},
+    "omnirail_principal_refused": {"principal", "reason"},
+    "omnirail_principal_requests_running": {"principal"},
     "omnirail_stage_queue_depth": {"stage"},
     "omnirail_stage_inflight": {"stage"},
     "omnirail_stage_held_requests": {"stage"},
@@ -70,6 +73,9 @@ COORDINATOR_FAMILIES = {
     "omnirail_input_chunks",
     "omnirail_input_bytes",
     "omnirail_input_credit_wait_seconds",
+    "omnirail_principal_requests",
+    "omnirail_principal_refused",
+    "omnirail_principal_requests_running",
 }
 
 
@@ -82,6 +88,9 @@ def _filled() -> tuple[CoordinatorMetrics, StageMetrics]:
     coord.replica_lost("a")
     coord.deadline_overrun(0.003)
     coord.slow_client("session", "paused")
+    coord.request_ended(State.COMPLETED, None, 0.1, "web")
+    coord.refused("web", "share")
+    coord.principal_running("web", 1)
     stage = StageMetrics()
     rec = stage.stage("a", queue_depth=lambda: 3, inflight=lambda: 4, held=lambda: 1)
     watch_relay(stage, "shm", lambda: 0)
@@ -164,6 +173,15 @@ def test_coordinator_counts_states_and_aborts() -> None:
     m.refused()
     m.refused()
     assert value("omnirail_requests_refused_total") == 2
+    # Per principal: a full mesh's refusals count as overload too, a quota's do not.
+    m.refused("batch", "share")
+    m.refused("batch", "rate")
+    assert value("omnirail_requests_refused_total") == 3
+    assert value("omnirail_principal_refused_total", {"principal": "batch", "reason": "rate"}) == 1
+    m.request_ended(State.COMPLETED, None, 0.1, "web")
+    assert (
+        value("omnirail_principal_requests_total", {"principal": "web", "state": "completed"}) == 1
+    )
     m.redispatched()
     m.replica_lost("thinker")
     m.replica_lost("thinker")
