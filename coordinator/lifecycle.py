@@ -273,6 +273,7 @@ class RequestLifecycle:
                 self._on_lost,
                 max_message_bytes=self._max_message,
                 security=self.security,
+                credentials=lambda: self.registry.credentials,
             )
             self._channels[address] = channel
         return channel

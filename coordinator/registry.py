@@ -9,6 +9,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from omnirail.config import PipelineConfig
+from omnirail.transport.members import COORDINATOR, MemberCredentials, new_token, token_digest
 from omnirail.v1 import client_pb2, mesh_pb2
 from omnirail.wire.routing import conversation_index, replica_index
 
@@ -23,6 +24,8 @@ class Replica:
     inflight: int = 0
     metrics_address: str = ""
     relay_infos: tuple[bytes, ...] = ()
+    # This registration's member token (sent to it alone; its digest goes in the topology).
+    member_token: bytes = field(default_factory=new_token, repr=False)
     # Requests the coordinator sent to this replica (as the entry) that are still live.
     assigned: int = 0
     # When its Attach stream last brought anything (monotonic; stages report every second).
@@ -48,6 +51,15 @@ class Replica:
         return command
 
 
+def _endpoint(rep: Replica) -> mesh_pb2.Endpoint:
+    return mesh_pb2.Endpoint(
+        replica_id=rep.replica_id,
+        address=rep.address,
+        relay_infos=rep.relay_infos,
+        member_digest=token_digest(rep.member_token),
+    )
+
+
 BALANCE_POLICIES = ("least_outstanding", "round_robin", "request_id")
 
 
@@ -64,6 +76,8 @@ class StageRegistry:
         self._balance = balance
         self._turn = 0
         self._by_stage: dict[str, dict[str, Replica]] = {name: {} for name in stage_names}
+        # What the coordinator's own Deliver streams show (its digest is in every topology).
+        self.credentials = MemberCredentials(COORDINATOR, "", new_token())
 
     def knows(self, stage: str) -> bool:
         return stage in self._by_stage
@@ -121,13 +135,16 @@ class StageRegistry:
     def topology(self) -> mesh_pb2.Topology:
         """Where the stages send: each stage's replicas that take work; a stage whose
         replicas all drain keeps them (requests already running still pass it)."""
-        topo = mesh_pb2.Topology()
+        topo = mesh_pb2.Topology(coordinator_digest=token_digest(self.credentials.token))
         for name in self._by_stage:
             eps = topo.stages[name]
-            for rep in self.replicas(name) or self.attached(name):
-                eps.endpoints.add(
-                    replica_id=rep.replica_id, address=rep.address, relay_infos=rep.relay_infos
-                )
+            routed = self.replicas(name) or self.attached(name)
+            for rep in routed:
+                eps.endpoints.append(_endpoint(rep))
+            # Draining replicas still deliver what they finish: receivers must know them.
+            rest = [rep for rep in self.attached(name) if rep not in routed]
+            if rest:
+                topo.draining[name].endpoints.extend(_endpoint(rep) for rep in rest)
         return topo
 
     def release_drained(self, live: Iterable[Any]) -> bool:

@@ -42,16 +42,24 @@ class StageLink(StageEvents, mesh_pb2_grpc.CoordinatorServicer):
             metrics_address=reg.metrics_address,
             relay_infos=tuple(reg.relay_infos),
         )
+        # A replica may register draining (it joins to finish work, or to deliver only):
+        # it is then never in the routed topology.
+        replica.draining = first.draining
         old = self.registry.add(replica)
         if old is not None:
             old.push(mesh_pb2.CoordinatorCommand(shutdown=mesh_pb2.Shutdown(reason="replaced")))
         log.info("stage %s replica %s registered at %s", reg.stage, reg.replica_id, reg.address)
+        # Its member token goes out with (in the same write as) its first topology, which
+        # `_topology_changed` merges into this pending command.
+        replica.push(mesh_pb2.CoordinatorCommand(member_token=replica.member_token))
         replica.task = asyncio.current_task()
         if self._liveness is None:
             self._liveness = asyncio.get_running_loop().create_task(
                 watch_liveness(self.registry, self.pipeline.liveness_s, self._on_silent)
             )
         await self._topology_changed()
+        if replica.draining:
+            self._unreleased = self.registry.release_drained(self.requests.live.values())
 
         async def read() -> None:
             async for event in request_iterator:

@@ -8,6 +8,14 @@ owning process's event loop thread.
 
 Backends are listed in `omnirail.relay.registry` (name, options model, module), imported
 only when a relay of theirs is made; each reads its typed options (`omnirail.relay.options`).
+
+Descriptors are bound to their sender: a receiver that got a descriptor on a Deliver stream
+passes `get` the relay peer ids the stream's authenticated sender announced (`owners`: the
+"id" of each of its `local_info()` maps, see omnirail/transport/members.py), and the
+backend refuses a descriptor whose region, pool or transfer is not one of theirs before
+it maps or fetches anything (`check_owner`). How a backend names its owner, and how a
+forwarded descriptor (one naming the original sender's bytes, handed on by a stage that
+received them) is accepted, is the backend's to say (shm: omnirail/relay/shm.py).
 """
 
 from __future__ import annotations
@@ -57,6 +65,16 @@ def check_descriptor(descriptor: object, backend: str) -> common_pb2.RelayDescri
     if len(UnknownFieldSet(descriptor)):
         raise RelayError(f"{backend} relay: descriptor has fields this version does not know")
     return descriptor
+
+
+def check_owner(owners: frozenset[str] | None, owner: str, backend: str, what: str) -> None:
+    """RelayError unless `owner` (the relay peer id a descriptor names as the holder of
+    its bytes) is among `owners` (None: no binding). `what` names the field it came from."""
+    if owners is not None and owner not in owners:
+        raise RelayError(
+            f"{backend} relay: descriptor {what} names {shown(owner)}, which the sender of "
+            "this stream did not announce"
+        )
 
 
 OptionsT = TypeVar("OptionsT", bound=RelayOptions)
@@ -169,11 +187,20 @@ class Relay(abc.ABC):
         return None
 
     @abc.abstractmethod
-    async def get(self, descriptor: common_pb2.RelayDescriptor) -> Received:
+    async def get(
+        self, descriptor: common_pb2.RelayDescriptor, owners: frozenset[str] | None = None
+    ) -> Received:
         """Maps the bytes a descriptor names; raises RelayError for a bad descriptor.
 
         The descriptor comes from a peer: whatever it holds, only RelayError may come out,
-        and a refused one leaves nothing mapped, open or allocated."""
+        and a refused one leaves nothing mapped, open or allocated.
+
+        `owners`: the relay peer ids (`local_info()` "id"s) that the authenticated sender
+        of the Deliver stream carrying the descriptor announced. A descriptor whose
+        region/owner is not among them is refused with RelayError before anything is
+        mapped or fetched (backends that forward say what else they accept). None: no
+        binding (in-process callers, benches). The coordinator announces none: an empty
+        set refuses every descriptor (clients send tensors inline)."""
 
     @abc.abstractmethod
     def cleanup(self, request_id: str) -> None:

@@ -42,7 +42,9 @@ class InlineRelay(Relay):
             "relay; configure a relay backend such as shm"
         )
 
-    async def get(self, descriptor: common_pb2.RelayDescriptor) -> Received:
+    async def get(
+        self, descriptor: common_pb2.RelayDescriptor, owners: frozenset[str] | None = None
+    ) -> Received:
         # Whatever came in (not even a descriptor, maybe), only RelayError goes out.
         if type(descriptor) is common_pb2.RelayDescriptor:
             what = f"one for {shown(descriptor.backend)}"

@@ -82,13 +82,16 @@ async def receive_payload(
     *,
     copy: bool = False,
     device: str | None = None,
+    owners: frozenset[str] | None = None,
 ) -> ReceivedPayload:
     """Decodes `pb`, reading through `relays[backend]` when it names a relay.
 
     copy=False: tensors are read-only views (of the relay segment, or of the message's
     bytes when inline). device: where tensors the sender had on a GPU go (the receiving
-    stage's GPU; None: the CPU). Raises PayloadError for a bad header, RelayError for a
-    bad descriptor or unknown backend; nothing stays acquired on error.
+    stage's GPU; None: the CPU). owners: the relay peer ids the item's authenticated sender
+    announced (`Relay.get`); None: no binding (in-process callers). Raises PayloadError
+    for a bad header, RelayError for a bad descriptor or unknown backend; nothing stays
+    acquired on error.
     """
     if pb.WhichOneof("body") != "relay":
         return ReceivedPayload(unpack(pb.header, pb.inline_data, copy=copy, device=device))
@@ -99,7 +102,7 @@ async def receive_payload(
             f"payload uses relay backend {shown(desc.backend)}, which this process has not "
             f"configured (have: {', '.join(sorted(relays)) or 'none'})"
         )
-    received = await relay.get(desc)
+    received = await relay.get(desc, owners)
     try:
         if len(received.buffer) != desc.nbytes:
             raise RelayError(

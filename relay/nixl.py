@@ -8,12 +8,14 @@ Sender: `put` copies into the `HostPool` (each segment registered once); the des
 names this agent (`region`) and the extent (`offset` = segment << 40 | offset within). The
 handle is released by the receiver's release notification ("R" tid offset: credit is held
 until the receiver lets go of its view, as with shm) or by `cleanup`. A receiver asks for
-a segment it does not know ("?" index); the sender answers with its bounds and partial
-metadata ("M"), or "N". Notifications are parsed with `struct`, never unpickled.
+a segment it does not know ("?" index, naming the transfer it was sent); the sender answers
+with its bounds, its ticket table and partial metadata ("M"), or "N". Notifications are
+parsed with `struct`, never unpickled.
 
-Receiver: `get` checks the extent against the bounds the sender itself answered, READs it
-into its own registered receive pool (chunked, so one large fetch does not stall the loop
-for long; transfer handles cached per extent pair) and notifies the sender on release.
+Receiver: `get` checks the extent against the bounds the sender itself answered, READs the
+transfer's ticket (see Trust), then the extent into its own registered receive pool
+(chunked, so one large fetch does not stall the loop for long; transfer handles cached per
+extent pair) and notifies the sender on release.
 
 Options (`omnirail.relay.options.NixlOptions`, defaults there): `ucx_error_handling_mode`
 ("none", "peer" for multi-host), `progress_thread`, `num_threads`, `fetch_timeout_s`,
@@ -21,6 +23,30 @@ Options (`omnirail.relay.options.NixlOptions`, defaults there): `ucx_error_handl
 yielding), `handle_cache` (per peer), plus those of every pulled backend (`PulledOptions`).
 GPU memory is not moved yet: pools are host memory, as `omnirail.wire.payload.pack` refuses
 CUDA tensors.
+
+Trust. NIXL READs are one-sided: whoever holds a segment's metadata (its remote keys) and
+an endpoint to the agent can read the whole segment without the sender seeing it. So:
+
+- Notifications are heard only from announced (and trusted) peers, and answers go to the
+  agent announced under the asker's name, over the endpoint made from its announced
+  metadata: a process that is not a registered member never gets a segment's metadata
+  (a forged name gets the answer sent to the real agent).
+- A segment's metadata is handed out only to a peer that names a live transfer of that
+  segment (tid, offset, nbytes: the descriptor it was sent); that transfer is then bound
+  to the peer (another peer asking with it is refused). Its metadata covers that segment
+  and the ticket table, nothing else.
+- Every fetch first READs the transfer's ticket (a row of the sender's registered ticket
+  table holding tid, offset, nbytes while the transfer is live, zeroed on release; the
+  tid's low 16 bits pick the row, the other 47 are random): a guessed, released or
+  mismatched id fails with RelayError before any payload byte is read. Release
+  notifications of a bound transfer count only from its peer.
+
+What does not hold: a registered peer that was sent one transfer of a segment can READ the
+rest of that segment (other transfers, to other peers) by calling NIXL itself, bypassing
+the ticket check; per-peer registration would need the sender to know the receiver at put
+time. A transfer released by its sender's cleanup while a receiver reads it may hand that
+receiver bytes of a later transfer in the same extent. Same-host reads go through cma,
+which any process of the same user may do anyway (ptrace rules).
 """
 
 from __future__ import annotations
@@ -36,6 +62,7 @@ from typing import Any
 
 from omnirail.relay.base import RelayError, RelaySettings
 from omnirail.relay.host_pool import HostExtent, HostSegment
+from omnirail.relay.netif import listen_device
 from omnirail.relay.options import NixlOptions
 from omnirail.relay.pull import OFFSET_BITS, OFFSET_MASK, PulledHandle, PulledReceived, PullRelay
 from omnirail.v1 import common_pb2
@@ -62,21 +89,32 @@ _YIELD_S = 200e-6
 _POLL_MIN_S = 50e-6
 _MIN_CHUNK = 64 << 10  # smaller `chunk_bytes` read this much at a time
 _POLL_MAX_S = 2e-3
-# Notification messages: release (kind, tid, offset), ask / no such segment (kind, index),
-# segment (kind, index, base, size) followed by the segment's partial metadata.
+# Notification messages: release (kind, tid, offset); ask (kind, segment index, and the
+# transfer the asker was sent: tid, offset, nbytes); refused (kind, index); segment (kind,
+# index, base, size, ticket table base, its slots) followed by the partial metadata of the
+# segment and the ticket table.
 _RELEASE = struct.Struct("<cQQ")
-_ASK = struct.Struct("<cH")
-_SEGMENT = struct.Struct("<cHQQ")
+_ASK = struct.Struct("<cHQQQ")
+_NO = struct.Struct("<cH")
+_SEGMENT = struct.Struct("<cHQQQQ")
+# Tickets: one row (tid, offset, nbytes, 0) per live transfer, in a registered table the
+# receiver READs before the payload; a transfer id's low bits are its row.
+_TICKET = struct.Struct("<4Q")
+_ID = struct.Struct("<Q")
+_SLOT_BITS = 16
+_SLOTS = 1 << _SLOT_BITS
+_SLOT_MASK = _SLOTS - 1
 
 
 class _Peer:
     """What a receiver knows of one sender agent."""
 
-    __slots__ = ("asked", "dropped", "handles", "name", "segments")
+    __slots__ = ("asked", "dropped", "handles", "name", "segments", "tickets")
 
     def __init__(self, name: str) -> None:
         self.name = name
         self.segments: dict[int, tuple[int, int]] = {}  # index -> (base address, size)
+        self.tickets = (0, 0)  # its ticket table: base address, slots (0: not known yet)
         self.asked: dict[int, asyncio.Future[tuple[int, int]]] = {}
         # (local, remote, nbytes) -> idle transfer handle; a handle in use is out of it.
         self.handles: OrderedDict[tuple[int, int, int], Any] = OrderedDict()
@@ -122,6 +160,19 @@ class NixlRelay(PullRelay):
         # Connection info without memory: registrations travel on request ("?").
         empty = nixl_api.nixlBind.nixlRegDList(nixl_api.nixlBind.DRAM_SEG)
         self._meta: bytes = self._agent.get_partial_agent_metadata(empty, True)
+        # The ticket table (sender side), registered once: 2 MiB, one huge page.
+        self._tickets = HostSegment(-1, _SLOTS * _TICKET.size)
+        try:
+            self._regs.append(
+                self._agent.register_memory(
+                    [(self._tickets.address, self._tickets.size, 0, "")], "DRAM"
+                )
+            )
+        except Exception as e:
+            self._tickets.close()
+            raise RelayError(f"nixl relay: cannot register its ticket table: {e}") from e
+        self._ticket_view = memoryview(self._tickets.array)  # type: ignore[arg-type]
+        self._free_slots = list(range(_SLOTS - 1, -1, -1))
 
     def _make_agent(self, opts: NixlOptions) -> Any:
         # "peer": UCX detects dead peers (multi-host); "none" lets same-host transports
@@ -135,6 +186,14 @@ class NixlRelay(PullRelay):
             backends=[],  # made below, with our init parameters
         )
         init = {"ucx_error_handling_mode": mode}
+        # UCX listens on every network device it uses: only the mesh's interface (its
+        # `ucx_devices` parameter leaves the listeners as they are; `engine_config` is UCX
+        # settings, without the UCX_ prefix).
+        # Without a published host (a mesh over unix sockets: one machine), loopback, as the
+        # ucx backend's default host is.
+        device = listen_device(BACKEND, opts.listen, opts.host or "127.0.0.1")
+        if device is not None and "UCX_NET_DEVICES" not in os.environ:
+            init["engine_config"] = f"NET_DEVICES={device}"
         if threads > 0:
             init["num_threads"] = str(threads)
         try:
@@ -199,8 +258,14 @@ class NixlRelay(PullRelay):
         if receive:
             self._recv_regs[segment] = reg
         else:
-            # What a receiver needs to READ this segment, handed out when it asks.
-            meta = agent.get_partial_agent_metadata(reg, False)
+            # What a receiver needs to READ this segment and the ticket table, handed out
+            # when it asks for a live transfer of it.
+            tickets = self._tickets
+            descs = agent.get_reg_descs(
+                [(segment.address, segment.size, 0, ""), (tickets.address, tickets.size, 0, "")],
+                "DRAM",
+            )
+            meta = agent.get_partial_agent_metadata(descs, False)
             self._segments[segment.index] = (segment.address, segment.size, meta)
 
     def _off_segment(self, segment: HostSegment) -> bool:
@@ -239,7 +304,7 @@ class NixlRelay(PullRelay):
         if seg is None:
             loop = asyncio.get_running_loop()
             wait = min(self._fetch_timeout, self._peer_wait_s)
-            seg = await self._segment(peer, index, loop.time() + wait)
+            seg = await self._segment(peer, descriptor, loop.time() + wait)
         base, size = seg
         if offset + nbytes > size:
             raise RelayError(
@@ -265,6 +330,8 @@ class NixlRelay(PullRelay):
                 except Exception:
                     pass  # a stuck handle keeps the agent alive until NIXL lets it go
             items.clear()
+        self._ticket_view.release()
+        self._tickets.close()
         # The agent (UCX workers, endpoints) goes with its last reference.
 
     # ---------------------------------------------------------------- notifications
@@ -280,17 +347,25 @@ class NixlRelay(PullRelay):
             return 0
         count = 0
         for name, messages in notifs.items():
+            if not isinstance(self._peers.get(name), _Peer):
+                count += len(messages)
+                continue  # not an announced (trusted) peer: nothing it says is heard
             for msg in messages:
                 count += 1
                 kind = msg[:1]
                 if kind == b"R" and len(msg) == _RELEASE.size:
                     _, tid, offset = _RELEASE.unpack(msg)
                     handle = self._live.get(tid)
-                    # The offset must match too: a stray tid cannot free another extent.
-                    if handle is not None and handle.descriptor.offset == offset:
+                    # The offset must match too, and a transfer bound to a peer is that
+                    # peer's to release.
+                    if (
+                        handle is not None
+                        and handle.descriptor.offset == offset
+                        and handle.peer in (None, name)
+                    ):
                         handle.release()
                 elif kind == b"?" and len(msg) == _ASK.size:
-                    self._answer(name, _ASK.unpack(msg)[1])
+                    self._answer(name, msg)
                 elif kind in (b"M", b"N"):
                     self._learn(name, msg)
         return count
@@ -303,30 +378,43 @@ class NixlRelay(PullRelay):
         except Exception:
             pass  # the sender is gone: nothing waits for this release any more
 
-    def _answer(self, name: str, index: int) -> None:
+    def _answer(self, name: str, msg: bytes) -> None:
+        """A segment's bounds and metadata, only to a peer that names a live transfer of
+        it that is not bound to another peer (it is bound to this one now). The answer goes
+        to the agent announced under `name`, whoever sent the ask."""
+        _, index, tid, offset, nbytes = _ASK.unpack(msg)
         seg = self._segments.get(index)
-        if seg is None:
-            self._notify(name, _ASK.pack(b"N", index))
+        handle = self.bind(tid, offset, nbytes, name)
+        if seg is None or handle is None or handle.extent is None:
+            self._notify(name, _NO.pack(b"N", index))
+        elif handle.extent.segment.index != index:
+            self._notify(name, _NO.pack(b"N", index))
         else:
-            self._notify(name, _SEGMENT.pack(b"M", index, seg[0], seg[1]) + seg[2])
+            head = _SEGMENT.pack(b"M", index, seg[0], seg[1], self._tickets.address, _SLOTS)
+            self._notify(name, head + seg[2])
 
     def _learn(self, name: str, msg: bytes) -> None:
         peer = self._peers.get(name)
         if not isinstance(peer, _Peer):
             return
         found = msg[:1] == b"M"
-        if len(msg) != _ASK.size and (not found or len(msg) <= _SEGMENT.size):
+        if len(msg) != _NO.size and (not found or len(msg) <= _SEGMENT.size):
             return
-        index = _ASK.unpack_from(msg)[1]
+        index = _NO.unpack_from(msg)[1]
         fut = peer.asked.pop(index, None)
         if fut is None or fut.done():
             return  # unasked: never load metadata nobody requested
         try:
             if not found:
-                raise RelayError(f"nixl relay: {name!r} has no pool segment {index}")
-            _, _, base, size = _SEGMENT.unpack_from(msg)
+                raise RelayError(
+                    f"nixl relay: {name!r} refused segment {index}: no live transfer of it "
+                    "for this peer (released, guessed, another peer's, or no such segment)"
+                )
+            _, _, base, size, tbase, slots = _SEGMENT.unpack_from(msg)
             if size <= 0 or base <= 0 or base + size >= 1 << 64:
                 raise ValueError(f"bounds [{base:#x}, +{size})")
+            if tbase <= 0 or not 0 < slots <= _SLOTS or tbase + slots * _TICKET.size >= 1 << 64:
+                raise ValueError(f"ticket table [{tbase:#x}, {slots} slots)")
             loaded = self.agent.add_remote_agent(msg[_SEGMENT.size :])
             if (loaded.decode() if isinstance(loaded, bytes) else loaded) != name:
                 raise ValueError(f"metadata of agent {loaded!r}")
@@ -336,6 +424,7 @@ class NixlRelay(PullRelay):
             fut.set_exception(e)
             return
         peer.segments[index] = (base, size)
+        peer.tickets = (tbase, slots)
         fut.set_result((base, size))
 
     # ---------------------------------------------------------------- sender side
@@ -345,10 +434,37 @@ class NixlRelay(PullRelay):
             self._drain()  # take releases in first, so credit and extents are reused
         return super().put_nowait(packed, request_id, edge)
 
+    def _new_tid(self, live: bool) -> int:
+        if not live:
+            return self._random_id()  # a 0-byte transfer: nothing to fetch, no ticket
+        if not self._free_slots:
+            raise RelayError(f"nixl relay: {_SLOTS} transfers are live at once (the most)")
+        slot = self._free_slots.pop()
+        while True:
+            tid = (self._random_id() & ~_SLOT_MASK) | slot
+            if tid >> _SLOT_BITS and tid not in self._live:
+                return tid
+
+    def _on_live(self, handle: PulledHandle) -> None:
+        # One 32-byte write; no receiver reads the row before the descriptor is sent.
+        at = (handle.tid & _SLOT_MASK) * _TICKET.size
+        _TICKET.pack_into(
+            self._ticket_view, at, handle.tid, handle.descriptor.offset, handle.nbytes, 0
+        )
+
+    def _release(self, handle: PulledHandle) -> None:
+        if not self.closed and self._live.get(handle.tid) is handle:
+            slot = handle.tid & _SLOT_MASK
+            _ID.pack_into(self._ticket_view, slot * _TICKET.size, 0)  # first: it reads as gone
+            self._free_slots.append(slot)
+        super()._release(handle)
+
     # ---------------------------------------------------------------- receiver side
 
-    async def get(self, descriptor: common_pb2.RelayDescriptor) -> PulledReceived:
-        received = await super().get(descriptor)
+    async def get(
+        self, descriptor: common_pb2.RelayDescriptor, owners: frozenset[str] | None = None
+    ) -> PulledReceived:
+        received = await super().get(descriptor, owners)
         if not descriptor.nbytes:
             return received  # the sender holds nothing for an empty transfer
         ack = _RELEASE.pack(b"R", descriptor.transfer_id, descriptor.offset)
@@ -362,6 +478,8 @@ class NixlRelay(PullRelay):
         deadline = loop.time() + self._fetch_timeout
         remote = await self._bounds(peer, descriptor)  # known since `_check_extent`
         local = target.segment.address + target.offset
+        await self._check_ticket(peer, descriptor, target, local, deadline)
+        self.bytes_in += nbytes
         done = 0
         while True:
             n = min(self._chunk, nbytes - done)
@@ -375,14 +493,48 @@ class NixlRelay(PullRelay):
                 return
             await asyncio.sleep(0)  # that chunk was copied by this thread: let others run
 
-    async def _segment(self, peer: _Peer, index: int, deadline: float) -> tuple[int, int]:
-        """Asks the sender for a segment's bounds and metadata (once per segment)."""
+    async def _check_ticket(
+        self,
+        peer: _Peer,
+        descriptor: common_pb2.RelayDescriptor,
+        target: HostExtent,
+        local: int,
+        deadline: float,
+    ) -> None:
+        """READs the transfer's ticket row into the start of `target` (extents are at least
+        64 bytes) and refuses a transfer the sender does not hold live with that extent,
+        before any payload byte is read."""
+        tid = descriptor.transfer_id
+        base, slots = peer.tickets
+        slot = tid & _SLOT_MASK
+        if not base or slot >= slots:
+            raise RelayError(f"nixl relay: transfer {tid} names no ticket of {peer.name!r}")
+        key, handle, state = self._post(peer, local, base + slot * _TICKET.size, _TICKET.size)
+        if state != "DONE":
+            await self._complete(peer, handle, state, deadline)
+        self._keep(peer, key, handle)
+        row = _TICKET.unpack(target.view(_TICKET.size).tobytes())
+        if row != (tid, descriptor.offset, descriptor.nbytes, 0):
+            raise RelayError(
+                f"nixl relay: transfer {tid} is not live at {peer.name!r} (released, "
+                "aborted, guessed, or a wrong descriptor)"
+            )
+
+    async def _segment(
+        self, peer: _Peer, descriptor: common_pb2.RelayDescriptor, deadline: float
+    ) -> tuple[int, int]:
+        """Asks the sender for a segment's bounds and metadata (once per segment), naming
+        the live transfer of it that this peer was sent."""
+        index = descriptor.offset >> OFFSET_BITS
         fut = peer.asked.get(index)
         if fut is None:
             fut = asyncio.get_running_loop().create_future()
             peer.asked[index] = fut
+            ask = _ASK.pack(
+                b"?", index, descriptor.transfer_id, descriptor.offset, descriptor.nbytes
+            )
             try:
-                self.agent.send_notif(peer.name, _ASK.pack(b"?", index))
+                self.agent.send_notif(peer.name, ask)
             except Exception as e:
                 del peer.asked[index]
                 fut.cancel()

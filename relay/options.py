@@ -119,6 +119,12 @@ class NixlOptions(PulledOptions):
     )
     spin_us: float = Field(30.0, ge=0, description="Busy polling before yielding to the loop, µs.")
     handle_cache: int = Field(128, ge=0, description="Prepared transfer handles kept per peer.")
+    listen: str | None = Field(
+        None,
+        description="An address of the network interface NIXL's UCX backend listens on (its "
+        "ucx_devices); unset: that of `host` if it is local (loopback without a host); "
+        '"0.0.0.0": every interface.',
+    )
 
 
 class UcxOptions(PulledOptions):
@@ -130,6 +136,12 @@ class UcxOptions(PulledOptions):
         "transfers run (faster only with idle cores).",
     )
     port: int = Field(0, ge=0, le=65535, description="Listener port (0: any free one).")
+    listen: str | None = Field(
+        None,
+        description="An address of the network interface UCX's transports listen on (UCX "
+        'NET_DEVICES); unset: that of `host` if it is local; "0.0.0.0": every interface. '
+        "ucx_config NET_DEVICES wins.",
+    )
     ucx_config: dict[str, str] = Field(
         {},
         description="UCX settings of this relay's context without the UCX_ prefix, e.g. "

@@ -17,17 +17,28 @@ Peer infos are msgpack maps {"backend", "id", ...backend fields}; anything else 
 Trust: a descriptor names its sender only by peer id (`region`), a key into the peers the
 mesh announced; how to reach that peer (nixl agent metadata, UCX host and port, a gloo
 rank) comes from its announced info, never from the descriptor. `trust_peers` narrows
-the announced peers to those someone vouched for.
+the announced peers to those someone vouched for. `get(descriptor, owners)` refuses a
+descriptor whose region is not one of `owners` (the peer ids of the authenticated sender
+of the stream that carried it) before it waits, allocates or fetches anything.
+
+Transfer ids are random (63 bits from `secrets`, drawn in batches), so a receiver cannot
+name a transfer it was not given. The sender hands out bytes (`source`) only for a live
+transfer id with the exact extent, and binds each transfer to the first peer it serves
+(`source(..., peer)`): another peer asking for it later gets nothing, and only that
+peer's release (`served(tid, peer)`) frees it. How far a backend can tell peers apart
+(UCX: the key its HELLO proves; gloo: the rank of the pair; nixl: see its docstring)
+decides how much this binding holds.
 """
 
 from __future__ import annotations
 
 import abc
 import asyncio
-import itertools
 import os
 import re
+import secrets
 import socket
+import struct
 import uuid
 from collections.abc import Iterable
 from typing import Any
@@ -39,6 +50,7 @@ from omnirail.relay.base import (
     RelayError,
     RelaySettings,
     check_descriptor,
+    check_owner,
     shown,
 )
 from omnirail.relay.copy import Copier
@@ -57,6 +69,8 @@ MAX_SEGMENTS = 1 << 16
 PEER_ID_RE = re.compile(r"[A-Za-z0-9_.-]{1,200}")
 _POLL_MIN_S = 50e-6
 _POLL_MAX_S = 2e-3
+# Random transfer ids are drawn this many at a time (one getrandom call, not one per put).
+_RANDOM_IDS = struct.Struct("<256Q")
 
 
 def make_peer_id(prefix: str) -> str:
@@ -81,7 +95,11 @@ class PullRelay(Relay):
         self._by_request: dict[str, dict[int, PulledHandle]] = {}
         self._sending: dict[int, int] = {}  # tid -> sends in flight from its extent
         self._deferred: dict[int, HostExtent] = {}  # released while being sent
-        self._ids = itertools.count(1)
+        self._random_ids: list[int] = []
+        # Payload bytes handed to a peer (sender) and fetched from one (receiver): lets a
+        # test see that a refused fetch moved nothing.
+        self.bytes_out = 0
+        self.bytes_in = 0
         self._peers: dict[str, Any] = {}
         self._peer_infos: dict[str, bytes] = {}
         self._announced: list[bytes] = []  # the last `set_peers` infos, for `trust_peers`
@@ -285,7 +303,12 @@ class PullRelay(Relay):
         request_id: str,
         nbytes: int,
     ) -> PulledHandle:
-        tid = next(self._ids)
+        try:
+            tid = self._new_tid(credit is not None)
+        except BaseException:
+            if extent is not None and credit is not None:
+                self._abandon(extent, credit, nbytes)
+            raise
         offset = (extent.segment.index << OFFSET_BITS) | extent.offset if extent else 0
         desc = common_pb2.RelayDescriptor(
             backend=self.name, region=self.peer_id, offset=offset, nbytes=nbytes, transfer_id=tid
@@ -294,8 +317,25 @@ class PullRelay(Relay):
         if credit is not None:
             self._live[tid] = handle
             self._by_request.setdefault(request_id, {})[tid] = handle
+            self._on_live(handle)
             self._start_polling()
         return handle
+
+    def _random_id(self) -> int:
+        """63 random bits (gloo sends ids as int64), never 0 and never a live id."""
+        while True:
+            if not self._random_ids:
+                self._random_ids = list(_RANDOM_IDS.unpack(secrets.token_bytes(_RANDOM_IDS.size)))
+            tid = self._random_ids.pop() >> 1
+            if tid and tid not in self._live:
+                return tid
+
+    def _new_tid(self, live: bool) -> int:
+        """The id of a new transfer (`live`: one the sender holds, not a 0-byte one)."""
+        return self._random_id()
+
+    def _on_live(self, handle: PulledHandle) -> None:
+        """A transfer became live (nixl publishes its ticket)."""
 
     def _release(self, handle: PulledHandle) -> None:
         if self.closed:
@@ -314,23 +354,38 @@ class PullRelay(Relay):
         if handle._credit is not None:
             self._credits.give_back(handle._credit, handle.nbytes)
 
-    def served(self, tid: int) -> bool:
-        """The receiver is done with transfer `tid`: release it (False: not live)."""
+    def served(self, tid: int, peer: str | None = None) -> bool:
+        """The receiver is done with transfer `tid`: release it (False: not live, or bound
+        to a peer other than `peer`; None: whoever asks, for backends that cannot tell)."""
         handle = self._live.get(tid)
-        if handle is None:
+        if handle is None or (peer is not None and handle.peer != peer):
             return False
         handle.release()
         return True
 
-    def source(self, tid: int, offset: int, nbytes: int) -> Any:
-        """The sender-side bytes of live transfer `tid` for a backend to send, checked
-        against what the receiver asks for; pair with `end_send`. None: not live."""
+    def bind(self, tid: int, offset: int, nbytes: int, peer: str | None) -> PulledHandle | None:
+        """Live transfer `tid` if it has exactly that extent and is `peer`'s: bound to the
+        first peer that asks for it, refused to any other (None)."""
         handle = self._live.get(tid)
         if handle is None or handle.extent is None:
             return None
         if handle.descriptor.offset != offset or handle.nbytes != nbytes:
             return None
+        if peer is not None:
+            if handle.peer is None:
+                handle.peer = peer
+            elif handle.peer != peer:
+                return None
+        return handle
+
+    def source(self, tid: int, offset: int, nbytes: int, peer: str | None = None) -> Any:
+        """The sender-side bytes of live transfer `tid` for a backend to send to `peer`,
+        checked against what it asks for (`bind`); pair with `end_send`. None: refused."""
+        handle = self.bind(tid, offset, nbytes, peer)
+        if handle is None or handle.extent is None:
+            return None
         self._sending[tid] = self._sending.get(tid, 0) + 1
+        self.bytes_out += nbytes
         return handle.extent.view(nbytes)
 
     def end_send(self, tid: int) -> None:
@@ -392,9 +447,23 @@ class PullRelay(Relay):
             )
         return self._recv_pool
 
-    async def get(self, descriptor: common_pb2.RelayDescriptor) -> PulledReceived:
+    def check_owner(
+        self, descriptor: common_pb2.RelayDescriptor, owners: frozenset[str] | None
+    ) -> None:
+        """Refuses a descriptor that names a peer other than the stream's sender."""
+        if owners is None:
+            return
+        # A lone string would match any substring of it.
+        if not isinstance(owners, frozenset | set):
+            raise RelayError(f"{self.name} relay: owners must be a set of peer ids")
+        check_owner(owners, descriptor.region, self.name, "region")
+
+    async def get(
+        self, descriptor: common_pb2.RelayDescriptor, owners: frozenset[str] | None = None
+    ) -> PulledReceived:
         self._check_open()
         self.check_descriptor(descriptor)
+        self.check_owner(descriptor, owners)
         peer = await self._peer(descriptor.region)
         nbytes = descriptor.nbytes
         if nbytes == 0:

@@ -24,6 +24,7 @@ class PulledHandle(RelayHandle):
         "descriptor",
         "extent",
         "nbytes",
+        "peer",
         "released",
         "request_id",
         "tid",
@@ -47,6 +48,8 @@ class PulledHandle(RelayHandle):
         self.extent = extent
         self.nbytes = nbytes
         self.tid = tid
+        # The peer it is bound to: the first one served it (None: nobody yet).
+        self.peer: str | None = None
         self.released = credit is None  # a 0-byte transfer holds nothing
 
     def release(self) -> None:

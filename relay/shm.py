@@ -20,6 +20,29 @@ the shm relays the mesh announced (`local_info` publishes the prefix; compose gi
 service its own) that `trust_peers` does not exclude. A descriptor that names another
 prefix waits briefly for its announcement, which may come after the descriptor.
 
+Beyond that, a descriptor is bound to its sender and to a live transfer:
+- Transfer ids are unguessable: 48 random bits (from `secrets`) above the 16 slot bits.
+- Grant table: for each live transfer the sender writes, in its marks segment (which
+  receivers map already), the transfer id, the data segment's number and the extent's
+  start and end; releasing the transfer clears the id. A receiver reads nothing unless the
+  descriptor's slot holds exactly its transfer id, for that segment, and its bytes lie in
+  that extent: a guessed, stale or released id, or another edge's extent, fails with
+  RelayError before any byte is read (or any release mark written).
+- Owner: the shm peer id is the sending process, f"{prefix}-{pid}" (the "id" of
+  `local_info`). `get(descriptor, owners)` takes the peer ids the authenticated sender of
+  the Deliver stream announced; a descriptor naming a segment of one of them is the
+  sender's own transfer.
+- Forwarding: a descriptor naming a segment of a process *not* in `owners` is accepted only
+  as a forward: the forwarding stage, when it hands a view on (`forward_nowait`), writes a
+  tag of its own peer id (`forward_tag`) into the transfer's grant, and the receiver
+  accepts the descriptor only if that tag is one of `owners`'. So a stage can hand on only
+  transfers it was given (it knows their unguessable ids) and that it marked as handed on,
+  and only their granted bytes; everyone else's, or a guessed id, is refused.
+- Segments are created owner-only (0600) and a receiver maps none that group or others
+  may access. The boundary is the user id: a process of the same user can open /dev/shm
+  files by itself; these checks stop an honest receiver from being made to read (and to
+  release, or pass on) bytes a sender has no right to name.
+
 Options (`omnirail.relay.options.ShmOptions`): `copy_thread_bytes` (default 8 MiB): payloads
 at least this large are copied in a worker thread so the event loop keeps serving other
 streams meanwhile, split across `copy_threads` threads (default 2; see `omnirail.relay.copy`).
@@ -31,9 +54,12 @@ bound, `set_edge_credits` one edge's own.
 from __future__ import annotations
 
 import asyncio
-import itertools
+import functools
+import hashlib
+import os
+import secrets
 from collections import deque
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator
 
 import msgpack
 
@@ -47,15 +73,21 @@ from omnirail.relay.base import (
 from omnirail.relay.copy import Copier
 from omnirail.relay.credits import Credits, EdgeCredit
 from omnirail.relay.options import DEFAULT_PEER_WAIT_S, ShmOptions
-from omnirail.relay.shm_handles import SLOT_BITS, SLOT_MASK, ShmForward, ShmHandle, ShmReceived
+from omnirail.relay.shm_handles import SLOT_MASK, ShmForward, ShmHandle, ShmReceived
 from omnirail.relay.shm_maps import Mapping, SegmentMaps, outside
 from omnirail.relay.shm_pool import (
     ALIGN,
+    GRANT_END,
+    GRANT_FORWARDER,
+    GRANT_SEGMENT,
+    GRANT_START,
+    GRANT_WORDS,
     MARK_SLOTS,
     NAME_RE,
     Extent,
     ShmPool,
-    data_segment_prefix,
+    data_segment_parts,
+    grant_index,
     marks_name,
     segment_prefix,
     sweep_segments,
@@ -63,12 +95,35 @@ from omnirail.relay.shm_pool import (
 from omnirail.v1 import common_pb2
 from omnirail.wire.payload import Packed
 
-__all__ = ["ShmForward", "ShmHandle", "ShmReceived", "ShmRelay", "sweep_segments"]
+__all__ = [
+    "ShmForward",
+    "ShmHandle",
+    "ShmReceived",
+    "ShmRelay",
+    "forward_tag",
+    "sweep_segments",
+]
 
 BACKEND = "shm"
 # Credit waiters poll the marks with a backoff between these bounds (seconds).
 _POLL_MIN_S = 50e-6
 _POLL_MAX_S = 2e-3
+# The random bits of a transfer id: all but the slot's.
+_RANDOM_MASK = ((1 << 64) - 1) ^ SLOT_MASK
+
+
+def _random_words() -> Iterator[int]:
+    """Random uint64s, drawn 512 at a time (one getrandom call per 512 transfers keeps
+    the put path free of a syscall)."""
+    while True:
+        yield from memoryview(secrets.token_bytes(8 * 512)).cast("Q")
+
+
+@functools.lru_cache(maxsize=1024)
+def forward_tag(peer_id: str) -> int:
+    """What a forwarding process writes into a grant: 64 bits of sha256 of its shm peer
+    id, never 0 (0: not handed on)."""
+    return int.from_bytes(hashlib.sha256(peer_id.encode()).digest()[:8], "little") or 1
 
 
 class _Unannounced(RelayError):
@@ -95,7 +150,11 @@ class ShmRelay(Relay):
         # Whose data segments this receiver maps (`_map_data`): its own prefix, and the
         # announced ones (`set_peers`) that `trust_peers` allows.
         self._prefix = prefix
+        # This process's shm peer id: the owner part of its segments' names.
+        self._owner = f"{prefix}-{os.getpid()}"
+        self._tag = forward_tag(self._owner)
         self._announced: frozenset[str] = frozenset()
+        self._announced_owners: dict[str, str] = {}  # peer id -> its prefix
         self._trusted: frozenset[str] | None = None  # None: every announced prefix
         self._accepted: frozenset[str] = frozenset((prefix,))
         self._peers_changed: asyncio.Event | None = None
@@ -103,7 +162,7 @@ class ShmRelay(Relay):
         self._peer_wait_s = DEFAULT_PEER_WAIT_S
         self._pool: ShmPool | None = None  # created on the first put: receivers need none
         self._credits = Credits(self.settings.credit_slots, self.settings.credit_bytes)
-        self._ids = itertools.count(1)
+        self._random = _random_words()
         self._free_slots: deque[int] = deque(range(1, MARK_SLOTS))  # 0: never a live slot
         self._live: dict[int, ShmHandle] = {}
         self._marks: memoryview | None = None
@@ -207,6 +266,7 @@ class ShmRelay(Relay):
             transfer_id=received.transfer_id,
         )
         received.forward = ShmForward(desc, request_id, received, self._forwards)
+        received.tag_forward(self._tag)  # the next receiver takes it from this process
         return received.forward
 
     async def put(self, packed: Packed, request_id: str, edge: str) -> ShmHandle:
@@ -250,9 +310,18 @@ class ShmRelay(Relay):
             self._abandon(pool, extent, credits, nbytes)
             raise RelayError(f"more than {MARK_SLOTS - 1} transfers outstanding")
         slot = self._free_slots.popleft()
-        tid = (next(self._ids) << SLOT_BITS) | slot
-        assert self._marks is not None
-        self._marks[slot] = 0
+        tid = (next(self._random) & _RANDOM_MASK) | slot
+        marks = self._marks
+        assert marks is not None
+        marks[slot] = 0
+        # The grant receivers check before they read; its id last, so a grant is whole
+        # once the id is there.
+        g = MARK_SLOTS + GRANT_WORDS * slot  # grant_index(slot), without the call
+        marks[g + GRANT_SEGMENT] = extent.segment.number
+        marks[g + GRANT_START] = extent.offset
+        marks[g + GRANT_END] = extent.offset + nbytes
+        marks[g + GRANT_FORWARDER] = 0
+        marks[g] = tid
         desc = common_pb2.RelayDescriptor(
             backend=BACKEND,
             region=extent.segment.name,
@@ -272,6 +341,8 @@ class ShmRelay(Relay):
         if self.closed:
             return
         if self._live.pop(handle.transfer_id, None) is not None:
+            if self._marks is not None:
+                self._marks[grant_index(handle.slot)] = 0  # no receiver may read it now
             self._free_slots.append(handle.slot)
         if self._pool is not None:
             self._pool.free(handle._extent)
@@ -299,16 +370,21 @@ class ShmRelay(Relay):
 
     # ------------------------------------------------------------------ receiver side
 
-    async def get(self, descriptor: common_pb2.RelayDescriptor) -> ShmReceived:
-        """Maps the bytes a descriptor names; raises RelayError for a bad descriptor.
+    async def get(
+        self, descriptor: common_pb2.RelayDescriptor, owners: frozenset[str] | None = None
+    ) -> ShmReceived:
+        """Maps the bytes a descriptor names; raises RelayError for a bad descriptor, one
+        whose transfer is not live (grant), or one `owners` may not name (see "Trust").
         A segment of a prefix not announced (yet) waits for its announcement."""
         try:
-            return self.get_nowait(descriptor)
+            return self.get_nowait(descriptor, owners)
         except _Unannounced as e:
             await self._announcement(e.prefix, e)
-        return self.get_nowait(descriptor)
+        return self.get_nowait(descriptor, owners)
 
-    def get_nowait(self, descriptor: common_pb2.RelayDescriptor) -> ShmReceived:
+    def get_nowait(
+        self, descriptor: common_pb2.RelayDescriptor, owners: frozenset[str] | None = None
+    ) -> ShmReceived:
         """`get` without the coroutine (it never waits)."""
         self._check_open()
         check_descriptor(descriptor, BACKEND)
@@ -324,7 +400,21 @@ class ShmRelay(Relay):
         # (a cached marks segment is refused there), and a new data segment's pool marks
         # are mapped with it (they live and die together with the sender).
         if mapping is None or mapping.writable or not self._maps.still_current(name, mapping):
-            mapping = self._map_data(name, end)
+            mapping = self._map_data(name, offset, end, tid, owners)
+        else:
+            # The grant, inline on the hot path (a call costs as much as the reads); on any
+            # doubt `_check_grant` decides, and says why.
+            marks = mapping.marks
+            assert marks is not None
+            g = MARK_SLOTS + GRANT_WORDS * (tid & SLOT_MASK)
+            if (
+                marks[g] != tid
+                or marks[g + GRANT_SEGMENT] != mapping.number
+                or offset < marks[g + GRANT_START]
+                or end > marks[g + GRANT_END]
+                or (owners is not None and mapping.owner not in owners)
+            ):
+                _check_grant(marks, mapping, name, offset, end, tid, owners)
         if end > mapping.size:
             raise outside(name, end, mapping.size)
         return ShmReceived(
@@ -337,34 +427,42 @@ class ShmRelay(Relay):
             mapping.addr + offset,
         )
 
-    def _map_data(self, name: str, end: int) -> Mapping:
-        """Data segment `name` mapped with the release marks of its pool, for a transfer
-        ending at byte `end`. Both enter the cache only once both are mapped and `end` is
-        inside the segment: a refused get leaves nothing mapped or cached (a data segment
-        cached without its marks would let the next get return bytes it can never mark)."""
+    def _map_data(
+        self, name: str, offset: int, end: int, tid: int, owners: frozenset[str] | None
+    ) -> Mapping:
+        """Data segment `name` mapped with the release marks of its pool, for transfer
+        `tid` of bytes [offset, end). The marks come first: the transfer's grant is checked
+        before the data segment is opened. Both enter the cache only once both are mapped
+        and `end` is inside the segment: a refused get leaves nothing mapped or cached (a
+        data segment cached without its marks would let the next get return bytes it can
+        never mark)."""
         # Only names this relay's own prefix gives data segments, before any syscall: a
         # descriptor must not make it open (or write the marks of) anyone else's files.
         # The pattern refuses marks segments too: mapped read-only as data, a marks segment
         # would be cached where later releases cannot write their marks.
-        prefix = data_segment_prefix(name) if len(name) <= 255 else None
-        if prefix is None:
+        parts = data_segment_parts(name) if len(name) <= 255 else None
+        if parts is None:
             if marks_name(name) == name:
                 raise RelayError(f"shm segment {shown(name)} is a release-marks segment, not data")
             raise RelayError(f"bad shm segment name {shown(name)}: not a pool's data segment")
+        prefix, owner, number = parts
         if prefix not in self._accepted:
             if self._trusted is not None and prefix not in self._trusted:
                 raise RelayError(f"shm segment {shown(name)}: prefix {prefix!r} is not trusted")
             raise _Unannounced(prefix, name)
-        data, data_fresh = self._maps.open(name, end=end)
+        marks, marks_fresh = self._maps.open(marks_name(name), writable=True)
         try:
-            marks, marks_fresh = self._maps.open(marks_name(name), writable=True)
+            assert marks.marks is not None
+            _check_grant(marks.marks, _Named(owner, number), name, offset, end, tid, owners)
+            data, data_fresh = self._maps.open(name, end=end)
         except BaseException:
-            if data_fresh:
-                data.unmap()
+            if marks_fresh:
+                marks.unmap()
             raise
         if marks_fresh:
             self._maps.cache(marks_name(name), marks)
         if data_fresh:
+            data.owner, data.number = owner, number
             self._maps.cache(name, data)
         data.marks = marks.marks
         return data
@@ -373,11 +471,14 @@ class ShmRelay(Relay):
 
     def local_info(self) -> bytes:
         # The prefix, so receivers of another prefix (compose: one per service) map this
-        # relay's segments because the coordinator announced it, and nobody else's.
-        return msgpack.packb({"backend": BACKEND, "id": self._prefix})
+        # relay's segments because the coordinator announced it, and nobody else's; the
+        # id (this process: the owner part of its segments' names), so a receiver reads
+        # only this process's transfers from this process's streams.
+        return msgpack.packb({"backend": BACKEND, "id": self._owner, "prefix": self._prefix})
 
     def set_peers(self, infos: list[bytes]) -> None:
         announced = set()
+        owners: dict[str, str] = {}
         for raw in infos:
             try:
                 info = msgpack.unpackb(raw, raw=False, strict_map_key=True)
@@ -385,15 +486,20 @@ class ShmRelay(Relay):
                 continue  # another backend's shape, or garbage: never this relay's concern
             if not isinstance(info, dict) or info.get("backend") != BACKEND:
                 continue
-            prefix = info.get("id")
+            peer = info.get("id")
+            prefix = info.get("prefix", peer)  # a peer of an older version: id = prefix
             if isinstance(prefix, str) and len(prefix) <= 200 and NAME_RE.fullmatch(prefix):
                 announced.add(prefix)
+                if isinstance(peer, str):
+                    owners[peer] = prefix
         self._announced = frozenset(announced)
+        self._announced_owners = owners
         self._accept()
 
     def trust_peers(self, peer_ids: Iterable[str] | None) -> None:
-        """Maps segments only of the announced prefixes in `peer_ids` (an shm relay's
-        peer id is its name prefix), besides its own; None: of every announced one."""
+        """Maps segments only of the announced prefixes in `peer_ids` (an shm peer id, or
+        a name prefix itself: trust is per prefix), besides its own; None: of every
+        announced one."""
         trusted: frozenset[str] | None = None
         if peer_ids is not None:
             # A lone string would iterate as its characters: a set of one-letter ids.
@@ -412,7 +518,10 @@ class ShmRelay(Relay):
     def _accept(self) -> None:
         """Recomputes the prefixes mapped, and forgets mappings of those no longer in it
         (views still held stay valid: see `SegmentMaps.drop`)."""
-        accepted = self._announced if self._trusted is None else self._announced & self._trusted
+        trusted = self._trusted
+        if trusted is not None:
+            trusted = frozenset(self._announced_owners.get(p, p) for p in trusted)
+        accepted = self._announced if trusted is None else self._announced & trusted
         self._accepted = accepted | {self._prefix}
         for name in list(self._maps.mapped):
             if segment_prefix(name) not in self._accepted:
@@ -462,3 +571,49 @@ class ShmRelay(Relay):
         if self._pool is not None:
             self._pool.close()
         self._maps.close()
+
+
+class _Named:
+    """The owner and number of a data segment not mapped yet (a `Mapping`'s fields)."""
+
+    __slots__ = ("number", "owner")
+
+    def __init__(self, owner: str, number: int) -> None:
+        self.owner = owner
+        self.number = number
+
+
+def _check_grant(
+    marks: memoryview,
+    segment: Mapping | _Named,
+    name: str,
+    offset: int,
+    end: int,
+    tid: int,
+    owners: frozenset[str] | None,
+) -> None:
+    """RelayError unless transfer `tid` is live in its sender's grant table, for bytes
+    [offset, end) of this segment, and `owners` may name it: they include the segment's
+    owner, or the process that handed the transfer on (see "Trust")."""
+    g = grant_index(tid & SLOT_MASK)
+    # The id is not shown: a live one is a capability, and errors reach logs and clients.
+    if marks[g] != tid:
+        raise RelayError(
+            f"shm descriptor: its transfer_id is not a live transfer of segment {shown(name)}'s "
+            "pool (guessed, stale or released)"
+        )
+    if marks[g + GRANT_SEGMENT] != segment.number or not (
+        marks[g + GRANT_START] <= offset and end <= marks[g + GRANT_END]
+    ):
+        raise RelayError(
+            f"shm descriptor: bytes [{offset}, {end}) of segment {shown(name)} are not the "
+            "extent its transfer_id was granted"
+        )
+    if owners is not None and segment.owner not in owners:
+        forwarder = marks[g + GRANT_FORWARDER]
+        if not forwarder or all(forward_tag(o) != forwarder for o in owners):
+            raise RelayError(
+                f"shm descriptor: region {shown(name)} is a segment of {segment.owner!r}, "
+                "which the sender of this stream did not announce, and the sender did not "
+                "hand that transfer on"
+            )

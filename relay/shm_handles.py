@@ -9,7 +9,7 @@ from typing import TYPE_CHECKING
 
 from omnirail.relay.base import Received, RelayHandle
 from omnirail.relay.credits import EdgeCredit
-from omnirail.relay.shm_pool import MARK_SLOTS, Extent
+from omnirail.relay.shm_pool import GRANT_FORWARDER, MARK_SLOTS, Extent, grant_index
 from omnirail.v1 import common_pb2
 
 if TYPE_CHECKING:
@@ -113,6 +113,12 @@ class ShmReceived(Received):
             self._marks = None
             return
         self.mark()
+
+    def tag_forward(self, tag: int) -> None:
+        """Records in the sender's grant that this process hands the transfer on: the
+        next receiver accepts the descriptor from it (omnirail/relay/shm.py, "Trust")."""
+        if self._marks is not None:
+            self._marks[grant_index(self._slot) + GRANT_FORWARDER] = tag
 
     def mark(self) -> None:
         """Writes the release mark (once): the sender may reuse the bytes."""

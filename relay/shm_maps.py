@@ -22,7 +22,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from omnirail.relay.base import RelayError, shown
-from omnirail.relay.shm_pool import MARK_SLOTS, SHM_DIR, close_mapping
+from omnirail.relay.shm_pool import MARKS_BYTES, SHM_DIR, close_mapping
 
 __all__ = ["Mapping", "SegmentMaps", "outside"]
 
@@ -43,6 +43,9 @@ class Mapping:
     # A marks segment: its uint64 view. A data segment: the view of its pool's marks.
     marks: memoryview | None = None
     addr: int = 0  # where the mapping starts in this process (data segments)
+    # A data segment's sending process (its shm peer id) and number in its pool.
+    owner: str = ""
+    number: int = -1
 
     def same_file(self, st: os.stat_result) -> bool:
         """Whether `st` is the file this maps (not a restarted sender's new one)."""
@@ -100,7 +103,14 @@ class SegmentMaps:
             size = st.st_size
             if not stat.S_ISREG(st.st_mode):
                 raise RelayError(f"shm segment {shown(name)} is not a regular file")
-            if writable and size != MARK_SLOTS * 8:
+            if st.st_mode & 0o077:
+                # Pools make their files owner-only: one that others may write could
+                # change (grants included) under a reader.
+                raise RelayError(
+                    f"shm segment {shown(name)} is not owner-only "
+                    f"(mode {stat.S_IMODE(st.st_mode):o})"
+                )
+            if writable and size != MARKS_BYTES:
                 raise RelayError(f"shm segment {shown(name)} has a bad size ({size})")
             if not writable and size == 0:
                 raise RelayError(f"shm segment {shown(name)} has a bad size (0)")

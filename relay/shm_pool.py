@@ -86,13 +86,18 @@ class ExtentAllocator:
 
 
 class Segment:
-    """One writable /dev/shm file owned by this process."""
+    """One writable /dev/shm file owned by this process (0600: owner-only), the
+    `number`th data segment of its pool (-1: the marks segment)."""
 
-    def __init__(self, name: str, size: int) -> None:
+    def __init__(self, name: str, size: int, number: int = -1) -> None:
         self.name = name
+        self.number = number
         self.path = os.path.join(SHM_DIR, name)
         fd = os.open(self.path, os.O_CREAT | os.O_EXCL | os.O_RDWR, 0o600)
         try:
+            # The mode above is filtered by the umask; this one is not (and a umask can
+            # only remove bits, so 0600 is what any umask leaves at most: made explicit).
+            os.fchmod(fd, 0o600)
             os.ftruncate(fd, size)
             self.mmap: mmap.mmap | None = mmap.mmap(fd, size)
         except BaseException:
@@ -140,6 +145,19 @@ class Extent:
 # marked extents itself, so a release needs no message back over the Deliver stream.
 MARK_SLOTS = 1 << 16
 MARKS_SUFFIX = "marks"
+# After the marks, the grant table: GRANT_WORDS uint64 per slot, written by the sender for
+# each live transfer (and cleared as it is released), read by receivers before they read
+# anything (see omnirail/relay/shm.py, "Trust"): the transfer id, the data segment's
+# number, the extent's start and end, and the forward tag of the stage that last handed
+# the transfer on (0: none).
+GRANT_WORDS = 5
+GRANT_TID, GRANT_SEGMENT, GRANT_START, GRANT_END, GRANT_FORWARDER = range(GRANT_WORDS)
+MARKS_BYTES = MARK_SLOTS * 8 * (1 + GRANT_WORDS)
+
+
+def grant_index(slot: int) -> int:
+    """Index of slot `slot`'s grant in the marks segment's uint64 view."""
+    return MARK_SLOTS + GRANT_WORDS * slot
 
 
 def marks_name(region: str) -> str:
@@ -150,7 +168,7 @@ def marks_name(region: str) -> str:
 # Names `ShmPool(prefix)` gives its segments, in any process: f"{prefix}-{pid}.{pool}-{n}"
 # (data) and f"{prefix}-{pid}.{pool}-marks". Fullmatch only; the numbers are ASCII digits
 # (`\d` would take other scripts' digits too), so the prefix is whatever comes before.
-_DATA_NAME_RE = re.compile(r"([A-Za-z0-9_.-]+)-[0-9]{1,10}\.[0-9]{1,10}-[0-9]{1,10}")
+_DATA_NAME_RE = re.compile(r"(([A-Za-z0-9_.-]+)-[0-9]{1,10})\.[0-9]{1,10}-([0-9]{1,10})")
 _MARKS_NAME_RE = re.compile(rf"([A-Za-z0-9_.-]+)-[0-9]{{1,10}}\.[0-9]{{1,10}}-{MARKS_SUFFIX}")
 
 
@@ -158,12 +176,24 @@ def data_segment_prefix(name: str) -> str | None:
     """The name prefix of data segment `name`, None when no pool would make that name
     (marks segments included). A receiver maps only data segments of prefixes it trusts."""
     match = _DATA_NAME_RE.fullmatch(name)
-    return match.group(1) if match is not None else None
+    return match.group(2) if match is not None else None
+
+
+def data_segment_parts(name: str) -> tuple[str, str, int] | None:
+    """(prefix, owner, segment number) of data segment `name`, None when no pool would
+    make that name. The owner, f"{prefix}-{pid}", is the sending process's shm peer id."""
+    match = _DATA_NAME_RE.fullmatch(name)
+    if match is None:
+        return None
+    return match.group(2), match.group(1), int(match.group(3))
 
 
 def segment_prefix(name: str) -> str | None:
     """The name prefix of a pool's data or marks segment `name` (None: neither)."""
-    match = _DATA_NAME_RE.fullmatch(name) or _MARKS_NAME_RE.fullmatch(name)
+    match = _DATA_NAME_RE.fullmatch(name)
+    if match is not None:
+        return match.group(2)
+    match = _MARKS_NAME_RE.fullmatch(name)
     return match.group(1) if match is not None else None
 
 
@@ -207,7 +237,7 @@ class ShmPool:
         atexit.register(self._reaper)
         self.closed = False
         self._stem = f"{prefix}-{os.getpid()}.{next(_pool_ids)}"
-        self._marks_segment = self._create(f"{self._stem}-{MARKS_SUFFIX}", MARK_SLOTS * 8)
+        self._marks_segment = self._create(f"{self._stem}-{MARKS_SUFFIX}", MARKS_BYTES)
         self.marks = np.frombuffer(self._marks_segment.mmap, np.uint64)  # type: ignore[arg-type]
 
     def alloc(self, nbytes: int) -> Extent:
@@ -230,10 +260,11 @@ class ShmPool:
 
     def _add_segment(self, size: int) -> Segment:
         while True:
-            name = f"{self._stem}-{self._next}"
+            number = self._next
+            name = f"{self._stem}-{number}"
             self._next += 1
             try:
-                seg = Segment(name, size)
+                seg = Segment(name, size, number)
             except FileExistsError:
                 # Left over by a dead process with our pid (containers reuse pids): skip.
                 continue

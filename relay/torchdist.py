@@ -18,6 +18,14 @@ the sender frees the transfer. gloo waits block, so they run in daemon threads t
 back with `call_soon_threadsafe`. Peer bytes are never unpickled. `device` cuda still moves
 the host pool's bytes over gloo: NCCL matches messages by order, not tag, and has no
 receive-from-any.
+
+Trust: ranks come from config, and a message's rank is the gloo pair it came in on (the
+connections made at rendezvous), never a field of the message. A FETCH is served only for a
+live transfer id (random, 63 bits) with its exact extent, and binds the transfer to that
+rank: another rank, a guessed id or a released one gets GONE and no bytes; only the bound
+rank's RELEASED frees it. What does not hold: the rendezvous store (rank 0's TCPStore) is
+unauthenticated, so a process that reaches its port before every rank joined could take a
+rank; bind it (`init_method`, `gloo_host`) to the mesh's own network.
 """
 
 from __future__ import annotations
@@ -208,7 +216,6 @@ class TorchDistRelay(PullRelay):
         self._bind_loop()
         self._waiters = _Waiters(f"torchdist-wait-r{self.rank}")
         self._tags = itertools.count()
-        self._served_to: dict[int, int] = {}  # tid -> rank its bytes went to
         self._fetched_from: dict[int, int] = {}  # id(descriptor) -> rank, while `get` runs
         # Reply tags: T = FIRST_REPLY_TAG + 2 * (n * world + rank), T + 1 below MAX_TAG.
         self._tag_span = (MAX_TAG - FIRST_REPLY_TAG) // (2 * self.world_size) - 1
@@ -357,13 +364,15 @@ class TorchDistRelay(PullRelay):
         if rank != src or self.closed or pg is not self._pg:
             return  # not from a peer of ours
         if kind == _RELEASED:
-            if self._served_to.get(tid) == src:
-                self.served(tid)  # the receiver is done with it: credit and extent come back
+            # Only the rank it was served to may release it (the pair is that rank's own
+            # connection from the rendezvous); its credit and extent come back.
+            self.served(tid, str(src))
         elif kind == _FETCH and FIRST_REPLY_TAG <= tag < MAX_TAG:
             self._serve(pg, src, tid, offset, nbytes, tag)
 
     def _serve(self, pg: Any, src: int, tid: int, offset: int, nbytes: int, tag: int) -> None:
-        view = self.source(tid, offset, nbytes)
+        # Bound to the first rank that fetches it: any other rank gets GONE, and nothing.
+        view = self.source(tid, offset, nbytes, str(src))
         data = torch.from_numpy(view) if view is not None else torch.empty(0, dtype=torch.uint8)
         status = torch.tensor([_GONE if view is None else _OK, nbytes], dtype=torch.int64)
         try:
@@ -375,12 +384,7 @@ class TorchDistRelay(PullRelay):
             return  # the pair is closed: the receiver's wait fails too
         done = self._waiters.run(asyncio.get_running_loop(), self._wait, works)
         if view is not None:
-            self._served_to[tid] = src
             done.add_done_callback(lambda _: self.end_send(tid))
-
-    def _release(self, handle: PulledHandle) -> None:
-        self._served_to.pop(handle.tid, None)
-        super()._release(handle)
 
     def _wait(self, works: list[Any]) -> None:
         """Runs in a waiter thread. A gloo timeout closes the group's pairs (the group is
@@ -430,13 +434,19 @@ class TorchDistRelay(PullRelay):
         except Exception as e:
             raise RelayError(f"{what} failed (peer gone or timed out): {e}") from e
         if status.tolist() != [_OK, nbytes]:
-            raise RelayError(f"{what}: the sender has no such live transfer (released?)")
+            raise RelayError(
+                f"{what}: the sender has no such live transfer for this rank (released, "
+                "guessed, or another rank's)"
+            )
+        self.bytes_in += nbytes
         self._fetched_from[id(descriptor)] = src
 
-    async def get(self, descriptor: common_pb2.RelayDescriptor) -> Received:
+    async def get(
+        self, descriptor: common_pb2.RelayDescriptor, owners: frozenset[str] | None = None
+    ) -> Received:
         key = id(descriptor)  # `_fetch` says which rank it fetched from (peers may change)
         try:
-            received = await super().get(descriptor)
+            received = await super().get(descriptor, owners)
         finally:
             src = self._fetched_from.pop(key, None)
         if src is None:

@@ -19,15 +19,32 @@ this module drives its worker from the owning loop instead (relay/ucx_engine.py)
 "polling" spins the loop unarmed while transfers are in flight (faster on idle cores only).
 A cma read runs inside progress, on the loop thread. Endpoints use peer error handling, so
 a dead peer fails its requests at once; `fetch_timeout_s` (default 30) bounds any fetch.
-`host`: the published address (default 127.0.0.1; the listener takes every interface);
-`ucx_config`: UCX settings of this relay's context (e.g. {"TLS": "tcp"}). Host memory only.
-Options are `omnirail.relay.options.UcxOptions` (defaults there).
+`host`: the published address (default 127.0.0.1); `listen`: an address of the interface
+UCX's transports listen on (default `host`; "0.0.0.0": all); `ucx_config`: UCX settings of
+this relay's context (e.g. {"TLS": "tcp"}). Host memory only. Options are
+`omnirail.relay.options.UcxOptions` (defaults there).
+
+Trust. Each relay makes a random key and publishes only its sha256 in `local_info()`. The
+first message on a receiver's endpoint (HELLO) carries its peer id and key; the sender
+serves that endpoint only if the id is an announced (and trusted) peer whose digest the key
+matches (`hmac.compare_digest`), and closes it otherwise: an unregistered process's fetch
+fails with RelayError and nothing is read from or sent to it. A GET is served only for a
+live transfer id (random) with its exact extent, and binds the transfer to the first peer
+served; another peer, a guessed or a released id gets the status, no bytes; only that peer's
+release frees it. The transports' listeners are limited to the interface of `listen` (UCX
+NET_DEVICES, unless set in `ucx_config` or UCX_NET_DEVICES); what does not hold: the
+connection listener on `port` still binds every address (ucxx 0.52 takes no address for
+it), and the key travels in clear like the payloads (use a private network or TLS-capable
+transports for confidentiality on the wire). The receiver does not authenticate the sender
+beyond its announced address.
 """
 
 from __future__ import annotations
 
 import asyncio
 import functools
+import hashlib
+import hmac
 import itertools
 import logging
 import os
@@ -44,10 +61,11 @@ import ucxx._lib.libucxx as ucx_api
 from ucxx._lib.arr import Array
 from ucxx.types import Tag
 
-from omnirail.relay.base import Received, RelayError, RelaySettings
+from omnirail.relay.base import Received, RelayError, RelaySettings, shown
 from omnirail.relay.host_pool import HostExtent
+from omnirail.relay.netif import listen_device
 from omnirail.relay.options import UcxOptions
-from omnirail.relay.pull import PulledHandle, PullRelay
+from omnirail.relay.pull import PEER_ID_RE, PulledHandle, PullRelay
 from omnirail.relay.ucx_engine import CLOSE_S, Engine
 from omnirail.v1 import common_pb2
 from omnirail.wire.payload import Packed
@@ -58,9 +76,12 @@ BACKEND = "ucx"
 log = logging.getLogger(__name__)
 
 # Requests: op and five numbers. GET: transfer id, offset, nbytes, reply tag, and a released
-# transfer id riding along (0: none); DONE: up to five released ids; HELLO: the request tag.
+# transfer id riding along (0: none); DONE: up to five released ids (HELLO: _HELLO_MSG).
 _REQ = struct.Struct("<B7x5Q")
 _GET, _DONE, _HELLO = 1, 2, 3
+# HELLO: op, request tag, the relay key proving the peer id that follows (utf-8).
+_HELLO_MSG = struct.Struct("<B7xQ32s")
+_KEY_BYTES = 32
 _NOT_LIVE = struct.pack("<Q", 1)  # the only status: a live transfer gets its bytes instead
 _CTL = 1 << 63  # set in request tags, clear in reply tags
 # cma rendezvous (one copy) under peer error handling: UCX allows it only where the memory
@@ -75,6 +96,7 @@ class _Peer:
     id: str
     host: str
     port: int
+    digest: bytes  # sha256 of its key: what its HELLO must prove
     ep: Any = None
     ctl: int = 0  # tag of our requests on `ep`
     gen: int = 0  # which endpoint a close callback is about
@@ -87,6 +109,7 @@ class _Conn:
 
     ep: Any
     ctl: int = 0  # 0: its HELLO has not come yet
+    peer: str = ""  # the peer id its HELLO proved
     buf: bytearray = field(default_factory=lambda: bytearray(_REQ.size))
 
 
@@ -118,12 +141,22 @@ class UcxRelay(PullRelay):
         opts = self.options
         self._host = opts.host or "127.0.0.1"
         self._fetch_timeout_s = opts.fetch_timeout_s
+        # Proves this relay's peer id to senders (first message on every endpoint); peers
+        # see only its digest, in `local_info()`.
+        self._key = secrets.token_bytes(_KEY_BYTES)
         mode = opts.progress
         config = {k: v for k, v in _UCX_DEFAULTS.items() if f"UCX_{k}" not in os.environ}
+        if "NET_DEVICES" not in opts.ucx_config and "UCX_NET_DEVICES" not in os.environ:
+            # UCX's transports listen on every network device it uses: only the one that
+            # has the mesh's address (shared memory and cma are not net devices).
+            device = listen_device(BACKEND, opts.listen, self._host)
+            if device is not None:
+                config["NET_DEVICES"] = device
         config.update(opts.ucx_config)
         self._tags = itertools.count(1)
         self._conns: set[_Conn] = set()
         self._greeting: set[_Conn] = set()  # accepted, HELLO not read yet
+        self._refused = 0  # connections whose HELLO proved no registered peer
         try:
             self._eng = Engine(config, polling=mode == "polling")
             # Needs no loop: connection requests wait until the worker progresses.
@@ -138,19 +171,27 @@ class UcxRelay(PullRelay):
     # ---------------------------------------------------------------- peers
 
     def _info(self) -> dict[str, Any]:
-        return {"host": self._host, "port": self.port}
+        key = hashlib.sha256(self._key).digest()
+        return {"host": self._host, "port": self.port, "key": key}
 
     def _add_peer(self, peer_id: str, info: dict[str, Any]) -> _Peer:
-        host, port = info.get("host"), info.get("port")
+        host, port, digest = info.get("host"), info.get("port"), info.get("key")
         if not isinstance(host, str) or not 0 < len(host) <= 255:
             raise ValueError("bad host")
         if not isinstance(port, int) or not 0 < port < 65536:
             raise ValueError("bad port")
-        return _Peer(peer_id, host, port)
+        if not isinstance(digest, bytes) or len(digest) != hashlib.sha256().digest_size:
+            raise ValueError("bad key digest")
+        return _Peer(peer_id, host, port, digest)
 
     def _drop_peer(self, peer_id: str, state: Any) -> None:
         if isinstance(state, _Peer) and state.ep is not None:
             self._reset(state, state.ep)
+        # It left (or is no longer trusted): its endpoints to us are served no more. (On
+        # close, `_close_backend` closes them all, after letting sends drain.)
+        if not self.closed:
+            for conn in [c for c in self._conns if c.peer == peer_id]:
+                self._drop_conn(conn)
 
     async def connect(self, timeout: float) -> None:
         # Nothing to wait for: the listener is up since __init__, and endpoints open on
@@ -173,7 +214,8 @@ class UcxRelay(PullRelay):
         # the sender learns which endpoint asks without a posted stream or AM receive (ucxx
         # never frees a worker that had one).
         peer.ep, peer.ctl = ep, _CTL | secrets.randbits(63)
-        self._eng.send(ep, _REQ.pack(_HELLO, peer.ctl, 0, 0, 0, 0))
+        hello = _HELLO_MSG.pack(_HELLO, peer.ctl, self._key) + self.peer_id.encode()
+        self._eng.send(ep, hello)
         return ep
 
     def _lost(self, peer: _Peer, gen: int) -> None:
@@ -229,13 +271,30 @@ class UcxRelay(PullRelay):
 
     def _hello(self, conn: _Conn, req: Any, err: BaseException | None) -> None:
         buf = None if err else req.recv_buffer
-        if buf is not None and len(buf) == _REQ.size:
-            op, ctl, *_ = _REQ.unpack(bytes(buf))
-            if op == _HELLO and ctl & _CTL:
-                conn.ctl = ctl
+        size = _HELLO_MSG.size
+        if buf is not None and size < len(buf) <= size + 200:
+            raw = bytes(buf)
+            op, ctl, key = _HELLO_MSG.unpack_from(raw)
+            peer_id = raw[size:].decode("ascii", "replace")
+            if op == _HELLO and ctl & _CTL and self._proves(peer_id, key):
+                conn.ctl, conn.peer = ctl, peer_id
                 self._listen(conn)
                 return
-        self._drop_conn(conn)  # not one of ours
+            self._refused += 1
+            if self._refused & (self._refused - 1) == 0:  # 1st, 2nd, 4th...: no log flood
+                log.warning(
+                    "ucx relay: refused a connection announcing %s: not a registered peer, "
+                    "or its key does not match (%d refused so far)",
+                    shown(peer_id),
+                    self._refused,
+                )
+        self._drop_conn(conn)  # not a registered peer: nothing is read from it or sent to it
+
+    def _proves(self, peer_id: str, key: bytes) -> bool:
+        """Whether `key` is the key of announced (and trusted) peer `peer_id`."""
+        peer = self._peers.get(peer_id) if PEER_ID_RE.fullmatch(peer_id) else None
+        digest = hashlib.sha256(key).digest()
+        return isinstance(peer, _Peer) and hmac.compare_digest(digest, peer.digest)
 
     def _conn_lost(self, conn: _Conn) -> None:
         # Runs inside worker progress (an error, or the receiver closed its endpoint).
@@ -266,14 +325,16 @@ class UcxRelay(PullRelay):
         op, *nums = _REQ.unpack(conn.buf)
         self._listen(conn)
         if op == _GET:
-            self._serve(conn.ep, *nums[:4])
+            self._serve(conn, *nums[:4])
             nums = nums[4:]
         if op in (_GET, _DONE):
             for tid in filter(None, nums):
-                self.served(tid)
+                self.served(tid, conn.peer)  # only the peer it was served to releases it
 
-    def _serve(self, ep: Any, tid: int, offset: int, nbytes: int, tag: int) -> None:
-        src = self.source(tid, offset, nbytes)
+    def _serve(self, conn: _Conn, tid: int, offset: int, nbytes: int, tag: int) -> None:
+        ep = conn.ep
+        # Bound to the first peer that fetches it: any other gets the status, no bytes.
+        src = self.source(tid, offset, nbytes, conn.peer)
         try:
             if src is None:
                 self._eng.send(ep, _NOT_LIVE, tag)
@@ -287,8 +348,10 @@ class UcxRelay(PullRelay):
 
     # ---------------------------------------------------------------- receiver side
 
-    async def get(self, descriptor: common_pb2.RelayDescriptor) -> Received:
-        received = await super().get(descriptor)
+    async def get(
+        self, descriptor: common_pb2.RelayDescriptor, owners: frozenset[str] | None = None
+    ) -> Received:
+        received = await super().get(descriptor, owners)
         peer = self._peers.get(descriptor.region)
         if not descriptor.nbytes or not isinstance(peer, _Peer):
             return received  # nothing to report
@@ -339,9 +402,10 @@ class UcxRelay(PullRelay):
             first.cancel()
         if which == 0:
             raise RelayError(
-                f"ucx relay: transfer {tid} is not live at {descriptor.region!r} "
-                "(released, aborted, or a wrong descriptor)"
+                f"ucx relay: transfer {tid} is not live at {descriptor.region!r} for this "
+                "peer (released, aborted, guessed, another peer's, or a wrong descriptor)"
             )
+        self.bytes_in += nbytes
 
     def _done(self, peer: _Peer, tid: int) -> None:
         """Reports released transfer `tid` with the next GET to its sender, or in a DONE

@@ -120,7 +120,8 @@ class AttachClient:
         async with channel:
             stub = mesh_pb2_grpc.CoordinatorStub(channel)
             call = stub.Attach(wait_for_ready=True, metadata=metadata)
-            await call.write(mesh_pb2.StageEvent(register=self._register))
+            # A draining replica that attaches again stays out of the routed topology.
+            await call.write(mesh_pb2.StageEvent(register=self._register, draining=self._draining))
             first = await call.read()
             if first is grpc.aio.EOF:
                 raise ConnectionError("coordinator closed the stream during registration")

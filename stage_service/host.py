@@ -4,6 +4,12 @@ Owns what is per process: the relays (one pool per backend), the Deliver server,
 router its stages send through (stage_service/router.py: the outgoing Deliver channels
 and the topology the coordinator pushes), and the lifecycle. Each hosted stage has its
 own Attach stream, scheduler, spans and metrics.
+
+Deliver streams are authenticated per member (omnirail/transport/members.py): each hosted
+stage's registration gets a member token from the coordinator; the process's outgoing
+streams show one of them, and its Deliver server accepts a stream only from a sender the
+topology lists with that token's digest, reading only relay descriptors that name what
+that sender announced.
 """
 
 from __future__ import annotations
@@ -18,7 +24,8 @@ from typing import Any
 import grpc
 
 from omnirail.config import PipelineConfig, dotted
-from omnirail.relay.base import Relay
+from omnirail.relay.base import Relay, shown
+from omnirail.relay.options import DEFAULT_PEER_WAIT_S
 from omnirail.stage.scheduler import STOP_WAIT_S, Scheduler, SimpleScheduler
 from omnirail.stage.tp import TensorParallel
 from omnirail.stage_service.attach import AttachClient
@@ -30,6 +37,7 @@ from omnirail.stage_service.stage import Stage
 from omnirail.telemetry.metrics import StageMetrics, watch_relay
 from omnirail.telemetry.tracer import Tracer
 from omnirail.transport.grpc_server import SERVING, bind, create_server, write_until_read_ends
+from omnirail.transport.members import MemberCredentials, MemberError, MemberTable
 from omnirail.transport.security import MeshSecurity, mesh_security
 from omnirail.v1 import mesh_pb2, mesh_pb2_grpc
 from omnirail.wire.errors import OmniError, invalid, unavailable
@@ -130,6 +138,13 @@ class StageHost(mesh_pb2_grpc.StageServicer):
         self.stages: dict[str, Stage] = {}
         self._attach: dict[str, AttachClient] = {}
         self._relays: dict[str, Relay] = {}
+        # Member tokens the coordinator gave each hosted stage's registration (secrets:
+        # never logged), and the members of the last topology, whom Deliver authenticates.
+        self._tokens: dict[str, bytes] = {}
+        self.members = MemberTable()
+        # How long a Deliver stream from a sender the topology does not list (yet) waits
+        # for a topology that does (the coordinator tells the sender first).
+        self.member_wait_s = DEFAULT_PEER_WAIT_S
         # Where this process's stages send (stages here by reference, others by channel).
         self.router = ProcessRouter(
             pipeline,
@@ -138,6 +153,7 @@ class StageHost(mesh_pb2_grpc.StageServicer):
             self._report_lost,
             max_message_bytes=self._max_message,
             security=self.security,
+            credentials=self.credentials,
         )
         self._tasks: list[asyncio.Task[None]] = []
         self._server: grpc.aio.Server | None = None
@@ -296,8 +312,21 @@ class StageHost(mesh_pb2_grpc.StageServicer):
 
     # ---- coordinator commands ------------------------------------------------
 
+    def credentials(self) -> MemberCredentials | None:
+        """What this process's Deliver streams show: the member token of its first hosted
+        stage that has one (None before any registration got its token)."""
+        for name in self.stage_names:
+            token = self._tokens.get(name)
+            if token:
+                return MemberCredentials(self.replica_id, name, token)
+        return None
+
     def _on_command(self, stage_name: str, cmd: mesh_pb2.CoordinatorCommand) -> None:
+        if cmd.member_token:
+            # Before the topology of the same command: channels it opens show this token.
+            self._tokens[stage_name] = cmd.member_token
         if cmd.HasField("topology"):
+            self.members.update(cmd.topology)
             self.router.set_topology(cmd.topology, self._relays)
         for abort in cmd.aborts:
             self.router.forget(abort.request_id)
@@ -320,6 +349,13 @@ class StageHost(mesh_pb2_grpc.StageServicer):
         request_iterator: AsyncIterator[mesh_pb2.DeliverBatch],
         context: grpc.aio.ServicerContext,
     ) -> None:
+        try:
+            sender = await self.members.authenticate(
+                context.invocation_metadata(), self.member_wait_s
+            )
+        except MemberError as e:
+            await context.abort(grpc.StatusCode.UNAUTHENTICATED, str(e))
+            return
         acks = mesh_pb2.AckBatch()
         wake = asyncio.Event()
 
@@ -334,7 +370,24 @@ class StageHost(mesh_pb2_grpc.StageServicer):
 
         async def read() -> None:
             async for batch in request_iterator:
+                try:
+                    sender.check()  # a topology may have dropped the member since
+                except MemberError as e:
+                    # Ends the call with this status once the reader returns.
+                    context.set_code(grpc.StatusCode.UNAUTHENTICATED)
+                    context.set_details(str(e))
+                    return
                 for item in batch.items:
+                    if not sender.sends_as(item.from_stage):
+                        who = sender.member.describe()
+                        err = invalid(
+                            f"item's from_stage {shown(item.from_stage)} is not a stage of its "
+                            f"sender, {who}"
+                        )
+                        # Only the sender hears of it: failing the request would let any
+                        # member fail others' requests by naming them.
+                        ack_for(item.seq)(err)
+                        continue
                     stage = self.stages.get(item.to_stage)
                     if stage is None:
                         err = invalid(
@@ -344,7 +397,7 @@ class StageHost(mesh_pb2_grpc.StageServicer):
                         if item.request_id:
                             next(iter(self._attach.values())).fail(item.request_id, err)
                         continue
-                    await stage.on_item(item, ack_for(item.seq))
+                    await stage.on_item(item, ack_for(item.seq), owners=sender.owners)
 
         def take() -> mesh_pb2.AckBatch | None:
             nonlocal acks

@@ -17,7 +17,7 @@ from typing import Any
 
 from omnirail.relay.base import Relay, Releasable
 from omnirail.stage_service.edge_sender import LocalValue
-from omnirail.transport.deliver import DeliverChannel
+from omnirail.transport.deliver import CredentialsFn, DeliverChannel
 from omnirail.transport.security import MeshSecurity
 from omnirail.v1 import mesh_pb2
 from omnirail.wire.errors import OmniError
@@ -42,6 +42,7 @@ class ProcessRouter:
         *,
         max_message_bytes: int,
         security: MeshSecurity,
+        credentials: CredentialsFn | None = None,
     ) -> None:
         self._pipeline = pipeline
         self._stages = stages  # the host's, by name (filled as they start)
@@ -49,6 +50,7 @@ class ProcessRouter:
         self._on_lost = on_lost
         self._max_message = max_message_bytes
         self._security = security
+        self._credentials = credentials
         self.topology: dict[str, list[str]] = {}
         self._address_stage: dict[str, str] = {}
         self.channels: dict[str, DeliverChannel] = {}
@@ -95,6 +97,7 @@ class ProcessRouter:
                 ),
                 max_message_bytes=self._max_message,
                 security=self._security,
+                credentials=self._credentials,
             )
             self.channels[address] = channel
         channel.send(item, handle)
@@ -156,8 +159,11 @@ class ProcessRouter:
         self._address_stage = {a: name for name, addrs in self.topology.items() for a in addrs}
         stages = topology.stages.values()
         self._retire_channels({e.address: e.replica_id for eps in stages for e in eps.endpoints})
+        # Draining replicas take no new work but still send what they finish: their
+        # relays stay reachable.
+        groups = (*stages, *topology.draining.values())
         infos = list(
-            dict.fromkeys(info for eps in stages for ep in eps.endpoints for info in ep.relay_infos)
+            dict.fromkeys(info for eps in groups for ep in eps.endpoints for info in ep.relay_infos)
         )
         for relay in relays.values():
             relay.set_peers(infos)

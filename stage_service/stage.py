@@ -154,12 +154,19 @@ class Stage:
     # ---- input path ----------------------------------------------------------
 
     async def on_item(
-        self, item: mesh_pb2.DeliverItem, ack: AckFn, local: LocalValue | None = None
+        self,
+        item: mesh_pb2.DeliverItem,
+        ack: AckFn,
+        local: LocalValue | None = None,
+        owners: frozenset[str] | None = None,
     ) -> None:
         """One delivered item, a payload or a stream item, through one path: dropped when
         its request was aborted, read (relay or message), then taken as a payload (fan-in,
         scheduler) or as a stream chunk. `local`: the value of an item from a stage in
         this process (handed over by reference: nothing to read, nothing malformed).
+        `owners`: the relay peer ids the stream's authenticated sender announced; a relay
+        descriptor naming anything else is refused (`Relay.get`; None: no binding, for
+        items from this process).
 
         What the sender gets back (`ack`): every stream item is acked (a chunk once the
         scheduler has taken it: that returns the producer's credit); a payload item only
@@ -174,21 +181,21 @@ class Stage:
         acks = stream or relayed  # whether this item is acked at all
         if rid in self._aborted or (stream and rid in self._ended):
             if stream:
-                await drain(item, self._relays)
+                await drain(item, self._relays, owners)
             if acks:
                 ack(None)
             return
         req: RequestState | None = None
         if stream:
             req = self._request_for(item)
-            if not await self._stream_signal(item, req, ack):
+            if not await self._stream_signal(item, req, ack, owners):
                 return  # an end, an error or a bad stream item: nothing to read
         source = item.from_stage or "coordinator"
         get_ns = time.time_ns()
         try:
             # Relayed chunk bytes are copied out and the slot released on arrival, so a
             # window the scheduler keeps never pins relay credit.
-            received = await self._receive(item, local, copy=stream and relayed)
+            received = await self._receive(item, local, owners, copy=stream and relayed)
         except (PayloadError, RelayError) as exc:
             what = "stream chunk" if stream else "payload"
             err = invalid(f"bad {what} from {source}: {exc}", self.name)
@@ -240,13 +247,20 @@ class Stage:
             self._submit(rid, req, ready)
 
     async def _receive(
-        self, item: mesh_pb2.DeliverItem, local: LocalValue | None, *, copy: bool
+        self,
+        item: mesh_pb2.DeliverItem,
+        local: LocalValue | None,
+        owners: frozenset[str] | None,
+        *,
+        copy: bool,
     ) -> ReceivedPayload:
         """An item's value: the object itself from a stage in this process, else read
         from the message or relay (GPU tensors onto this stage's device)."""
         if local is not None:
             return ReceivedPayload(local.value)
-        return await receive_payload(item.payload, self._relays, copy=copy, device=self._device)
+        return await receive_payload(
+            item.payload, self._relays, copy=copy, device=self._device, owners=owners
+        )
 
     def _request_for(self, item: mesh_pb2.DeliverItem, start_ns: int | None = None) -> RequestState:
         """The request's state here, made (with its span) by its first item."""
@@ -285,7 +299,11 @@ class Stage:
     # ---- stream input ----------------------------------------------------------
 
     async def _stream_signal(
-        self, item: mesh_pb2.DeliverItem, req: RequestState, ack: AckFn
+        self,
+        item: mesh_pb2.DeliverItem,
+        req: RequestState,
+        ack: AckFn,
+        owners: frozenset[str] | None,
     ) -> bool:
         """Checks a stream item and takes what carries no data (its producer's error, the
         end of its stream); True when it is a chunk to read."""
@@ -308,7 +326,7 @@ class Stage:
             problem = req.streams.problem(source, signal)
         if problem is not None:
             err = invalid(problem, self.name)
-            await drain(item, self._relays)
+            await drain(item, self._relays, owners)
             ack(err)
             self._fail(rid, err)
             return False

@@ -53,12 +53,17 @@ class InStreams:
             self.next_chunk[source] = signal.chunk_id + 1
 
 
-async def drain(item: mesh_pb2.DeliverItem, relays: Mapping[str, Relay]) -> None:
-    """Releases the relay slot of a stream item that will not be used."""
+async def drain(
+    item: mesh_pb2.DeliverItem,
+    relays: Mapping[str, Relay],
+    owners: frozenset[str] | None = None,
+) -> None:
+    """Releases the relay slot of a stream item that will not be used (only one its
+    sender, of `owners`, may name: see `Relay.get`)."""
     if not item.payload.HasField("relay"):
         return
     try:
-        received = await receive_payload(item.payload, relays)
+        received = await receive_payload(item.payload, relays, owners=owners)
     except (PayloadError, RelayError):
         return
     received.release()

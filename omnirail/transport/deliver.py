@@ -5,6 +5,10 @@ so a burst of N results costs one write, not N. Acks come back on the same strea
 relayed items only: each names an item's `seq` and returns its relay handle (credit).
 Inline items hold nothing on the sender, so they are not acked; if their receiver dies,
 the coordinator learns it from the receiver's broken Attach stream and fails them.
+
+Each stream shows the sender's member credentials in its metadata (`credentials`, see
+omnirail/transport/members.py): receivers refuse streams of senders they cannot
+authenticate.
 """
 
 from __future__ import annotations
@@ -20,6 +24,7 @@ import grpc
 
 from omnirail.relay.base import Releasable
 from omnirail.transport.batching import take_batch, wait_until
+from omnirail.transport.members import MemberCredentials
 from omnirail.transport.security import MeshSecurity, mesh_channel
 from omnirail.v1 import common_pb2, mesh_pb2, mesh_pb2_grpc
 
@@ -38,6 +43,9 @@ class _Pending:
 
 # Called with the request ids whose items were lost when a stream broke.
 LostCallback = Callable[[list[str], str], None]
+# The sender's member credentials as of now (None: it has none yet); read per stream, so a
+# stream opened after the sender registered again shows its new token.
+CredentialsFn = Callable[[], MemberCredentials | None]
 
 
 def channel_options(max_message_bytes: int) -> list[tuple[str, Any]]:
@@ -60,10 +68,12 @@ class DeliverChannel:
         *,
         max_message_bytes: int = 64 << 20,
         security: MeshSecurity | None = None,
+        credentials: CredentialsFn | None = None,
     ) -> None:
         self.address = address
         self._sender = sender
         self._security = security
+        self._credentials = credentials
         self._on_lost = on_lost
         self._max_message_bytes = max_message_bytes
         self._queue: deque[mesh_pb2.DeliverItem] = deque()
@@ -153,6 +163,9 @@ class DeliverChannel:
         self._channel, metadata = mesh_channel(
             self._security, self.address, channel_options(self._max_message_bytes), aio=True
         )
+        creds = self._credentials() if self._credentials is not None else None
+        if creds is not None:
+            metadata = (*metadata, *creds.metadata())
         stub = mesh_pb2_grpc.StageStub(self._channel)
         call = stub.Deliver(metadata=metadata)
         acks = asyncio.get_running_loop().create_task(self._read_acks(call))

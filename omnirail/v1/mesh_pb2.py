@@ -25,7 +25,7 @@ _sym_db = _symbol_database.Default()
 from omnirail.v1 import common_pb2 as omnirail_dot_v1_dot_common__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x16omnirail/v1/mesh.proto\x12\x0bomnirail.v1\x1a\x18omnirail/v1/common.proto\"\x91\x01\n\x08Register\x12\r\n\x05stage\x18\x01 \x01(\t\x12\x12\n\nreplica_id\x18\x02 \x01(\t\x12\x0f\n\x07\x61\x64\x64ress\x18\x03 \x01(\t\x12\x0b\n\x03pid\x18\x04 \x01(\r\x12\x16\n\x0erelay_backends\x18\x05 \x03(\t\x12\x17\n\x0fmetrics_address\x18\x06 \x01(\t\x12\x13\n\x0brelay_infos\x18\x07 \x03(\x0c\"[\n\nCompletion\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12$\n\x06output\x18\x02 \x01(\x0b\x32\x14.omnirail.v1.Payload\x12\x13\n\x0btraceparent\x18\x03 \x01(\t\"@\n\x07\x46\x61ilure\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12!\n\x05\x65rror\x18\x02 \x01(\x0b\x32\x12.omnirail.v1.Error\"-\n\x04Load\x12\x13\n\x0bqueue_depth\x18\x01 \x01(\r\x12\x10\n\x08inflight\x18\x02 \x01(\r\"\x1e\n\x08\x41\x62ortAck\x12\x12\n\nrequest_id\x18\x01 \x01(\t\"i\n\x0b\x43lientChunk\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x10\n\x08\x63hunk_id\x18\x02 \x01(\x04\x12\x10\n\x08modality\x18\x03 \x01(\t\x12\"\n\x04\x64\x61ta\x18\x04 \x01(\x0b\x32\x14.omnirail.v1.Payload\"\x93\x02\n\nStageEvent\x12\'\n\x08register\x18\x01 \x01(\x0b\x32\x15.omnirail.v1.Register\x12,\n\x0b\x63ompletions\x18\x02 \x03(\x0b\x32\x17.omnirail.v1.Completion\x12&\n\x08\x66\x61ilures\x18\x03 \x03(\x0b\x32\x14.omnirail.v1.Failure\x12)\n\nabort_acks\x18\x04 \x03(\x0b\x32\x15.omnirail.v1.AbortAck\x12\x1f\n\x04load\x18\x05 \x01(\x0b\x32\x11.omnirail.v1.Load\x12(\n\x06\x63hunks\x18\x06 \x03(\x0b\x32\x18.omnirail.v1.ClientChunk\x12\x10\n\x08\x64raining\x18\x07 \x01(\x08\"+\n\x05\x41\x62ort\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x0e\n\x06reason\x18\x02 \x01(\t\"D\n\x08\x45ndpoint\x12\x12\n\nreplica_id\x18\x01 \x01(\t\x12\x0f\n\x07\x61\x64\x64ress\x18\x02 \x01(\t\x12\x13\n\x0brelay_infos\x18\x03 \x03(\x0c\":\n\x0eStageEndpoints\x12(\n\tendpoints\x18\x01 \x03(\x0b\x32\x15.omnirail.v1.Endpoint\"\x89\x01\n\x08Topology\x12\x31\n\x06stages\x18\x01 \x03(\x0b\x32!.omnirail.v1.Topology.StagesEntry\x1aJ\n\x0bStagesEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12*\n\x05value\x18\x02 \x01(\x0b\x32\x1b.omnirail.v1.StageEndpoints:\x02\x38\x01\"\x1a\n\x08Shutdown\x12\x0e\n\x06reason\x18\x01 \x01(\t\"\xba\x01\n\x12\x43oordinatorCommand\x12\'\n\x08topology\x18\x01 \x01(\x0b\x32\x15.omnirail.v1.Topology\x12\"\n\x06\x61\x62orts\x18\x02 \x03(\x0b\x32\x12.omnirail.v1.Abort\x12\'\n\x08shutdown\x18\x03 \x01(\x0b\x32\x15.omnirail.v1.Shutdown\x12\x10\n\x08released\x18\x04 \x01(\x08\x12\x1c\n\x14\x63losed_conversations\x18\x05 \x03(\t\"Q\n\x0bRequestMeta\x12\x17\n\x0fterminal_stages\x18\x01 \x03(\t\x12\x10\n\x08\x64\x65\x61\x64line\x18\x02 \x01(\x01\x12\x17\n\x0f\x63onversation_id\x18\x03 \x01(\t\"c\n\x0cStreamSignal\x12\x10\n\x08\x63hunk_id\x18\x01 \x01(\x04\x12\x0c\n\x04\x64one\x18\x02 \x01(\x08\x12!\n\x05\x65rror\x18\x03 \x01(\x0b\x32\x12.omnirail.v1.Error\x12\x10\n\x08modality\x18\x04 \x01(\t\"\xe3\x01\n\x0b\x44\x65liverItem\x12\x0b\n\x03seq\x18\x01 \x01(\x04\x12\x12\n\nrequest_id\x18\x02 \x01(\t\x12\x12\n\nfrom_stage\x18\x03 \x01(\t\x12\x10\n\x08to_stage\x18\x04 \x01(\t\x12%\n\x07payload\x18\x05 \x01(\x0b\x32\x14.omnirail.v1.Payload\x12\x13\n\x0btraceparent\x18\x06 \x01(\t\x12&\n\x04meta\x18\x07 \x01(\x0b\x32\x18.omnirail.v1.RequestMeta\x12)\n\x06stream\x18\x08 \x01(\x0b\x32\x19.omnirail.v1.StreamSignal\"G\n\x0c\x44\x65liverBatch\x12\x0e\n\x06sender\x18\x01 \x01(\t\x12\'\n\x05items\x18\x02 \x03(\x0b\x32\x18.omnirail.v1.DeliverItem\"5\n\x03\x41\x63k\x12\x0b\n\x03seq\x18\x01 \x01(\x04\x12!\n\x05\x65rror\x18\x02 \x01(\x0b\x32\x12.omnirail.v1.Error\"*\n\x08\x41\x63kBatch\x12\x1e\n\x04\x61\x63ks\x18\x01 \x03(\x0b\x32\x10.omnirail.v1.Ack2U\n\x0b\x43oordinator\x12\x46\n\x06\x41ttach\x12\x17.omnirail.v1.StageEvent\x1a\x1f.omnirail.v1.CoordinatorCommand(\x01\x30\x01\x32H\n\x05Stage\x12?\n\x07\x44\x65liver\x12\x19.omnirail.v1.DeliverBatch\x1a\x15.omnirail.v1.AckBatch(\x01\x30\x01\x62\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x16omnirail/v1/mesh.proto\x12\x0bomnirail.v1\x1a\x18omnirail/v1/common.proto\"\x91\x01\n\x08Register\x12\r\n\x05stage\x18\x01 \x01(\t\x12\x12\n\nreplica_id\x18\x02 \x01(\t\x12\x0f\n\x07\x61\x64\x64ress\x18\x03 \x01(\t\x12\x0b\n\x03pid\x18\x04 \x01(\r\x12\x16\n\x0erelay_backends\x18\x05 \x03(\t\x12\x17\n\x0fmetrics_address\x18\x06 \x01(\t\x12\x13\n\x0brelay_infos\x18\x07 \x03(\x0c\"[\n\nCompletion\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12$\n\x06output\x18\x02 \x01(\x0b\x32\x14.omnirail.v1.Payload\x12\x13\n\x0btraceparent\x18\x03 \x01(\t\"@\n\x07\x46\x61ilure\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12!\n\x05\x65rror\x18\x02 \x01(\x0b\x32\x12.omnirail.v1.Error\"-\n\x04Load\x12\x13\n\x0bqueue_depth\x18\x01 \x01(\r\x12\x10\n\x08inflight\x18\x02 \x01(\r\"\x1e\n\x08\x41\x62ortAck\x12\x12\n\nrequest_id\x18\x01 \x01(\t\"i\n\x0b\x43lientChunk\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x10\n\x08\x63hunk_id\x18\x02 \x01(\x04\x12\x10\n\x08modality\x18\x03 \x01(\t\x12\"\n\x04\x64\x61ta\x18\x04 \x01(\x0b\x32\x14.omnirail.v1.Payload\"\x93\x02\n\nStageEvent\x12\'\n\x08register\x18\x01 \x01(\x0b\x32\x15.omnirail.v1.Register\x12,\n\x0b\x63ompletions\x18\x02 \x03(\x0b\x32\x17.omnirail.v1.Completion\x12&\n\x08\x66\x61ilures\x18\x03 \x03(\x0b\x32\x14.omnirail.v1.Failure\x12)\n\nabort_acks\x18\x04 \x03(\x0b\x32\x15.omnirail.v1.AbortAck\x12\x1f\n\x04load\x18\x05 \x01(\x0b\x32\x11.omnirail.v1.Load\x12(\n\x06\x63hunks\x18\x06 \x03(\x0b\x32\x18.omnirail.v1.ClientChunk\x12\x10\n\x08\x64raining\x18\x07 \x01(\x08\"+\n\x05\x41\x62ort\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x0e\n\x06reason\x18\x02 \x01(\t\"[\n\x08\x45ndpoint\x12\x12\n\nreplica_id\x18\x01 \x01(\t\x12\x0f\n\x07\x61\x64\x64ress\x18\x02 \x01(\t\x12\x13\n\x0brelay_infos\x18\x03 \x03(\x0c\x12\x15\n\rmember_digest\x18\x04 \x01(\x0c\":\n\x0eStageEndpoints\x12(\n\tendpoints\x18\x01 \x03(\x0b\x32\x15.omnirail.v1.Endpoint\"\xaa\x02\n\x08Topology\x12\x31\n\x06stages\x18\x01 \x03(\x0b\x32!.omnirail.v1.Topology.StagesEntry\x12\x1a\n\x12\x63oordinator_digest\x18\x02 \x01(\x0c\x12\x35\n\x08\x64raining\x18\x03 \x03(\x0b\x32#.omnirail.v1.Topology.DrainingEntry\x1aJ\n\x0bStagesEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12*\n\x05value\x18\x02 \x01(\x0b\x32\x1b.omnirail.v1.StageEndpoints:\x02\x38\x01\x1aL\n\rDrainingEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12*\n\x05value\x18\x02 \x01(\x0b\x32\x1b.omnirail.v1.StageEndpoints:\x02\x38\x01\"\x1a\n\x08Shutdown\x12\x0e\n\x06reason\x18\x01 \x01(\t\"\xd0\x01\n\x12\x43oordinatorCommand\x12\'\n\x08topology\x18\x01 \x01(\x0b\x32\x15.omnirail.v1.Topology\x12\"\n\x06\x61\x62orts\x18\x02 \x03(\x0b\x32\x12.omnirail.v1.Abort\x12\'\n\x08shutdown\x18\x03 \x01(\x0b\x32\x15.omnirail.v1.Shutdown\x12\x10\n\x08released\x18\x04 \x01(\x08\x12\x1c\n\x14\x63losed_conversations\x18\x05 \x03(\t\x12\x14\n\x0cmember_token\x18\x06 \x01(\x0c\"Q\n\x0bRequestMeta\x12\x17\n\x0fterminal_stages\x18\x01 \x03(\t\x12\x10\n\x08\x64\x65\x61\x64line\x18\x02 \x01(\x01\x12\x17\n\x0f\x63onversation_id\x18\x03 \x01(\t\"c\n\x0cStreamSignal\x12\x10\n\x08\x63hunk_id\x18\x01 \x01(\x04\x12\x0c\n\x04\x64one\x18\x02 \x01(\x08\x12!\n\x05\x65rror\x18\x03 \x01(\x0b\x32\x12.omnirail.v1.Error\x12\x10\n\x08modality\x18\x04 \x01(\t\"\xe3\x01\n\x0b\x44\x65liverItem\x12\x0b\n\x03seq\x18\x01 \x01(\x04\x12\x12\n\nrequest_id\x18\x02 \x01(\t\x12\x12\n\nfrom_stage\x18\x03 \x01(\t\x12\x10\n\x08to_stage\x18\x04 \x01(\t\x12%\n\x07payload\x18\x05 \x01(\x0b\x32\x14.omnirail.v1.Payload\x12\x13\n\x0btraceparent\x18\x06 \x01(\t\x12&\n\x04meta\x18\x07 \x01(\x0b\x32\x18.omnirail.v1.RequestMeta\x12)\n\x06stream\x18\x08 \x01(\x0b\x32\x19.omnirail.v1.StreamSignal\"G\n\x0c\x44\x65liverBatch\x12\x0e\n\x06sender\x18\x01 \x01(\t\x12\'\n\x05items\x18\x02 \x03(\x0b\x32\x18.omnirail.v1.DeliverItem\"5\n\x03\x41\x63k\x12\x0b\n\x03seq\x18\x01 \x01(\x04\x12!\n\x05\x65rror\x18\x02 \x01(\x0b\x32\x12.omnirail.v1.Error\"*\n\x08\x41\x63kBatch\x12\x1e\n\x04\x61\x63ks\x18\x01 \x03(\x0b\x32\x10.omnirail.v1.Ack2U\n\x0b\x43oordinator\x12\x46\n\x06\x41ttach\x12\x17.omnirail.v1.StageEvent\x1a\x1f.omnirail.v1.CoordinatorCommand(\x01\x30\x01\x32H\n\x05Stage\x12?\n\x07\x44\x65liver\x12\x19.omnirail.v1.DeliverBatch\x1a\x15.omnirail.v1.AckBatch(\x01\x30\x01\x62\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -34,6 +34,8 @@ if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
   _globals['_TOPOLOGY_STAGESENTRY']._loaded_options = None
   _globals['_TOPOLOGY_STAGESENTRY']._serialized_options = b'8\001'
+  _globals['_TOPOLOGY_DRAININGENTRY']._loaded_options = None
+  _globals['_TOPOLOGY_DRAININGENTRY']._serialized_options = b'8\001'
   _globals['_REGISTER']._serialized_start=66
   _globals['_REGISTER']._serialized_end=211
   _globals['_COMPLETION']._serialized_start=213
@@ -51,31 +53,33 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_ABORT']._serialized_start=836
   _globals['_ABORT']._serialized_end=879
   _globals['_ENDPOINT']._serialized_start=881
-  _globals['_ENDPOINT']._serialized_end=949
-  _globals['_STAGEENDPOINTS']._serialized_start=951
-  _globals['_STAGEENDPOINTS']._serialized_end=1009
-  _globals['_TOPOLOGY']._serialized_start=1012
-  _globals['_TOPOLOGY']._serialized_end=1149
-  _globals['_TOPOLOGY_STAGESENTRY']._serialized_start=1075
-  _globals['_TOPOLOGY_STAGESENTRY']._serialized_end=1149
-  _globals['_SHUTDOWN']._serialized_start=1151
-  _globals['_SHUTDOWN']._serialized_end=1177
-  _globals['_COORDINATORCOMMAND']._serialized_start=1180
-  _globals['_COORDINATORCOMMAND']._serialized_end=1366
-  _globals['_REQUESTMETA']._serialized_start=1368
-  _globals['_REQUESTMETA']._serialized_end=1449
-  _globals['_STREAMSIGNAL']._serialized_start=1451
-  _globals['_STREAMSIGNAL']._serialized_end=1550
-  _globals['_DELIVERITEM']._serialized_start=1553
-  _globals['_DELIVERITEM']._serialized_end=1780
-  _globals['_DELIVERBATCH']._serialized_start=1782
-  _globals['_DELIVERBATCH']._serialized_end=1853
-  _globals['_ACK']._serialized_start=1855
-  _globals['_ACK']._serialized_end=1908
-  _globals['_ACKBATCH']._serialized_start=1910
-  _globals['_ACKBATCH']._serialized_end=1952
-  _globals['_COORDINATOR']._serialized_start=1954
-  _globals['_COORDINATOR']._serialized_end=2039
-  _globals['_STAGE']._serialized_start=2041
-  _globals['_STAGE']._serialized_end=2113
+  _globals['_ENDPOINT']._serialized_end=972
+  _globals['_STAGEENDPOINTS']._serialized_start=974
+  _globals['_STAGEENDPOINTS']._serialized_end=1032
+  _globals['_TOPOLOGY']._serialized_start=1035
+  _globals['_TOPOLOGY']._serialized_end=1333
+  _globals['_TOPOLOGY_STAGESENTRY']._serialized_start=1181
+  _globals['_TOPOLOGY_STAGESENTRY']._serialized_end=1255
+  _globals['_TOPOLOGY_DRAININGENTRY']._serialized_start=1257
+  _globals['_TOPOLOGY_DRAININGENTRY']._serialized_end=1333
+  _globals['_SHUTDOWN']._serialized_start=1335
+  _globals['_SHUTDOWN']._serialized_end=1361
+  _globals['_COORDINATORCOMMAND']._serialized_start=1364
+  _globals['_COORDINATORCOMMAND']._serialized_end=1572
+  _globals['_REQUESTMETA']._serialized_start=1574
+  _globals['_REQUESTMETA']._serialized_end=1655
+  _globals['_STREAMSIGNAL']._serialized_start=1657
+  _globals['_STREAMSIGNAL']._serialized_end=1756
+  _globals['_DELIVERITEM']._serialized_start=1759
+  _globals['_DELIVERITEM']._serialized_end=1986
+  _globals['_DELIVERBATCH']._serialized_start=1988
+  _globals['_DELIVERBATCH']._serialized_end=2059
+  _globals['_ACK']._serialized_start=2061
+  _globals['_ACK']._serialized_end=2114
+  _globals['_ACKBATCH']._serialized_start=2116
+  _globals['_ACKBATCH']._serialized_end=2158
+  _globals['_COORDINATOR']._serialized_start=2160
+  _globals['_COORDINATOR']._serialized_end=2245
+  _globals['_STAGE']._serialized_start=2247
+  _globals['_STAGE']._serialized_end=2319
 # @@protoc_insertion_point(module_scope)

@@ -96,14 +96,16 @@ class Abort(_message.Message):
     def __init__(self, request_id: _Optional[str] = ..., reason: _Optional[str] = ...) -> None: ...
 
 class Endpoint(_message.Message):
-    __slots__ = ("replica_id", "address", "relay_infos")
+    __slots__ = ("replica_id", "address", "relay_infos", "member_digest")
     REPLICA_ID_FIELD_NUMBER: _ClassVar[int]
     ADDRESS_FIELD_NUMBER: _ClassVar[int]
     RELAY_INFOS_FIELD_NUMBER: _ClassVar[int]
+    MEMBER_DIGEST_FIELD_NUMBER: _ClassVar[int]
     replica_id: str
     address: str
     relay_infos: _containers.RepeatedScalarFieldContainer[bytes]
-    def __init__(self, replica_id: _Optional[str] = ..., address: _Optional[str] = ..., relay_infos: _Optional[_Iterable[bytes]] = ...) -> None: ...
+    member_digest: bytes
+    def __init__(self, replica_id: _Optional[str] = ..., address: _Optional[str] = ..., relay_infos: _Optional[_Iterable[bytes]] = ..., member_digest: _Optional[bytes] = ...) -> None: ...
 
 class StageEndpoints(_message.Message):
     __slots__ = ("endpoints",)
@@ -112,7 +114,7 @@ class StageEndpoints(_message.Message):
     def __init__(self, endpoints: _Optional[_Iterable[_Union[Endpoint, _Mapping]]] = ...) -> None: ...
 
 class Topology(_message.Message):
-    __slots__ = ("stages",)
+    __slots__ = ("stages", "coordinator_digest", "draining")
     class StagesEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -120,9 +122,20 @@ class Topology(_message.Message):
         key: str
         value: StageEndpoints
         def __init__(self, key: _Optional[str] = ..., value: _Optional[_Union[StageEndpoints, _Mapping]] = ...) -> None: ...
+    class DrainingEntry(_message.Message):
+        __slots__ = ("key", "value")
+        KEY_FIELD_NUMBER: _ClassVar[int]
+        VALUE_FIELD_NUMBER: _ClassVar[int]
+        key: str
+        value: StageEndpoints
+        def __init__(self, key: _Optional[str] = ..., value: _Optional[_Union[StageEndpoints, _Mapping]] = ...) -> None: ...
     STAGES_FIELD_NUMBER: _ClassVar[int]
+    COORDINATOR_DIGEST_FIELD_NUMBER: _ClassVar[int]
+    DRAINING_FIELD_NUMBER: _ClassVar[int]
     stages: _containers.MessageMap[str, StageEndpoints]
-    def __init__(self, stages: _Optional[_Mapping[str, StageEndpoints]] = ...) -> None: ...
+    coordinator_digest: bytes
+    draining: _containers.MessageMap[str, StageEndpoints]
+    def __init__(self, stages: _Optional[_Mapping[str, StageEndpoints]] = ..., coordinator_digest: _Optional[bytes] = ..., draining: _Optional[_Mapping[str, StageEndpoints]] = ...) -> None: ...
 
 class Shutdown(_message.Message):
     __slots__ = ("reason",)
@@ -131,18 +144,20 @@ class Shutdown(_message.Message):
     def __init__(self, reason: _Optional[str] = ...) -> None: ...
 
 class CoordinatorCommand(_message.Message):
-    __slots__ = ("topology", "aborts", "shutdown", "released", "closed_conversations")
+    __slots__ = ("topology", "aborts", "shutdown", "released", "closed_conversations", "member_token")
     TOPOLOGY_FIELD_NUMBER: _ClassVar[int]
     ABORTS_FIELD_NUMBER: _ClassVar[int]
     SHUTDOWN_FIELD_NUMBER: _ClassVar[int]
     RELEASED_FIELD_NUMBER: _ClassVar[int]
     CLOSED_CONVERSATIONS_FIELD_NUMBER: _ClassVar[int]
+    MEMBER_TOKEN_FIELD_NUMBER: _ClassVar[int]
     topology: Topology
     aborts: _containers.RepeatedCompositeFieldContainer[Abort]
     shutdown: Shutdown
     released: bool
     closed_conversations: _containers.RepeatedScalarFieldContainer[str]
-    def __init__(self, topology: _Optional[_Union[Topology, _Mapping]] = ..., aborts: _Optional[_Iterable[_Union[Abort, _Mapping]]] = ..., shutdown: _Optional[_Union[Shutdown, _Mapping]] = ..., released: _Optional[bool] = ..., closed_conversations: _Optional[_Iterable[str]] = ...) -> None: ...
+    member_token: bytes
+    def __init__(self, topology: _Optional[_Union[Topology, _Mapping]] = ..., aborts: _Optional[_Iterable[_Union[Abort, _Mapping]]] = ..., shutdown: _Optional[_Union[Shutdown, _Mapping]] = ..., released: _Optional[bool] = ..., closed_conversations: _Optional[_Iterable[str]] = ..., member_token: _Optional[bytes] = ...) -> None: ...
 
 class RequestMeta(_message.Message):
     __slots__ = ("terminal_stages", "deadline", "conversation_id")

@@ -38,7 +38,7 @@ from hypothesis import strategies as st
 from omnirail.relay.base import Received, Relay, RelayError, RelaySettings, create_relay
 from omnirail.relay.pull import PullRelay
 from omnirail.relay.shm import ShmRelay, sweep_segments
-from omnirail.relay.shm_pool import MARK_SLOTS, SHM_DIR, marks_name
+from omnirail.relay.shm_pool import MARKS_BYTES, SHM_DIR, marks_name
 from omnirail.v1 import common_pb2
 from omnirail.wire.payload import pack
 from tests.unit.relay.fake_pull import FakePull
@@ -431,7 +431,8 @@ class ShmEnv:
 
 def _file(name: str, size: int, fill: bytes = b"") -> str:
     path = os.path.join(SHM_DIR, name)
-    with open(path, "wb") as f:
+    # Owner-only, as pools make them (a receiver maps no segment others may access).
+    with open(os.open(path, os.O_CREAT | os.O_WRONLY | os.O_TRUNC, 0o600), "wb") as f:
         f.write(fill)
         f.truncate(size)
     return path
@@ -457,7 +458,7 @@ def shm_env() -> Iterator[ShmEnv]:
             sender.put(pack(np.arange(1000, dtype=np.uint16)), "req", "edge")
         )
         real = handle.descriptor.region
-        marks = MARK_SLOTS * 8
+        marks = MARKS_BYTES
         # Files a descriptor may name: good ones of the receiver's prefix (a 2 GiB sparse
         # segment among them), bad ones of it, and good-looking ones of other prefixes.
         made += [_file(f"{prefix}-1.0-0", 2 * GiB), _file(f"{prefix}-1.0-marks", marks)]

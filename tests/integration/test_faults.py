@@ -17,10 +17,12 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from omnirail.client.sdk import Client
 from omnirail.ops.launcher import Mesh
+from omnirail.transport.members import MemberCredentials
 from omnirail.v1 import common_pb2, mesh_pb2, mesh_pb2_grpc
 from omnirail.wire.errors import Code, OmniError
 from omnirail.wire.payload import encode_inline
 from tests.integration.conftest import PIPELINES, generate_when_back, shm_names, start_mesh
+from tests.integration.members import member_of
 
 
 def _stage_address(client: Client, stage: str) -> str:
@@ -28,10 +30,14 @@ def _stage_address(client: Client, stage: str) -> str:
     return next(s.replicas[0].address for s in info.stages if s.name == stage)
 
 
-def _deliver(address: str, items: list[mesh_pb2.DeliverItem]) -> list[mesh_pb2.Ack]:
+def _deliver(
+    address: str, items: list[mesh_pb2.DeliverItem], member: MemberCredentials
+) -> list[mesh_pb2.Ack]:
     with grpc.insecure_channel(address) as channel:
         call = mesh_pb2_grpc.StageStub(channel).Deliver(
-            iter([mesh_pb2.DeliverBatch(sender="test", items=items)]), timeout=10
+            iter([mesh_pb2.DeliverBatch(sender="test", items=items)]),
+            timeout=10,
+            metadata=member.metadata(),
         )
         acks: list[mesh_pb2.Ack] = []
         try:
@@ -88,7 +94,10 @@ def test_garbage_on_deliver_fails_items_not_the_stage() -> None:
                     payload=encode_inline({}),
                 ),
             ]
-            acks = {a.seq: a for a in _deliver(address, items)}
+            # Sent as a member (a draining replica of `source`): strangers are refused
+            # before any item is looked at (tests/unit/stage_service/test_host_members.py).
+            with member_of(mesh.address or "", "source") as member:
+                acks = {a.seq: a for a in _deliver(address, items, member)}
             # Relayed garbage and unknown targets are refused with a reason.
             for seq in (2, 3, 4):
                 assert acks[seq].error.code == Code.INVALID_ARGUMENT, acks

@@ -22,9 +22,10 @@ import grpc
 import pytest
 
 from omnirail.client.sdk import Client
+from omnirail.config import load_pipeline
 from omnirail.config.security import ENV_MESH_SECRET_FILE, ENV_TOKENS_FILE
 from omnirail.ops.launcher import Mesh
-from omnirail.transport.security import MESH_SECRET_KEY
+from omnirail.transport.security import MESH_SECRET_KEY, mesh_security
 from omnirail.v1 import mesh_pb2, mesh_pb2_grpc
 from omnirail.wire.errors import Code, OmniError
 from tests.integration.conftest import REPO, explain
@@ -235,6 +236,20 @@ def test_a_stage_takes_deliveries_only_from_members(secured: Secured) -> None:
         address, grpc.ssl_channel_credentials(ca, key, cert), ((MESH_SECRET_KEY, "guess"),)
     )
     assert wrong.code() == grpc.StatusCode.UNAUTHENTICATED
+
+
+def test_the_mesh_secret_alone_is_not_a_member_identity(secured: Secured) -> None:
+    """Every process holds the mesh secret and certificate: a Deliver stream must also show
+    a member token the coordinator gave its sender (omnirail/transport/members.py)."""
+    address = _stage_address(secured)
+    ca = (secured.tls_dir / "ca.pem").read_bytes()
+    key = (secured.tls_dir / "mesh.key").read_bytes()
+    cert = (secured.tls_dir / "mesh.pem").read_bytes()
+    security = mesh_security(load_pipeline(QUICKSTART), environ=secured.env())
+    member = security.mesh_metadata()
+    refused = _deliver(address, grpc.ssl_channel_credentials(ca, key, cert), member)
+    assert refused.code() == grpc.StatusCode.UNAUTHENTICATED
+    assert "names no member" in (refused.details() or "")
 
 
 def test_omnirail_health_speaks_tls_from_the_environment(secured: Secured) -> None:

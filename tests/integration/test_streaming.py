@@ -183,14 +183,16 @@ def _stage_address(client: Client, stage: str) -> str:
     return next(s.replicas[0].address for s in client.describe().stages if s.name == stage)
 
 
-def _deliver(address: str, items: list[Any]) -> None:
+def _deliver(address: str, items: list[Any], metadata: Any) -> None:
     import grpc
 
     from omnirail.v1 import mesh_pb2, mesh_pb2_grpc
 
     with grpc.insecure_channel(address) as channel:
         call = mesh_pb2_grpc.StageStub(channel).Deliver(
-            iter([mesh_pb2.DeliverBatch(sender="test", items=items)]), timeout=10
+            iter([mesh_pb2.DeliverBatch(sender="test", items=items)]),
+            timeout=10,
+            metadata=metadata,
         )
         try:
             for _ in call:
@@ -228,7 +230,12 @@ def test_bad_stream_items_fail_that_request_only(
         )
         if not signal.get("done"):
             item.payload.CopyFrom(encode_inline(torch.zeros(1)))
-        _deliver(_stage_address(client, "talker"), [item])
+        # Shown as the process of `source` (in this process: LocalMesh), as a stage of it
+        # would send: a stranger's stream is refused before any item is looked at.
+        (host,) = [h for h in streaming_mesh.hosts.values() if source in h.stage_names]
+        creds = host.credentials()
+        assert creds is not None
+        _deliver(_stage_address(client, "talker"), [item], creds.metadata())
         with pytest.raises(OmniError) as info:
             for _ in victim:
                 pass

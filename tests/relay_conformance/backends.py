@@ -45,6 +45,9 @@ class BackendSpec:
     # Whether a receiver creates such names too (a killed one leaves them for `sweep`).
     receiver_names: bool = False
     garbage: tuple[Garbage, ...] = ()
+    # Set while the backend does not yet bind descriptors to their sender or refuse stale
+    # and guessed transfer ids (issue 37): its trust cases then run as non-strict xfails.
+    trust_pending: str | None = None
     # Settings of a further relay that must pair with the first one made in a test (ranks
     # and rendezvous address of torchdist): (first relay, base settings, index) -> settings.
     pair_settings: Callable[[Relay, RelaySettings, int], RelaySettings] | None = None

@@ -58,6 +58,8 @@ class Reply:
     relay_error: bool = False
     message: str = ""
     elapsed: float = 0.0
+    bytes_in: int | None = None  # payload bytes the receiver relay fetched so far
+    bound: bool = False  # peers: whether its gets pass the sender's ids as owners
 
 
 @dataclass
@@ -106,6 +108,8 @@ class Peer:
         self._killed = False
         self._task: asyncio.Task[None] | None = None
         self.info = b""  # the receiver relay's local_info()
+        # Whether the receiver's gets pass `owners` (the sender's ids), as a stage does.
+        self.bound = False
 
     @classmethod
     async def start(cls, spec: BackendSpec, relay: Relay, settings: RelaySettings) -> Peer:
@@ -143,6 +147,7 @@ class Peer:
         self._write({"op": "peers", "seq": seq, "infos": infos, "timeout": TIMEOUT})
         reply = await asyncio.wait_for(fut, TIMEOUT)
         assert reply.ok, f"peer could not connect: {reply.error}: {reply.message}"
+        self.bound = reply.bound
 
     # ------------------------------------------------------------------ transfers
 
@@ -216,10 +221,21 @@ class Peer:
             self._acked(t)
         return reply.crcs
 
-    async def probe(self, descriptor: common_pb2.RelayDescriptor) -> Reply:
-        """Has the receiver `get` a bare descriptor (releasing at once if it succeeds)."""
+    async def probe(
+        self,
+        descriptor: common_pb2.RelayDescriptor,
+        owners: Iterable[str] | None = None,
+        as_sender: bool = False,
+    ) -> Reply:
+        """Has the receiver `get` a bare descriptor (releasing at once if it succeeds);
+        unbound, unless `owners` names the ids it takes as the sender's or `as_sender` asks
+        for the real sender's."""
         seq, fut = self._next()
-        self._write({"op": "probe", "seq": seq, "descriptor": descriptor.SerializeToString()})
+        msg = {"op": "probe", "seq": seq, "descriptor": descriptor.SerializeToString()}
+        if owners is not None:
+            msg["owners"] = sorted(owners)
+        msg["as_sender"] = as_sender
+        self._write(msg)
         return await asyncio.wait_for(fut, TIMEOUT)
 
     # ------------------------------------------------------------------ lifetime

@@ -9,8 +9,14 @@ socket, one at a time and in arrival order:
   release (or hold the view until a release frame names it).
 - release: re-checksum held views (so a sender that reused their extents is caught), then
   release them.
-- probe: `relay.get` a bare descriptor (garbage tests) and report what it raised.
-- peers: `relay.set_peers` with the infos sent, then `relay.connect` (the first frame).
+- probe: `relay.get` a bare descriptor (garbage and trust tests) and report what it raised;
+  unbound, unless the frame names `owners` or asks for the sender's ids (`as_sender`).
+- peers: `relay.set_peers` with the infos sent, then `relay.connect` (the first frame). The
+  ids in those infos are the `owners` every get passes, as the Deliver stream passes its
+  authenticated sender's (backends whose `get` takes no owners yet get none).
+
+Replies carry `bytes_in`: the payload bytes the receiver relay fetched so far (pulled
+backends count them), so a test sees that a refused get read nothing.
 - stop: close the relay and exit 0.
 
 The reply to a get is sent only after the view is released, so a sender that sees the reply
@@ -21,12 +27,15 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import inspect
 import json
 import os
 import socket
 import time
 import zlib
 from typing import Any
+
+import msgpack
 
 from omnirail.relay.base import Received, Relay, RelayError, RelaySettings, create_relay
 from omnirail.v1 import common_pb2
@@ -45,21 +54,47 @@ def _failure(seq: int, exc: BaseException, started: float) -> dict[str, Any]:
     }
 
 
+def owner_ids(infos: list[bytes]) -> frozenset[str] | None:
+    """The relay peer ids in `infos` (the sender's `local_info()`s); None when none has one."""
+    ids = set()
+    for raw in infos:
+        try:
+            info = msgpack.unpackb(raw, raw=False)
+        except Exception:
+            continue
+        if isinstance(info, dict) and isinstance(info.get("id"), str):
+            ids.add(info["id"])
+    return frozenset(ids) or None
+
+
+def takes_owners(relay: Relay) -> bool:
+    return "owners" in inspect.signature(relay.get).parameters
+
+
 class _Server:
     def __init__(self, relay: Relay, writer: asyncio.StreamWriter) -> None:
         self.relay = relay
         self.writer = writer
         self.held: dict[int, Received] = {}
+        self.owners: frozenset[str] | None = None
 
     async def reply(self, msg: dict[str, Any]) -> None:
+        msg.setdefault("bytes_in", getattr(self.relay, "bytes_in", None))
         self.writer.write(wire.encode(msg))
         await self.writer.drain()
+
+    async def fetch(
+        self, descriptor: common_pb2.RelayDescriptor, owners: frozenset[str] | None
+    ) -> Received:
+        if owners is not None and takes_owners(self.relay):
+            return await self.relay.get(descriptor, owners)  # type: ignore[call-arg]
+        return await self.relay.get(descriptor)
 
     async def get(self, msg: dict[str, Any]) -> dict[str, Any]:
         seq, started = msg["seq"], time.monotonic()
         pb = common_pb2.Payload.FromString(msg["payload"])
         try:
-            received = await self.relay.get(pb.relay)
+            received = await self.fetch(pb.relay, self.owners)
         except Exception as e:  # reported to the sender, which decides what it expected
             return _failure(seq, e, started)
         out: dict[str, Any] = {
@@ -97,8 +132,13 @@ class _Server:
     async def probe(self, msg: dict[str, Any]) -> dict[str, Any]:
         seq, started = msg["seq"], time.monotonic()
         desc = common_pb2.RelayDescriptor.FromString(msg["descriptor"])
+        # Garbage probes go unbound (so they reach the backend's own checks); trust probes
+        # name the owners, or ask for the sender's ids.
+        owners = frozenset(msg["owners"]) if msg.get("owners") is not None else None
+        if msg.get("as_sender"):
+            owners = self.owners
         try:
-            received = await self.relay.get(desc)
+            received = await self.fetch(desc, owners)
         except Exception as e:
             return _failure(seq, e, started)
         crc = zlib.crc32(received.buffer)
@@ -136,7 +176,9 @@ async def _serve(fd: int, backend: str, settings: RelaySettings) -> None:
             elif op == "peers":
                 relay.set_peers(list(msg["infos"]))
                 await relay.connect(float(msg["timeout"]))
-                await server.reply({"seq": msg["seq"], "ok": True})
+                server.owners = owner_ids(list(msg["infos"]))
+                bound = server.owners is not None and takes_owners(relay)
+                await server.reply({"seq": msg["seq"], "ok": True, "bound": bound})
             else:
                 raise ValueError(f"unknown op {op!r}")
     finally:

@@ -24,8 +24,15 @@ GUIDE_OPTIONS: dict[str, dict[str, Any]] = {
         "chunk_bytes": 1 << 20,
         "spin_us": 0,
         "handle_cache": 16,
+        "listen": "127.0.0.1",
     },
-    "ucx": {**PULLED, "progress": "polling", "port": 7000, "ucx_config": {"TLS": "tcp"}},
+    "ucx": {
+        **PULLED,
+        "progress": "polling",
+        "port": 7000,
+        "ucx_config": {"TLS": "tcp"},
+        "listen": "127.0.0.1",
+    },
     "torchdist": {
         **PULLED,
         "init_method": "tcp://10.0.0.1:29500",
@@ -131,7 +138,7 @@ def test_edge_options_are_checked_against_the_backend_the_edge_keeps() -> None:
     assert config_error(d).errors == [
         "stages[a].relay_to[b].options.forward_views: unknown option for backend 'nixl' "
         "(options: chunk_bytes, connect_timeout_s, copy_thread_bytes, copy_threads, "
-        "fetch_timeout_s, handle_cache, host, num_threads, peer_wait_s, progress_thread, "
+        "fetch_timeout_s, handle_cache, host, listen, num_threads, peer_wait_s, progress_thread, "
         "spin_us, ucx_error_handling_mode)"
     ]
 

@@ -40,3 +40,26 @@ def test_no_replica_and_a_bad_policy() -> None:
     assert StageRegistry(["a"]).pick("a", "x") is None
     with pytest.raises(ValueError, match="balance must be one of"):
         StageRegistry(["a"], "random")
+
+
+def test_the_topology_lists_each_registrations_token_digest_never_the_token() -> None:
+    """Member tokens (omnirail/transport/members.py): one per registration, their digests
+    in the topology, draining replicas listed apart (they still deliver), the coordinator's
+    own digest too."""
+    from omnirail.transport.members import token_digest
+
+    reg, reps = registry("least_outstanding", 2)
+    reps[1].draining = True
+    topo = reg.topology()
+    (routed,) = topo.stages["a"].endpoints
+    (draining,) = topo.draining["a"].endpoints
+    assert routed.replica_id == "r0" and draining.replica_id == "r1"
+    assert routed.member_digest == token_digest(reps[0].member_token)
+    assert draining.member_digest == token_digest(reps[1].member_token)
+    assert reps[0].member_token != reps[1].member_token and len(reps[0].member_token) == 32
+    assert topo.coordinator_digest == token_digest(reg.credentials.token)
+    wire = topo.SerializeToString()
+    for token in (reps[0].member_token, reps[1].member_token, reg.credentials.token):
+        assert token not in wire
+        assert repr(token) not in repr(reps) + repr(reg.credentials)
+    assert "member_token" not in repr(reps[0]) and "token" not in repr(reg.credentials)

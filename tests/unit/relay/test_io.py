@@ -131,8 +131,8 @@ class CountingRelay(ShmRelay):
         self.inner = inner
         self.open_views = 0
 
-    async def get(self, descriptor):
-        received = await self.inner.get(descriptor)
+    async def get(self, descriptor, owners=None):
+        received = await self.inner.get(descriptor, owners)
         outer = self
 
         class Counted(Received):

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import os
 import subprocess
 import sys
 import time
@@ -216,3 +217,92 @@ async def test_fetch_from_a_killed_sender_fails_fast(make: Any) -> None:
     finally:
         proc.kill()
         proc.wait(30)
+
+
+# ----------------------------------------------------------------------------- trust
+
+
+async def test_unregistered_agent_gets_no_segment_and_reads_nothing(make: Any) -> None:
+    """A NIXL agent the sender was never announced (it loaded the sender's announced
+    metadata, so it can notify it) asks for a segment: the sender does not answer it, and
+    its fetch fails with RelayError before reading anything."""
+    sender = make()
+    stranger = create_relay("nixl", RelaySettings(options={"peer_wait_s": 0.5}))
+    try:
+        stranger.set_peers([sender.local_info()])
+        handle = await sender.put(pack(data(70_000)), "req", "edge")
+        with pytest.raises(RelayError, match="timed out"):
+            await asyncio.wait_for(stranger.get(handle.descriptor), 30)
+        assert stranger.bytes_in == 0
+        assert not stranger._peers[sender.peer_id].segments, "it learned a segment"
+        # Nor can it release the transfer of someone else.
+        release = nixl._RELEASE.pack(b"R", handle.descriptor.transfer_id, handle.descriptor.offset)
+        stranger.agent.send_notif(sender.peer_id, release)
+        await asyncio.sleep(0.05)
+        sender._drain()
+        assert sender.outstanding("edge") == (1, handle.nbytes)
+    finally:
+        stranger.close()
+
+
+async def test_a_segment_is_handed_out_for_a_transfer_of_ones_own(make: Any) -> None:
+    """A registered peer asking for a segment with a transfer that went to another peer is
+    refused (and learns nothing); that transfer's release counts only from its peer."""
+    sender, receiver, other = make(), make(), make(peer_wait_s=1.0)
+    handle = await sender.put(pack(data(70_000, 1)), "req", "edge")
+    desc = handle.descriptor
+    held = await receiver.get(desc)
+    with pytest.raises(RelayError, match="refused segment"):
+        await asyncio.wait_for(other.get(desc), 30)
+    assert other.bytes_in == 0 and not other._peers[sender.peer_id].segments
+    other.agent.send_notif(sender.peer_id, nixl._RELEASE.pack(b"R", desc.transfer_id, desc.offset))
+    await asyncio.sleep(0.05)
+    sender._drain()
+    assert sender.outstanding("edge") == (1, handle.nbytes), "another peer released it"
+    held.release()
+    await roundtrip(sender, other, 1000)  # its own transfers are served
+
+
+async def test_ticket_is_checked_before_the_payload(make: Any) -> None:
+    """With the segment known, a released or guessed id is refused by its ticket."""
+    sender, receiver = make(), make()
+    handle = await sender.put(pack(data(70_000, 2)), "req", "edge")
+    desc = handle.descriptor
+    (await receiver.get(desc)).release()
+    deadline = time.monotonic() + 10
+    while sender.outstanding("edge") != (0, 0) and time.monotonic() < deadline:
+        await asyncio.sleep(0.01)
+    fetched = receiver.bytes_in
+    assert receiver._peers[sender.peer_id].segments, "segment 0 is known"
+    for tid in (desc.transfer_id, desc.transfer_id ^ (1 << 20), desc.transfer_id + 1):
+        desc.transfer_id = tid
+        with pytest.raises(RelayError, match=r"not live|no ticket"):
+            await receiver.get(desc)
+    assert receiver.bytes_in == fetched
+
+
+def test_ucx_listens_on_the_mesh_interface_only() -> None:
+    """With `host` (a stage's gRPC host) or `listen` set, NIXL's UCX backend listens on
+    that address's interface only; an address no interface has is refused, naming it."""
+    with pytest.raises(RelayError, match="option listen"):
+        create_relay("nixl", RelaySettings(options={"listen": "192.0.2.254"}))
+    out = subprocess.run(["ss", "-ltnpH"], capture_output=True, text=True, check=False)
+    if out.returncode != 0:
+        pytest.skip("ss is not available")
+    import gc
+
+    gc.collect()  # agents of relays closed by earlier tests go with their last reference
+    pid = os.getpid()
+
+    def listening() -> set[str]:
+        out = subprocess.run(["ss", "-ltnpH"], capture_output=True, text=True, check=False)
+        return {line.split()[3] for line in out.stdout.splitlines() if f"pid={pid}," in line}
+
+    before = listening()
+    relay = create_relay("nixl", RelaySettings(options={"host": "127.0.0.1"}))
+    try:
+        new = listening() - before
+        assert new, "NIXL's UCX backend listens nowhere"
+        assert all(a.startswith("127.") for a in new), f"beyond loopback: {new}"
+    finally:
+        relay.close()

@@ -196,3 +196,49 @@ async def test_allocation_failure_is_a_relay_error(
     monkeypatch.setattr(HostPool, "alloc", no_memory)
     with pytest.raises(RelayError, match="cannot allocate"):
         await receiver.get(handle.descriptor)
+
+
+# ----------------------------------------------------------------------------- issue 37
+
+
+async def test_a_descriptor_of_another_owner_is_refused_before_anything(make: Any) -> None:
+    """`owners`: the ids the stream's sender announced. A descriptor naming another relay is
+    refused at once (no wait for an announcement, no receive pool), whatever it names."""
+    sender, receiver = make(), make()  # peer_wait_s: the default 5 s
+    handle = await sender.put(pack(np.ones(10, np.uint8)), "r", "e")
+    desc = handle.descriptor
+    for owners in (frozenset(), frozenset({"someone-else"}), frozenset({desc.region + "x"})):
+        started = time.monotonic()
+        with pytest.raises(RelayError, match="did not announce"):
+            await receiver.get(desc, owners)
+        with pytest.raises(RelayError, match="did not announce"):
+            await receiver.get(copy(desc, region="not-announced-at-all"), owners)
+        assert time.monotonic() - started < 1
+    assert receiver._recv_pool is None, "allocated for a refused descriptor"
+    for bad in (desc.region, [desc.region]):  # a string would match its substrings
+        with pytest.raises(RelayError, match="owners"):
+            await receiver.get(desc, bad)  # type: ignore[arg-type]
+    (await receiver.get(desc, frozenset({desc.region}))).release()
+
+
+async def test_transfer_ids_are_random(make: Any) -> None:
+    sender = make()
+    ids = [(await sender.put(pack(np.ones(10, np.uint8)), "r", "e")).tid for _ in range(64)]
+    assert len(set(ids)) == 64 and all(0 < t < 1 << 63 for t in ids)
+    assert sum(t >= 1 << 40 for t in ids) > 60, "not 63 random bits"
+    assert sorted(ids) != ids, "in order: sequential, not random"
+
+
+async def test_a_transfer_is_bound_to_the_first_peer_served(make: Any) -> None:
+    sender = make()
+    handle = await sender.put(pack(np.ones(100, np.uint8)), "r", "e")
+    tid, offset, nbytes = handle.tid, handle.descriptor.offset, handle.nbytes
+    assert sender.source(tid, offset, nbytes, "a") is not None
+    sender.end_send(tid)
+    assert sender.source(tid, offset, nbytes, "b") is None, "served to a second peer"
+    assert sender.bytes_out == nbytes
+    assert not sender.served(tid, "b"), "released by a peer it was not served to"
+    assert sender.outstanding("e") == (1, nbytes)
+    assert sender.served(tid, "a")
+    assert sender.outstanding("e") == (0, 0)
+    assert sender.source(tid, offset, nbytes, "a") is None, "served after its release"

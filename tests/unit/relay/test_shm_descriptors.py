@@ -22,7 +22,7 @@ import pytest
 from omnirail.relay.base import RelayError, RelaySettings, create_relay
 from omnirail.relay.shm import ShmRelay, sweep_segments
 from omnirail.relay.shm_pool import (
-    MARK_SLOTS,
+    MARKS_BYTES,
     SHM_DIR,
     data_segment_prefix,
     marks_name,
@@ -30,6 +30,7 @@ from omnirail.relay.shm_pool import (
 )
 from omnirail.v1 import common_pb2
 from omnirail.wire.payload import pack
+from tests.unit.relay.shm_files import shm_file, write_grant
 
 MiB = 1 << 20
 GiB = 1 << 30
@@ -42,13 +43,7 @@ def mapped(path: str) -> bool:
         return any(line.rstrip("\n").endswith(" " + path) for line in f)
 
 
-def segment(name: str, size: int, fill: bytes = b"") -> str:
-    """A /dev/shm file `name` of `size` bytes (sparse beyond `fill`); returns its path."""
-    path = os.path.join(SHM_DIR, name)
-    with open(path, "wb") as f:
-        f.write(fill)
-        f.truncate(size)
-    return path
+segment = shm_file
 
 
 @pytest.fixture
@@ -107,7 +102,7 @@ async def test_foreign_prefix_is_refused_before_anything_is_opened(
     foreign = other.format(p=prefix, u=uuid.uuid4().hex[:8])
     name = f"{foreign}-1.0-0"
     data = segment(name, 4096, b"secret" * 8)
-    marks = segment(marks_name(name), MARK_SLOTS * 8)
+    marks = segment(marks_name(name), MARKS_BYTES)
     touched: list[str] = []
     for fn in ("lstat", "open"):
         real = getattr(os, fn)
@@ -162,7 +157,11 @@ async def test_announced_prefix_is_mapped_and_withdrawn_again(
     other = f"{prefix}svc"
     sender = create_relay("shm", RelaySettings(name_prefix=other, pool_bytes=MiB))
     try:
-        assert msgpack.unpackb(sender.local_info()) == {"backend": "shm", "id": other}
+        assert msgpack.unpackb(sender.local_info()) == {
+            "backend": "shm",
+            "id": f"{other}-{os.getpid()}",  # the process: what descriptors are bound to
+            "prefix": other,  # what receivers map
+        }
         handle = await sender.put(pack(np.arange(100, dtype=np.uint8)), "r", "e")
         with pytest.raises(RelayError, match="neither this relay's nor announced"):
             await receiver.get(handle.descriptor)
@@ -258,7 +257,7 @@ def test_malformed_announcements_are_ignored(receiver: ShmRelay, prefix: str) ->
 # ----------------------------------------------------------------------------- 2: marks
 
 
-@pytest.mark.parametrize("marks_size", [None, 0, 8, MARK_SLOTS * 8 - 8, MARK_SLOTS * 8 + 8])
+@pytest.mark.parametrize("marks_size", [None, 0, 8, MARKS_BYTES - 8, MARKS_BYTES + 8])
 async def test_bad_marks_fail_every_get_and_cache_nothing(
     receiver: ShmRelay, prefix: str, marks_size: int | None
 ) -> None:
@@ -279,7 +278,8 @@ async def test_bad_marks_fail_every_get_and_cache_nothing(
             assert not mapped(data) and not mapped(marks)
         assert errors[0] == errors[1]
         # With good marks the same descriptor works, and its release lands in them.
-        segment(marks_name(name), MARK_SLOTS * 8)
+        segment(marks_name(name), MARKS_BYTES)
+        write_grant(marks, tid=(7 << 16) | 3, number=0, start=0, end=16)
         received = await receiver.get(desc(name, tid=(7 << 16) | 3))
         assert bytes(received.buffer) == b"x" * 16
         received.release()
@@ -301,18 +301,20 @@ async def test_bad_marks_fail_every_get_and_cache_nothing(
 async def test_extent_is_checked_against_the_file_before_mapping(
     receiver: ShmRelay, prefix: str, offset: int, nbytes: int, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """An extent past the segment's end is refused from its size, before anything is
-    mapped: neither the (sparse, 2 GiB) data segment nor its marks stay mapped."""
+    """An extent past the segment's end is refused from its size, before the data is
+    mapped: neither the (sparse, 2 GiB) data segment nor its marks stay mapped. (The marks
+    are mapped first, for the transfer's grant, which here covers every extent.)"""
     name = f"{prefix}-1.0-0"
     data = segment(name, 2 * GiB)
-    marks = segment(marks_name(name), MARK_SLOTS * 8)
+    marks = write_grant(marks_name(name), tid=1, number=0, start=0, end=2**64 - 1)
     maps: list[int] = []
     real_mmap = mmap.mmap
     monkeypatch.setattr(mmap, "mmap", lambda *a, **k: maps.append(a[1]) or real_mmap(*a, **k))
     try:
-        with pytest.raises(RelayError, match="outside segment"):
+        # An end past 2**64 is outside any grant.
+        with pytest.raises(RelayError, match=r"outside segment|not the extent"):
             await receiver.get(desc(name, offset=offset, nbytes=nbytes))
-        assert maps == [] and receiver._maps.mapped == {}
+        assert maps in ([], [MARKS_BYTES]) and receiver._maps.mapped == {}
         assert not mapped(data) and not mapped(marks)
         monkeypatch.undo()
         # The segment itself is fine: its last bytes come back.
@@ -349,7 +351,7 @@ async def test_cached_segment_refuses_extents_past_its_end(
     cached = dict(receiver._maps.mapped)
     for offset, nbytes in ((0, 1 << 40), (MiB, 1), (2**64 - 1, 2)):
         bad = desc(d.region, offset=offset, nbytes=nbytes, tid=d.transfer_id)
-        with pytest.raises(RelayError, match="outside segment"):
+        with pytest.raises(RelayError, match="not the extent its transfer_id was granted"):
             await receiver.get(bad)
     assert receiver._maps.mapped == cached
     handle.release()

@@ -12,7 +12,7 @@ import pytest
 
 from omnirail.relay.base import RelayError
 from omnirail.relay.shm_maps import SegmentMaps
-from omnirail.relay.shm_pool import MARK_SLOTS, SHM_DIR
+from omnirail.relay.shm_pool import MARK_SLOTS, MARKS_BYTES, SHM_DIR
 
 
 def mapped(path: Path) -> bool:
@@ -32,6 +32,7 @@ def write(name: str, data: bytes) -> Path:
     path = Path(SHM_DIR) / name
     tmp = path.with_name(name + ".tmp")
     tmp.write_bytes(data)
+    tmp.chmod(0o600)  # as pools make them: receivers map no segment others may access
     os.replace(tmp, path)  # a new inode, as a restarted sender's segment has
     return path
 
@@ -69,9 +70,11 @@ def test_a_gone_file_is_an_error_and_forgets_what_was_mapped(name: str) -> None:
 
 def test_marks_are_mapped_writable_as_uint64_slots(name: str) -> None:
     maps = SegmentMaps()
-    write(name, bytes(MARK_SLOTS * 8))
+    write(name, bytes(MARKS_BYTES))
     marks, _ = maps.open(name, writable=True)
-    assert marks.writable and marks.marks is not None and len(marks.marks) == MARK_SLOTS
+    # The release marks, then the grant table.
+    assert marks.writable and marks.marks is not None and len(marks.marks) == MARKS_BYTES // 8
+    assert len(marks.marks) > MARK_SLOTS
     marks.marks[3] = 7
     assert int.from_bytes((Path(SHM_DIR) / name).read_bytes()[24:32], "little") == 7
     marks.unmap()
@@ -92,6 +95,18 @@ def test_a_file_that_cannot_serve_is_refused_before_it_is_mapped(
     path = write(name, content)
     with pytest.raises(RelayError, match=problem):
         maps.open(name, writable=writable, end=end)
+    assert maps.mapped == {} and not mapped(path)
+
+
+@pytest.mark.parametrize("mode", [0o644, 0o660, 0o606, 0o666])
+def test_a_segment_others_may_access_is_refused_before_it_is_mapped(name: str, mode: int) -> None:
+    """Pools make their files owner-only: one that group or others may access could be
+    changed (its grants too) under a reader."""
+    path = write(name, b"a" * 4096)
+    path.chmod(mode)
+    maps = SegmentMaps()
+    with pytest.raises(RelayError, match=f"is not owner-only \\(mode {mode:o}\\)"):
+        maps.open(name, end=1)
     assert maps.mapped == {} and not mapped(path)
 
 

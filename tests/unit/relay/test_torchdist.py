@@ -169,3 +169,36 @@ async def test_a_rank_may_start_before_rank_0_hosts_the_store() -> None:
             late.close()
     finally:
         early.close()
+
+
+async def test_a_transfer_is_served_to_one_rank() -> None:
+    """The first rank that fetches a transfer has it: another rank asking for it gets no
+    bytes (a typed error), and cannot release it either."""
+    import numpy as np
+
+    from omnirail.wire.payload import pack
+
+    first: Any = create_relay("torchdist", settings(0, 3))
+    init = first.init_method
+    relays: list[Any] = [first]
+    relays += [create_relay("torchdist", settings(r, 3, init_method=init)) for r in (1, 2)]
+    try:
+        infos = [r.local_info() for r in relays]
+        for relay in relays:
+            relay.set_peers(infos)
+        await asyncio.gather(*(relay.connect(30) for relay in relays))
+        handle = await first.put(pack(np.full(70_000, 3, np.uint8)), "req", "edge")
+        held = await relays[1].get(handle.descriptor)
+        sent = first.bytes_out
+        with pytest.raises(RelayError, match="no such live transfer"):
+            await asyncio.wait_for(relays[2].get(handle.descriptor), 30)
+        assert first.bytes_out == sent and relays[2].bytes_in == 0
+        assert first.outstanding("edge") == (1, handle.nbytes)
+        held.release()
+        deadline = time.monotonic() + 20
+        while first.outstanding("edge") != (0, 0) and time.monotonic() < deadline:
+            await asyncio.sleep(0.01)
+        assert first.outstanding("edge") == (0, 0)
+    finally:
+        for relay in relays:
+            relay.close()

@@ -12,7 +12,7 @@ import subprocess
 import sys
 import time
 import zlib
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import AsyncIterator, Callable, Iterator
 from pathlib import Path
 
 import msgpack
@@ -29,8 +29,10 @@ from omnirail.wire.payload import pack
 MiB = 1 << 20
 ROOT = Path(__file__).resolve().parents[3]
 Remote = tuple[subprocess.Popen[str], bytes, list[common_pb2.RelayDescriptor]]
+OpenRemote = Callable[[UcxRelay], Remote]
 
-# A sender in its own process: prints its info, then the descriptors of three puts (hex).
+# A sender in its own process: prints its info, reads the receiver's (it serves only
+# announced peers), then prints the descriptors of three puts (hex).
 SENDER = """
 import asyncio, sys
 import numpy as np
@@ -40,6 +42,8 @@ from omnirail.relay.base import RelaySettings, create_relay
 async def main():
     relay = create_relay("ucx", RelaySettings(pool_bytes=1 << 20))
     print(relay.local_info().hex(), flush=True)
+    receiver = await asyncio.get_running_loop().run_in_executor(None, sys.stdin.readline)
+    relay.set_peers([bytes.fromhex(receiver)])
     for i, n in enumerate((1000, 3 << 20, 3 << 20)):
         handle = await relay.put(pack(np.full(n, 7, np.uint8)), "req", f"edge{i}")
         print(handle.descriptor.SerializeToString().hex(), flush=True)
@@ -68,20 +72,33 @@ async def pair() -> AsyncIterator[tuple[UcxRelay, UcxRelay]]:
 
 
 @pytest.fixture
-def remote() -> Iterator[Remote]:
-    env = dict(os.environ, PYTHONPATH=str(ROOT))
-    proc = subprocess.Popen(
-        [sys.executable, "-c", SENDER], stdout=subprocess.PIPE, text=True, cwd=ROOT, env=env
-    )
-    try:
-        assert proc.stdout is not None
+def remote() -> Iterator[OpenRemote]:
+    """`remote(receiver)`: a sender process that knows `receiver`, its info and puts."""
+    procs: list[subprocess.Popen[str]] = []
+
+    def open_(receiver: UcxRelay) -> Remote:
+        env = dict(os.environ, PYTHONPATH=str(ROOT))
+        proc = subprocess.Popen(
+            [sys.executable, "-c", SENDER],
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            text=True,
+            cwd=ROOT,
+            env=env,
+        )
+        procs.append(proc)
+        assert proc.stdout is not None and proc.stdin is not None
         info = bytes.fromhex(proc.stdout.readline())
+        proc.stdin.write(receiver.local_info().hex() + "\n")
+        proc.stdin.flush()
         descs = [
             common_pb2.RelayDescriptor.FromString(bytes.fromhex(proc.stdout.readline()))
             for _ in range(3)
         ]
-        yield proc, info, descs
-    finally:
+        return proc, info, descs
+
+    yield open_
+    for proc in procs:
         if proc.poll() is None:
             proc.send_signal(signal.SIGCONT)
             proc.kill()
@@ -132,10 +149,10 @@ async def test_not_live_transfer_raises_and_endpoint_survives(
     assert peer.gen == 1, "a refused transfer must not cost the endpoint"
 
 
-async def test_dead_sender_fails_fetches_at_once(remote: Remote) -> None:
-    proc, info, descs = remote
+async def test_dead_sender_fails_fetches_at_once(remote: OpenRemote) -> None:
     receiver = make(fetch_timeout_s=60)
     try:
+        proc, info, descs = remote(receiver)
         receiver.set_peers([info])
         received = await receiver.get(descs[0])
         assert bytes(received.buffer[:3]) == b"\x07\x07\x07"
@@ -153,10 +170,10 @@ async def test_dead_sender_fails_fetches_at_once(remote: Remote) -> None:
         receiver.close()
 
 
-async def test_stalled_sender_times_out_then_recovers(remote: Remote) -> None:
-    proc, info, descs = remote
+async def test_stalled_sender_times_out_then_recovers(remote: OpenRemote) -> None:
     receiver = make(fetch_timeout_s=1.0)
     try:
+        proc, info, descs = remote(receiver)
         receiver.set_peers([info])
         proc.send_signal(signal.SIGSTOP)
         t0 = time.monotonic()
@@ -218,12 +235,94 @@ def test_closed_relays_free_their_workers() -> None:
 def test_options_and_info() -> None:
     with pytest.raises(RelayError, match="progress"):
         make(progress="sometimes")
-    relay = make(host="10.1.2.3")
+    with pytest.raises(RelayError, match="option listen"):
+        make(listen="192.0.2.254")  # no interface here has it
+    relay = make(host="10.1.2.3", listen="127.0.0.1")
     try:
         info = msgpack.unpackb(relay.local_info())
         assert info["host"] == "10.1.2.3" and 0 < info["port"] < 65536
+        assert len(info["key"]) == 32  # the key's digest: the key itself is never published
         bad = {"backend": "ucx", "id": "x-1", "host": 5, "port": "no"}
         relay.set_peers([msgpack.packb(bad), b"\xff", relay.local_info()])
         assert relay._peers == {}
     finally:
         relay.close()
+
+
+# ----------------------------------------------------------------------------- trust
+
+
+async def test_unregistered_or_impersonating_peer_is_refused_and_reads_nothing(
+    pair: tuple[UcxRelay, UcxRelay],
+) -> None:
+    """A relay the sender was never announced (it knows the sender's address) proves no
+    registered id: the sender closes its endpoint, its fetch fails, nothing is sent. So does
+    one announcing a registered peer's id with a key of its own."""
+    sender, receiver = pair
+    stranger = make(peer_wait_s=0.5, fetch_timeout_s=10)
+    try:
+        stranger.set_peers([sender.local_info()])
+        handle = await sender.put(pack(pattern(70_000, 7)), "req", "edge")
+        for claimed in (stranger.peer_id, receiver.peer_id):
+            stranger.peer_id = claimed
+            started = time.monotonic()
+            with pytest.raises(RelayError):
+                await asyncio.wait_for(stranger.get(handle.descriptor), 30)
+            assert time.monotonic() - started < 5, "refused, not timed out"
+            assert sender.bytes_out == 0 and stranger.bytes_in == 0
+        received = await receiver.get(handle.descriptor)  # the registered peer is served
+        assert sender.bytes_out == handle.nbytes
+        received.release()
+    finally:
+        stranger.close()
+
+
+async def test_a_transfer_is_served_to_one_peer(pair: tuple[UcxRelay, UcxRelay]) -> None:
+    sender, receiver = pair
+    other = make(peer_wait_s=0.5)
+    try:
+        infos = [sender.local_info(), receiver.local_info(), other.local_info()]
+        for relay in (sender, receiver, other):
+            relay.set_peers(infos)
+        handle = await sender.put(pack(pattern(70_000, 8)), "req", "edge")
+        held = await receiver.get(handle.descriptor)
+        with pytest.raises(RelayError, match="not live"):
+            await asyncio.wait_for(other.get(handle.descriptor), 30)
+        assert sender.bytes_out == handle.nbytes and other.bytes_in == 0
+        assert sender.outstanding("edge") == (1, handle.nbytes), "still the first peer's"
+        held.release()
+        mine = await sender.put(pack(pattern(1000, 9)), "req", "edge2")
+        (await other.get(mine.descriptor)).release()  # the link itself is fine
+    finally:
+        other.close()
+
+
+def test_listeners_take_only_the_mesh_interface() -> None:
+    """UCX's transports listen on the interface of `listen` (default: `host`) only; the
+    connection listener on `port` still binds every address (ucxx takes none)."""
+    gc.collect()  # listeners of relays closed by earlier tests go with their last reference
+    relay = make()
+    try:
+        pid = os.getpid()
+        out = subprocess.run(["ss", "-ltnpH"], capture_output=True, text=True, check=False)
+        if out.returncode != 0:
+            pytest.skip("ss is not available")
+        mine = [line.split()[3] for line in out.stdout.splitlines() if f"pid={pid}," in line]
+        others = [a for a in mine if not a.startswith("127.") and not a.endswith(f":{relay.port}")]
+        assert not others, f"listening beyond loopback: {others}"
+    finally:
+        relay.close()
+
+
+async def test_a_peer_no_longer_announced_is_served_no_more(
+    pair: tuple[UcxRelay, UcxRelay],
+) -> None:
+    sender, receiver = pair
+    handle = await sender.put(pack(pattern(5000, 10)), "req", "edge")
+    (await receiver.get(handle.descriptor)).release()  # an open, proven endpoint
+    sender.set_peers([sender.local_info()])  # the receiver left the topology
+    handle = await sender.put(pack(pattern(5000, 11)), "req", "edge2")
+    sent = sender.bytes_out
+    with pytest.raises(RelayError):
+        await asyncio.wait_for(receiver.get(handle.descriptor), 30)
+    assert sender.bytes_out == sent

@@ -66,7 +66,9 @@ class ScriptedRelay(Relay):
             raise self.fail
         return Handle(self, request_id, packed.nbytes, "put")
 
-    async def get(self, descriptor: common_pb2.RelayDescriptor) -> Any:
+    async def get(
+        self, descriptor: common_pb2.RelayDescriptor, owners: frozenset[str] | None = None
+    ) -> Any:
         raise NotImplementedError
 
     def cleanup(self, request_id: str) -> None:
