@@ -135,7 +135,6 @@ class UcxOptions(PulledOptions):
         description='"blocking": progress when the worker\'s fd fires; "polling": spin while '
         "transfers run (faster only with idle cores).",
     )
-    port: int = Field(0, ge=0, le=65535, description="Listener port (0: any free one).")
     listen: str | None = Field(
         None,
         description="An address of the network interface UCX's transports listen on (UCX "

@@ -35,7 +35,7 @@ class Engine:
     """One UCX worker progressed from an asyncio loop; completions run callbacks."""
 
     def __init__(self, config: dict[str, str], polling: bool) -> None:
-        feats = (ucx_api.Feature.TAG, ucx_api.Feature.AM, ucx_api.Feature.WAKEUP)
+        feats = (ucx_api.Feature.TAG, ucx_api.Feature.WAKEUP)
         self.context: Any = ucx_api.UCXContext(config, feature_flags=feats)
         self.worker: Any = ucx_api.UCXWorker(self.context)
         self.worker.init_blocking_progress_mode()
@@ -45,7 +45,6 @@ class Engine:
         # request -> (callback, what its buffer lives in, counts as in flight)
         self.pending: dict[Any, tuple[Callback | None, Any, bool]] = {}
         self.active = 0
-        self.poll: Callable[[], bool] | None = None  # more work after each progress
         self._scheduled = False
         self._timer: asyncio.TimerHandle | None = None
 
@@ -88,8 +87,8 @@ class Engine:
             self.track(req, functools.partial(done, i), keep)
         return fut
 
-    def send(self, ep: Any, data: bytes, tag: int | None = None) -> None:
-        req = ep.am_send(Array(data)) if tag is None else ep.tag_send(Array(data), Tag(tag))
+    def send(self, ep: Any, data: bytes, tag: int) -> None:
+        req = ep.tag_send(Array(data), Tag(tag))
         self.track(req, None, data)
 
     def kick(self) -> None:
@@ -105,8 +104,7 @@ class Engine:
             return  # closed after this was scheduled
         while True:
             worker.progress()
-            polled = self.poll is not None and self.poll()
-            if self._complete() or polled:
+            if self._complete():
                 continue  # callbacks may have posted more
             if self.polling and self.active:
                 self.kick()  # unarmed meanwhile: peers need not wake us

@@ -70,7 +70,8 @@ async def open_relays(plans: dict[str, RelayPlan], name_prefix: str, host: str) 
                 settings = plan.config.to_settings(name_prefix)
                 opts = settings.options
                 if host and isinstance(opts, PulledOptions) and opts.host is None:
-                    # Backends with their own listener (ucx) bind where peers reach us.
+                    # Pulled backends publish, and their transports listen on, the
+                    # address peers reach this process at (its gRPC host).
                     opts = opts.model_copy(update={"host": host})
                     settings = dataclasses.replace(settings, options=opts)
                 relays[backend] = create_relay(backend, settings)

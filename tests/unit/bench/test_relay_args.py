@@ -16,7 +16,7 @@ from omnirail.bench.relay_bench import check_relay_args
         ("shm", None, {"nosuch": 1}, {}, "--option: nosuch: unknown option for backend 'shm'"),
         ("shm", None, {}, {"host": "x"}, "--receiver-option: host: unknown option"),
         ("shm", None, {}, {"copy_threads": 0}, "--receiver-option: copy_threads: "),
-        ("ucx", None, {"port": "x"}, {}, "--option: port: "),
+        ("ucx", None, {"progress": "x"}, {}, "--option: progress: "),
     ],
 )
 def test_what_cannot_run_is_refused(

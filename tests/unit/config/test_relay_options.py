@@ -29,7 +29,6 @@ GUIDE_OPTIONS: dict[str, dict[str, Any]] = {
     "ucx": {
         **PULLED,
         "progress": "polling",
-        "port": 7000,
         "ucx_config": {"TLS": "tcp"},
         "listen": "127.0.0.1",
     },
@@ -93,7 +92,7 @@ def test_the_issue_example() -> None:
 
 def test_every_level_names_its_place() -> None:
     d = pipe(
-        st("x", next="y", relay={"backend": "ucx", "options": {"prot": 1}}),
+        st("x", next="y", relay={"backend": "ucx", "options": {"lisen": 1}}),
         st("y", terminal=True, relay={"options": {"copy_threads": "2"}}),
         relay={"backend": "nixl", "options": {"num_threads": -1, "host": 5}},
     )
@@ -101,7 +100,7 @@ def test_every_level_names_its_place() -> None:
     assert errors == [
         "pipeline.relay.options.host: input should be a valid string",
         "pipeline.relay.options.num_threads: input should be greater than or equal to 0",
-        "stages[x].relay.options.prot: unknown option for backend 'ucx' (did you mean port?)",
+        "stages[x].relay.options.lisen: unknown option for backend 'ucx' (did you mean listen?)",
         "stages[y].relay.options.copy_threads: input should be a valid integer",
     ]
 

@@ -87,25 +87,25 @@ def test_options_are_per_process_key_by_key() -> None:
 def test_edges_that_switch_to_one_backend_must_agree() -> None:
     err = config_error(
         two_edges(
-            b={"backend": "ucx", "options": {"port": 7000}},
-            c={"backend": "ucx", "options": {"port": 7001}, "pool_mb": 16},
+            b={"backend": "ucx", "options": {"progress": "polling"}},
+            c={"backend": "ucx", "options": {"progress": "blocking"}, "pool_mb": 16},
         )
     )
     assert err.errors == [
         "stages[a].relay_to[c].pool_mb: pool_mb is per process: process 'a' opens one 'ucx' "
         "relay for all its edges, with pool_mb 256 (the default), not 16",
-        "stages[a].relay_to[c].options.port: options are per process: process 'a' opens one "
-        "'ucx' relay for all its edges, with options.port 7000 (from stages[a].relay_to[b]), "
-        "not 7001",
+        "stages[a].relay_to[c].options.progress: options are per process: process 'a' opens "
+        "one 'ucx' relay for all its edges, with options.progress 'polling' (from "
+        "stages[a].relay_to[b]), not 'blocking'",
     ]
     cfg = PipelineConfig.from_dict(
         two_edges(
-            b={"backend": "ucx", "options": {"port": 7000}},
+            b={"backend": "ucx", "options": {"progress": "polling"}},
             c={"backend": "ucx", "options": {"ucx_config": {"TLS": "tcp"}}},
         )
     )
     opened = plan_relays(cfg, ["a"])
-    assert opened["ucx"].config.options == {"port": 7000, "ucx_config": {"TLS": "tcp"}}
+    assert opened["ucx"].config.options == {"progress": "polling", "ucx_config": {"TLS": "tcp"}}
     assert opened["shm"].edges == ["a->*"]
 
 

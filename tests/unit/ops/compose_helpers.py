@@ -69,7 +69,7 @@ def split_pipeline(tmp_path: Path, **stage_extra: dict[str, Any]) -> Path:
         {"name": "d", "next": "e", "relay_to": {"e": {"backend": "nixl"}}},
         {"name": "e", "wait_for": ["c_x", "d"], "merge_fn": f"{mod}:merge", "terminal": True},
     ]
-    stages[1]["relay_to"] = {"d": {"backend": "ucx", "options": {"port": 7000}}}
+    stages[1]["relay_to"] = {"d": {"backend": "ucx", "options": {"progress": "polling"}}}
     for s in stages:
         s["factory"] = f"{mod}:make"
         s.update(stage_extra.get(s["name"], {}))

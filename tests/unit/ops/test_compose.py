@@ -190,7 +190,7 @@ def test_edge_relay_writes_a_loadable_derived_pipeline(tmp_path: Path) -> None:
     assert cfg.relay_for("c_x", "e").backend == "nixl"
     assert cfg.relay_for("c_x", "e").options == {"ucx_error_handling_mode": "peer"}
     # Untouched edges keep what the author wrote.
-    assert cfg.relay_for("b", "d").options == {"port": 7000}
+    assert cfg.relay_for("b", "d").options == {"progress": "polling"}
     assert cfg.relay_for("d", "e").backend == "nixl"
     assert cfg.relay_for("a", "b").backend == "shm"
     assert yaml.safe_load(out.read_text()) == bundle.compose

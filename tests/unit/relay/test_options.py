@@ -70,7 +70,7 @@ def test_defaults_are_the_documented_ones() -> None:
     )
     assert (nixl.chunk_bytes, nixl.spin_us, nixl.handle_cache) == (8 << 20, 30, 128)
     ucx = UcxOptions()
-    assert (ucx.progress, ucx.port, ucx.ucx_config) == ("blocking", 0, {})
+    assert (ucx.progress, ucx.listen, ucx.ucx_config) == ("blocking", None, {})
     td = TorchdistOptions()
     assert (td.init_method, td.timeout_s, td.gloo_host) == (None, 120, None)
 
@@ -89,7 +89,7 @@ UNKNOWN = "unknown option for backend 'x'"
         (NixlOptions, {"fetch_timout_s": 1}, UNKNOWN + " (did you mean fetch_timeout_s?)"),
         (NixlOptions, {"ucx_error_handling_mode": "maybe"}, "input should be 'none' or 'peer'"),
         (NixlOptions, {"handle_cache": -1}, "input should be greater than or equal to 0"),
-        (UcxOptions, {"port": 70000}, "input should be less than or equal to 65535"),
+        (UcxOptions, {"lisen": "::1"}, UNKNOWN + " (did you mean listen?)"),
         (UcxOptions, {"progress": "sometimes"}, "input should be 'blocking' or 'polling'"),
         (UcxOptions, {"ucx_config": {"TLS": ["tcp"]}}, "input should be a valid string"),
         (TorchdistOptions, {"init_method": "env://"}, "want 'tcp://host:port', got 'env://'"),
@@ -135,8 +135,8 @@ def test_create_relay_types_the_options_and_names_every_refused_one() -> None:
 
 
 def test_options_of_another_backend_are_reparsed() -> None:
-    with pytest.raises(OptionsError, match="port: unknown option for backend 'shm'"):
-        parse_options("shm", ShmOptions, UcxOptions(port=7, copy_threads=3))
+    with pytest.raises(OptionsError, match="listen: unknown option for backend 'shm'"):
+        parse_options("shm", ShmOptions, UcxOptions(listen="127.0.0.1", copy_threads=3))
     shm = parse_options("shm", ShmOptions, UcxOptions(copy_threads=3))
     assert shm == ShmOptions(copy_threads=3)
 

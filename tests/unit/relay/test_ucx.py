@@ -5,7 +5,9 @@ dies or stalls, credit returned on release, use from a loop other than the creat
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import gc
+import ipaddress
 import os
 import signal
 import subprocess
@@ -161,6 +163,9 @@ async def test_dead_sender_fails_fetches_at_once(remote: OpenRemote) -> None:
         pending = asyncio.create_task(receiver.get(descs[1]))  # asked, never answered
         await asyncio.sleep(0.5)
         proc.kill()
+        # Reaped: over shared memory UCX's keepalive asks whether the process exists, and a
+        # zombie still does.
+        proc.wait()
         t0 = time.monotonic()
         for fetch in (pending, receiver.get(descs[2])):
             with pytest.raises(RelayError):
@@ -240,13 +245,22 @@ def test_options_and_info() -> None:
     relay = make(host="10.1.2.3", listen="127.0.0.1")
     try:
         info = msgpack.unpackb(relay.local_info())
-        assert info["host"] == "10.1.2.3" and 0 < info["port"] < 65536
+        assert info["host"] == "10.1.2.3" and "port" not in info
+        assert isinstance(info["address"], bytes) and info["address"]  # its worker address
         assert len(info["key"]) == 32  # the key's digest: the key itself is never published
-        bad = {"backend": "ucx", "id": "x-1", "host": 5, "port": "no"}
-        relay.set_peers([msgpack.packb(bad), b"\xff", relay.local_info()])
+        bad = [
+            {"backend": "ucx", "id": "x-1", "host": 5, "address": b"a", "key": bytes(32)},
+            {"backend": "ucx", "id": "x-2", "host": "h", "address": "no", "key": bytes(32)},
+            {"backend": "ucx", "id": "x-3", "host": "h", "address": b"", "key": bytes(32)},
+            {"backend": "ucx", "id": "x-4", "host": "h", "address": b"a", "key": b"short"},
+        ]
+        relay.set_peers([*map(msgpack.packb, bad), b"\xff", relay.local_info()])
         assert relay._peers == {}
     finally:
         relay.close()
+    # Peers connect by worker address: there is no listener port to set.
+    with pytest.raises(RelayError, match="port: unknown option"):
+        make(port=7000)
 
 
 # ----------------------------------------------------------------------------- trust
@@ -255,26 +269,54 @@ def test_options_and_info() -> None:
 async def test_unregistered_or_impersonating_peer_is_refused_and_reads_nothing(
     pair: tuple[UcxRelay, UcxRelay],
 ) -> None:
-    """A relay the sender was never announced (it knows the sender's address) proves no
-    registered id: the sender closes its endpoint, its fetch fails, nothing is sent. So does
-    one announcing a registered peer's id with a key of its own."""
+    """A relay the sender was never announced (it knows the sender's worker address) proves
+    no registered id: the sender refuses its HELLO and answers nothing (it has no address of
+    the stranger's to answer to), so its fetch fails and nothing is sent. So does one
+    announcing a registered peer's id with a key of its own: answers would go to that
+    peer's announced address anyway."""
     sender, receiver = pair
-    stranger = make(peer_wait_s=0.5, fetch_timeout_s=10)
+    stranger = make(peer_wait_s=0.5, fetch_timeout_s=1.5)
     try:
         stranger.set_peers([sender.local_info()])
         handle = await sender.put(pack(pattern(70_000, 7)), "req", "edge")
-        for claimed in (stranger.peer_id, receiver.peer_id):
+        for refused, claimed in enumerate((stranger.peer_id, receiver.peer_id), 1):
             stranger.peer_id = claimed
             started = time.monotonic()
-            with pytest.raises(RelayError):
+            with pytest.raises(RelayError, match="no answer"):
                 await asyncio.wait_for(stranger.get(handle.descriptor), 30)
-            assert time.monotonic() - started < 5, "refused, not timed out"
+            assert time.monotonic() - started < 10
+            assert sender._refused == refused, "its HELLO was refused"
             assert sender.bytes_out == 0 and stranger.bytes_in == 0
+            assert not sender._ctls, "none of its requests is taken up"
         received = await receiver.get(handle.descriptor)  # the registered peer is served
         assert sender.bytes_out == handle.nbytes
         received.release()
     finally:
         stranger.close()
+
+
+async def test_a_hello_before_its_announcement_is_taken_up_when_it_comes() -> None:
+    """A receiver announced to the sender after its first fetch: its HELLO waits (for the
+    sender's `peer_wait_s`) and is taken up once the announcement proves it."""
+    sender, receiver = make(peer_wait_s=10), make(peer_wait_s=0.5)
+    try:
+        sender.set_peers([sender.local_info()])  # the receiver: not yet
+        receiver.set_peers([sender.local_info(), receiver.local_info()])
+        value = pattern(70_000, 13)
+        handle = await sender.put(pack(value), "req", "edge")
+        fetch = asyncio.create_task(receiver.get(handle.descriptor))
+        deadline = time.monotonic() + 10
+        while receiver.peer_id not in sender._early and time.monotonic() < deadline:
+            await asyncio.sleep(0.01)
+        assert receiver.peer_id in sender._early and not sender._ctls, "kept, not taken up"
+        assert sender.bytes_out == 0
+        sender.set_peers([sender.local_info(), receiver.local_info()])
+        received = await asyncio.wait_for(fetch, 30)
+        assert zlib.crc32(received.buffer) == zlib.crc32(value.tobytes())
+        received.release()
+    finally:
+        sender.close()
+        receiver.close()
 
 
 async def test_a_transfer_is_served_to_one_peer(pair: tuple[UcxRelay, UcxRelay]) -> None:
@@ -297,30 +339,81 @@ async def test_a_transfer_is_served_to_one_peer(pair: tuple[UcxRelay, UcxRelay])
         other.close()
 
 
-def test_listeners_take_only_the_mesh_interface() -> None:
-    """UCX's transports listen on the interface of `listen` (default: `host`) only; the
-    connection listener on `port` still binds every address (ucxx takes none)."""
-    gc.collect()  # listeners of relays closed by earlier tests go with their last reference
-    relay = make()
+def _socket_inodes() -> set[int]:
+    """Inodes of this process's sockets."""
+    inodes = set()
+    for fd in os.listdir("/proc/self/fd"):
+        with contextlib.suppress(OSError):
+            link = os.readlink(f"/proc/self/fd/{fd}")
+            if link.startswith("socket:["):
+                inodes.add(int(link[8:-1]))
+    return inodes
+
+
+def _inet_sockets(
+    inodes: set[int],
+) -> list[tuple[str, ipaddress.IPv4Address | ipaddress.IPv6Address, int]]:
+    """(protocol, local address, port) of the listening TCP and the bound UDP sockets among
+    `inodes`, from /proc/net."""
+    found = []
+    for proto in ("tcp", "tcp6", "udp", "udp6"):
+        try:
+            lines = Path(f"/proc/net/{proto}").read_text().splitlines()[1:]
+        except OSError:
+            continue
+        for line in lines:
+            fields = line.split()
+            local, state, inode = fields[1], fields[3], int(fields[9])
+            if inode not in inodes or (proto.startswith("tcp") and state != "0A"):  # LISTEN
+                continue
+            hexip, hexport = local.split(":")
+            raw = bytes.fromhex(hexip)
+            # /proc writes each 32-bit word of the address in host (little-endian) order.
+            ip = b"".join(raw[i : i + 4][::-1] for i in range(0, len(raw), 4))
+            found.append((proto, ipaddress.ip_address(ip), int(hexport, 16)))
+    return found
+
+
+def test_no_socket_listens_on_every_interface() -> None:
+    """Peers connect by worker address, so there is no connection listener; the only
+    sockets the relays open listen on the interface of `listen` (default: `host`, here
+    127.0.0.1), none on 0.0.0.0 or ::, while they transfer too."""
+    if not Path("/proc/net/tcp").exists():
+        pytest.skip("no /proc/net")
+    gc.collect()  # sockets of relays closed by earlier tests go with their last reference
+    before = _socket_inodes()
+    sender, receiver = make(), make()
     try:
-        pid = os.getpid()
-        out = subprocess.run(["ss", "-ltnpH"], capture_output=True, text=True, check=False)
-        if out.returncode != 0:
-            pytest.skip("ss is not available")
-        mine = [line.split()[3] for line in out.stdout.splitlines() if f"pid={pid}," in line]
-        others = [a for a in mine if not a.startswith("127.") and not a.endswith(f":{relay.port}")]
-        assert not others, f"listening beyond loopback: {others}"
+        infos = [sender.local_info(), receiver.local_info()]
+        for relay in (sender, receiver):
+            relay.set_peers(infos)
+
+        async def transfer() -> None:
+            handle = await sender.put(pack(pattern(MiB, 12)), "req", "edge")
+            (await receiver.get(handle.descriptor)).release()
+
+        asyncio.run(transfer())
+        opened = _inet_sockets(_socket_inodes() - before)
+        assert opened, "UCX's TCP transport listens on the mesh interface"
+        wildcard = [s for s in opened if s[1].is_unspecified]
+        assert not wildcard, f"listening on every interface: {wildcard}"
+        beyond = [s for s in opened if not s[1].is_loopback]
+        assert not beyond, f"listening beyond the mesh interface (loopback): {beyond}"
     finally:
-        relay.close()
+        sender.close()
+        receiver.close()
 
 
 async def test_a_peer_no_longer_announced_is_served_no_more(
     pair: tuple[UcxRelay, UcxRelay],
 ) -> None:
     sender, receiver = pair
+    receiver._fetch_timeout_s = 2.0  # a sender that no longer knows it answers nothing
     handle = await sender.put(pack(pattern(5000, 10)), "req", "edge")
     (await receiver.get(handle.descriptor)).release()  # an open, proven endpoint
+    assert sender._ctls, "its requests are taken up"
     sender.set_peers([sender.local_info()])  # the receiver left the topology
+    assert not sender._ctls, "and are served no more"
     handle = await sender.put(pack(pattern(5000, 11)), "req", "edge2")
     sent = sender.bytes_out
     with pytest.raises(RelayError):
