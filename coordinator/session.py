@@ -22,7 +22,6 @@ from typing import TYPE_CHECKING
 
 import grpc
 
-from omnirail.coordinator.calls import principal_of
 from omnirail.coordinator.outbox import ClientOutbox
 from omnirail.coordinator.requests import RequestRecord, State
 from omnirail.transport.malformed import is_malformed, malformed_message
@@ -55,6 +54,10 @@ async def serve_session(
 
     # The call's traceparent parents requests that carry none of their own.
     caller_traceparent = traceparent_of(context)
+    # The call's own principal (its token's) is the same for every request it starts; only
+    # a request naming another (`on_behalf_of`, front doors) is checked on its own.
+    metadata = tuple(context.invocation_metadata() or ())
+    own_principal = coordinator.security.caller(metadata)
 
     def on_done(rec: RequestRecord) -> None:
         mine.discard(rec.request_id)
@@ -85,7 +88,11 @@ async def serve_session(
                     outbox.push(client_pb2.SessionEvent(error=error.to_proto()))
                     continue
                 try:
-                    principal = principal_of(coordinator.security, context, request.on_behalf_of)
+                    principal = (
+                        coordinator.security.caller(metadata, request.on_behalf_of)
+                        if request.on_behalf_of
+                        else own_principal
+                    )
                     rec = coordinator.start(request, None, caller_traceparent, principal)
                 except OmniError as exc:
                     outbox.push(

@@ -58,6 +58,7 @@ from omnirail.relay.credits import Credits, EdgeCredit
 from omnirail.relay.host_pool import HostExtent, HostPool, HostSegment
 from omnirail.relay.options import PulledOptions
 from omnirail.relay.pull_handles import EMPTY_VIEW, PulledHandle, PulledReceived
+from omnirail.tuning.aio import Changes
 from omnirail.v1 import common_pb2
 from omnirail.wire.payload import Packed
 
@@ -104,7 +105,7 @@ class PullRelay(Relay):
         self._peer_infos: dict[str, bytes] = {}
         self._announced: list[bytes] = []  # the last `set_peers` infos, for `trust_peers`
         self._trusted: frozenset[str] | None = None  # None: every announced peer
-        self._peers_changed: asyncio.Event | None = None
+        self._peers_changed = Changes()
         self._poller: asyncio.Task[None] | None = None
         self._copier = Copier(self.options)
         self._peer_wait_s = self.options.peer_wait_s
@@ -190,8 +191,7 @@ class PullRelay(Relay):
             except Exception:
                 continue  # a malformed info: its descriptors fail as from an unknown peer
             self._peer_infos[peer_id] = raw
-        if self._peers_changed is not None:
-            self._peers_changed.set()
+        self._peers_changed.changed()
 
     def trust_peers(self, peer_ids: Iterable[str] | None) -> None:
         """Fetches only from peers whose id is in `peer_ids` (None: from every announced
@@ -216,22 +216,13 @@ class PullRelay(Relay):
         if self._trusted is not None and peer_id not in self._trusted:
             # No wait for an announcement: none would be taken up.
             raise RelayError(f"{self.name} relay: peer {shown(peer_id)} is not trusted")
-        loop = asyncio.get_running_loop()
-        deadline = loop.time() + self._peer_wait_s
-        while peer_id not in self._peers:
-            left = deadline - loop.time()
-            if left <= 0 or self.closed:
-                raise RelayError(
-                    f"{self.name} relay: unknown peer {shown(peer_id)} (no live process "
-                    "announced it)"
-                )
-            if self._peers_changed is None:
-                self._peers_changed = asyncio.Event()
-            self._peers_changed.clear()
-            try:
-                await asyncio.wait_for(self._peers_changed.wait(), left)
-            except TimeoutError:
-                pass
+        await self._peers_changed.until(
+            lambda: peer_id in self._peers or self.closed, self._peer_wait_s
+        )
+        if peer_id not in self._peers:
+            raise RelayError(
+                f"{self.name} relay: unknown peer {shown(peer_id)} (no live process announced it)"
+            )
         return self._peers[peer_id]
 
     # ---------------------------------------------------------------- sender side

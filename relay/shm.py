@@ -92,6 +92,7 @@ from omnirail.relay.shm_pool import (
     segment_prefix,
     sweep_segments,
 )
+from omnirail.tuning.aio import Changes
 from omnirail.v1 import common_pb2
 from omnirail.wire.payload import Packed
 
@@ -157,7 +158,7 @@ class ShmRelay(Relay):
         self._announced_owners: dict[str, str] = {}  # peer id -> its prefix
         self._trusted: frozenset[str] | None = None  # None: every announced prefix
         self._accepted: frozenset[str] = frozenset((prefix,))
-        self._peers_changed: asyncio.Event | None = None
+        self._peers_changed = Changes()
         # How long `get` waits for a prefix to be announced (the pulled relays' default).
         self._peer_wait_s = DEFAULT_PEER_WAIT_S
         self._pool: ShmPool | None = None  # created on the first put: receivers need none
@@ -526,28 +527,24 @@ class ShmRelay(Relay):
         for name in list(self._maps.mapped):
             if segment_prefix(name) not in self._accepted:
                 self._maps.drop(name)
-        if self._peers_changed is not None:
-            self._peers_changed.set()
+        self._peers_changed.changed()
 
     async def _announcement(self, prefix: str, refusal: RelayError) -> None:
         """Returns once `prefix` is accepted; raises `refusal` after the peer wait."""
         if self._peer_wait_s <= 0:
             raise refusal from None  # without a single await: nothing to wait for
-        loop = asyncio.get_running_loop()
-        deadline = loop.time() + self._peer_wait_s
-        while prefix not in self._accepted:
-            left = deadline - loop.time()
-            if left <= 0 or self.closed:
-                raise refusal from None
-            if self._trusted is not None and prefix not in self._trusted:
-                raise RelayError(f"shm relay: prefix {prefix!r} is not trusted") from None
-            if self._peers_changed is None:
-                self._peers_changed = asyncio.Event()
-            self._peers_changed.clear()
-            try:
-                await asyncio.wait_for(self._peers_changed.wait(), left)
-            except TimeoutError:
-                pass
+
+        def untrusted() -> bool:
+            return self._trusted is not None and prefix not in self._trusted
+
+        await self._peers_changed.until(
+            lambda: prefix in self._accepted or self.closed or untrusted(), self._peer_wait_s
+        )
+        if prefix in self._accepted:
+            return
+        if not self.closed and untrusted():
+            raise RelayError(f"shm relay: prefix {prefix!r} is not trusted") from None
+        raise refusal from None
 
     # ------------------------------------------------------------------ lifetime
 

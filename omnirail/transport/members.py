@@ -23,7 +23,6 @@ Tokens are secrets: they never appear in a repr, a log line or an error message.
 
 from __future__ import annotations
 
-import asyncio
 import hashlib
 import hmac
 import secrets
@@ -32,6 +31,7 @@ from dataclasses import dataclass, field
 
 import msgpack
 
+from omnirail.tuning.aio import Changes
 from omnirail.v1 import mesh_pb2
 
 __all__ = [
@@ -133,7 +133,7 @@ class MemberTable:
         self._coordinator: Member | None = None
         # Bumped by every topology: a stream's `Sender` re-checks itself when it changed.
         self.version = 0
-        self._changed: asyncio.Event | None = None
+        self._changed = Changes()
 
     def update(self, topology: mesh_pb2.Topology) -> None:
         listed = [
@@ -165,8 +165,7 @@ class MemberTable:
             else None
         )
         self.version += 1
-        if self._changed is not None:
-            self._changed.set()
+        self._changed.changed()
 
     def lookup(self, replica_id: str, stage: str) -> Member | None:
         if not stage:
@@ -182,29 +181,25 @@ class MemberTable:
         listed by a topology still on its way (the coordinator tells the sender first), so
         this waits up to `wait_s` for a topology that lists it before refusing."""
         replica_id, stage, token = _parse(metadata)
-        loop = asyncio.get_running_loop()
-        deadline = loop.time() + wait_s
-        while True:
+        digest = token_digest(token)
+
+        def shown_by_token() -> Member | None:
             member = self.lookup(replica_id, stage)
-            if member is not None and hmac.compare_digest(token_digest(token), member.digest):
-                return Sender(self, member)
-            left = deadline - loop.time()
-            if left <= 0:
-                who = (
-                    Member(replica_id, stage, b"").describe()
-                    if stage or replica_id == COORDINATOR
-                    else f"member {_shown(replica_id)} with no stage"
-                )
-                if member is None:
-                    raise MemberError(f"Deliver stream names {who}, not a member of the mesh")
-                raise MemberError(f"Deliver stream shows a wrong member token for {who}")
-            if self._changed is None:
-                self._changed = asyncio.Event()
-            self._changed.clear()
-            try:
-                await asyncio.wait_for(self._changed.wait(), left)
-            except TimeoutError:
-                pass
+            ok = member is not None and hmac.compare_digest(digest, member.digest)
+            return member if ok else None
+
+        if await self._changed.until(lambda: shown_by_token() is not None, wait_s):
+            member = shown_by_token()
+            assert member is not None  # no await since `until` saw it
+            return Sender(self, member)
+        who = (
+            Member(replica_id, stage, b"").describe()
+            if stage or replica_id == COORDINATOR
+            else f"member {_shown(replica_id)} with no stage"
+        )
+        if self.lookup(replica_id, stage) is None:
+            raise MemberError(f"Deliver stream names {who}, not a member of the mesh")
+        raise MemberError(f"Deliver stream shows a wrong member token for {who}")
 
 
 class Sender:
